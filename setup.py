@@ -1,0 +1,68 @@
+"""Build roberta_fast and its C++/CUDA extension `roberta_fast._C`.
+
+CPU ops are always built; CUDA ops are added when the installed torch has CUDA
+and `nvcc` is found (TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured by
+torch.utils.cpp_extension). Install with the torch you already have:
+
+    pip install --no-build-isolation -e .
+
+(`--no-build-isolation` stops pip from building against a second, freshly
+downloaded torch: the extension must be built against the torch it runs with.)
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as err:  # pragma: no cover - the message is the point
+    raise SystemExit(
+        "roberta_fast builds its extension against the installed torch, and none was found.\n"
+        "Install torch first (CPU machine: `pip install torch==2.13.0`), then run\n"
+        "`pip install --no-build-isolation -e .`"
+    ) from err
+
+
+def cuda_available_for_build() -> bool:
+    """CUDA ops need a CUDA torch and nvcc; FORCE_CPU_ONLY=1 skips them."""
+    if os.environ.get("ROBERTA_FAST_CPU_ONLY") == "1":
+        return False
+    if torch.version.cuda is None:
+        return False
+    return cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
+
+
+def extension():
+    here = os.path.dirname(os.path.abspath(__file__))
+    cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    include = [os.path.join(here, "csrc")]
+    if cuda_available_for_build() and cu:
+        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        return cpp_extension.CUDAExtension(
+            "roberta_fast._C",
+            cpp + cu,
+            include_dirs=include,
+            define_macros=[("WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=["-fopenmp"],
+        )
+    return cpp_extension.CppExtension(
+        "roberta_fast._C",
+        cpp,
+        include_dirs=include,
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    packages=["roberta_fast", "roberta_fast.kernels"],
+    package_dir={"roberta_fast": "roberta_fast", "roberta_fast.kernels": "kernels"},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
