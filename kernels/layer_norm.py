@@ -1,9 +1,369 @@
-"""Placeholder: the Triton layer_norm kernel is being written (issue 3)."""
+"""Residual + LayerNorm (optionally with the hidden dropout fused) in Triton.
+
+    y = LayerNorm(dropout(x) + residual) over the last dimension
+
+RoBERTa is post-LN: every encoder layer ends in `LayerNorm(dropout(dense(h)) + h)`,
+so one kernel reads x and the residual once and writes y once. Statistics are fp32
+whatever the input dtype, so fp16 activations whose sum or variance would overflow
+in fp16 still normalise correctly. The backward recomputes `dropout(x) + residual`
+from the saved inputs and the dropout mask from its Philox seed: nothing beyond the
+per-row fp32 mean and rstd is stored. dweight/dbias are reduced without atomics
+(partial sums per program, then a sum over programs), so they are deterministic.
+
+Layout follows Liger-Kernel's ops/layer_norm.py and flash-attention's
+ops/triton/layer_norm.py: kernels, launchers (registered as torch.library custom
+ops with fake implementations, so torch.compile traces through them), one
+autograd.Function, a functional alias, and `layer_norm_ref` in plain PyTorch.
+The small device/dtype helpers at the top are shared with bias_gelu.py.
+
+Runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (tests).
+Not yet measured on a GPU: see benchmarks/bench_layer_norm.py.
+"""
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HIDDEN = 16384  # one row lives in registers; larger rows would spill badly
 
 
-def layer_norm(*args, **kwargs):
-    raise NotImplementedError("roberta_fast.kernels.layer_norm is not implemented yet (issue 3)")
+# ----------------------------------------------------------------------------
+# Helpers shared with bias_gelu.py
+# ----------------------------------------------------------------------------
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def layer_norm_ref(*args, **kwargs):
-    raise NotImplementedError("roberta_fast.kernels.layer_norm_ref is not implemented yet (issue 3)")
+def check_tensor(t, name: str, device: torch.device, op: str) -> None:
+    """Raise TypeError/ValueError unless `t` is a float tensor on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} has dtype {t.dtype}; supported dtypes are float32, float16 "
+            f"and bfloat16 (convert it with .float() or .half())"
+        )
+    if t.device != device:
+        raise ValueError(
+            f"{op}: {name} is on {t.device} but x is on {device}; move all inputs to one device"
+        )
+
+
+def check_triton_device(device: torch.device, op: str) -> None:
+    """Raise ValueError unless Triton can run on `device` in this process."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreting():
+        return
+    raise ValueError(
+        f"{op}: the Triton kernel runs on CUDA tensors (or on CPU tensors when "
+        f"TRITON_INTERPRET=1 is set before triton is imported), got a {device.type} tensor; "
+        f"move the inputs to a GPU or call {op}_ref instead"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device) -> int:
+    """How many persistent programs a reduction over rows is split into."""
+    if device.type == "cuda":
+        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4  # the interpreter runs programs one after another
+
+
+def tile_shape(n_cols: int, n_rows: int, device: torch.device, max_cols: int):
+    """(BLOCK_M, BLOCK_N, num_warps) for row tiles of up to `max_cols` columns.
+
+    On the GPU a tile holds ~4K elements (8-16 per thread); under the interpreter
+    tiles are bigger because each program costs Python overhead.
+    """
+    block_n = min(triton.next_power_of_2(n_cols), max_cols)
+    target = 4096 if device.type == "cuda" else 16384
+    block_m = max(1, min(target // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    num_warps = max(1, min(16, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+@triton.jit
+def _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
+               HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """z = dropout(x) + residual in fp32, and the keep mask (True without dropout)."""
+    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    keep = mask
+    if HAS_DROPOUT:
+        # Philox stream indexed by the element's flat position (< 2**31, checked).
+        keep = tl.rand(tl.load(SEED), offs.to(tl.int32)) > dropout_p
+        z = tl.where(keep, z * dropout_scale, 0.0)
+    if HAS_RESIDUAL:
+        z += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+    return z, keep
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, R, W, B, Y, KEEP, MEAN, RSTD, SEED,
+    M, N, eps, dropout_p, dropout_scale,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program normalises BLOCK_M whole rows (BLOCK_N >= N)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < M
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+
+    z, keep = _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
+                         HAS_RESIDUAL, HAS_DROPOUT)
+    if STORE_KEEP:
+        tl.store(KEEP + offs, keep, mask=mask)
+    mean = tl.sum(z, axis=1) / N  # (BLOCK_M,)
+    diff = tl.where(mask, z - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / N + eps)  # two-pass variance, fp32
+
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY, X, R, W, MEAN, RSTD, SEED, DX, DR, DW_PART, DB_PART,
+    M, N, rows_per_program, dropout_p, dropout_scale,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program walks `rows_per_program` rows in BLOCK_M-row tiles.
+
+    dz = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w; dresidual = dz,
+    dx = dz through the dropout mask. dw/db partials of this program go to row pid
+    of DW_PART/DB_PART (n_programs, N), summed afterwards.
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    start = pid * rows_per_program  # rows_per_program is a multiple of BLOCK_M
+    for row0 in range(start, start + rows_per_program, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+
+        z, keep = _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
+                             HAS_RESIDUAL, HAS_DROPOUT)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        dw_acc += dy * xhat
+        db_acc += dy
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dz = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if STORE_DR:
+            tl.store(DR + offs, dz.to(DR.dtype.element_ty), mask=mask)
+        if HAS_DROPOUT:
+            dz = tl.where(keep, dz * dropout_scale, 0.0)
+        tl.store(DX + offs, dz.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------
+# Launchers (custom ops: torch.compile sees them as opaque, with fake shapes)
+# ----------------------------------------------------------------------------
+def _dropout_scale(dropout_p: float) -> float:
+    return 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
+
+
+@torch.library.custom_op("roberta_fast::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+    residual: Optional[torch.Tensor], seed: Optional[torch.Tensor],
+    eps: float, dropout_p: float, store_keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: (M, N) -> y (M, N), keep mask (M, N) or (0,), mean (M,), rstd (M,)."""
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    M, N = x.shape
+    y = torch.empty_like(x)
+    keep = torch.empty((M, N) if store_keep else (0,), dtype=torch.bool, device=x.device)
+    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return y, keep, mean, rstd
+    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
+    _layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x, residual, weight, bias, y, keep, mean, rstd, seed,
+        M, N, eps, dropout_p, _dropout_scale(dropout_p),
+        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
+        STORE_KEEP=store_keep, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, keep, mean, rstd
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, residual, seed, eps, dropout_p, store_keep):
+    M, N = x.shape
+    keep = x.new_empty((M, N) if store_keep else (0,), dtype=torch.bool)
+    stats = x.new_empty((M,), dtype=torch.float32)
+    return torch.empty_like(x), keep, stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("roberta_fast::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+    residual: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
+    seed: Optional[torch.Tensor], dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dx (M, N), dresidual (M, N) or (0,) when it equals dx, dweight (N,) fp32, dbias (N,) fp32."""
+    dy, x = dy.contiguous(), x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    M, N = x.shape
+    store_dr = residual is not None and dropout_p > 0.0  # otherwise dresidual == dx
+    dx = torch.empty_like(x)
+    dr = torch.empty((M, N) if store_dr else (0,), dtype=x.dtype, device=x.device)
+    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
+    rows_per_program = block_m * triton.cdiv(M, block_m * num_programs(x.device))
+    n_programs = triton.cdiv(M, rows_per_program) if M else 0
+    dw_part = torch.zeros((n_programs, N), dtype=torch.float32, device=x.device)
+    db_part = torch.zeros((n_programs, N), dtype=torch.float32, device=x.device)
+    if M:
+        _layer_norm_bwd_kernel[(n_programs,)](
+            dy, x, residual, weight, mean, rstd, seed, dx, dr, dw_part, db_part,
+            M, N, rows_per_program, dropout_p, _dropout_scale(dropout_p),
+            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
+            STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return dx, dr, dw_part.sum(0), db_part.sum(0)
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, residual, mean, rstd, seed, dropout_p):
+    M, N = x.shape
+    store_dr = residual is not None and dropout_p > 0.0
+    dr = x.new_empty((M, N) if store_dr else (0,))
+    dw = x.new_empty((N,), dtype=torch.float32)
+    return torch.empty_like(x), dr, dw, torch.empty_like(dw)
+
+
+# ----------------------------------------------------------------------------
+# Autograd and the public function
+# ----------------------------------------------------------------------------
+class LayerNormFn(torch.autograd.Function):
+    """LayerNorm(dropout(x) + residual); grads for x, weight, bias and residual."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, dropout_p, seed, store_keep):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (..., N) -> (M, N)
+        r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
+        y, keep, mean, rstd = _layer_norm_fwd(x2, weight, bias, r2, seed, eps, dropout_p, store_keep)
+        ctx.save_for_backward(x2, weight, r2, mean, rstd, seed)
+        ctx.mark_non_differentiable(keep)
+        ctx.shape, ctx.dropout_p, ctx.bias_dtype = shape, dropout_p, bias.dtype
+        return y.view(shape), keep.view(shape) if store_keep else keep
+
+    @staticmethod
+    def backward(ctx, dy, _dkeep):
+        x2, weight, r2, mean, rstd, seed = ctx.saved_tensors
+        dy2 = dy.reshape(x2.shape)  # (..., N) -> (M, N)
+        dx, dr, dw, db = _layer_norm_bwd(dy2, x2, weight, r2, mean, rstd, seed, ctx.dropout_p)
+        dres = None
+        if r2 is not None:
+            dres = (dr if ctx.dropout_p > 0.0 else dx).view(ctx.shape)
+        return (dx.view(ctx.shape), dw.to(weight.dtype), db.to(ctx.bias_dtype), dres,
+                None, None, None, None)
+
+
+def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=None,
+               return_dropout_mask=False):
+    """LayerNorm(dropout(x) + residual) over the last dim of x (..., N), fp32 statistics.
+
+    weight, bias: (N,), any float dtype (grads come back in their dtype); residual: x's
+    shape and dtype, or None. dropout_p > 0 applies inverted dropout to x before the add,
+    with a Philox stream keyed by `seed` (an int; None draws one from torch's generator,
+    so torch.manual_seed reproduces it). With return_dropout_mask=True returns
+    (y, keep) where keep is the bool mask of kept elements of x. Output in x's dtype.
+    """
+    op = "layer_norm"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(x, "x", x.device, op)
+    check_tensor(weight, "weight", x.device, op)
+    check_tensor(bias, "bias", x.device, op)
+    check_triton_device(x.device, op)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{op}: x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+    N = x.shape[-1]
+    if N > MAX_HIDDEN:
+        raise ValueError(f"{op}: hidden size {N} exceeds the kernel's maximum {MAX_HIDDEN}; use layer_norm_ref")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.shape != (N,):
+            raise ValueError(f"{op}: {name} must have shape ({N},) to match x's last dim, got {tuple(t.shape)}")
+    if residual is not None:
+        check_tensor(residual, "residual", x.device, op)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"{op}: residual must match x in shape and dtype, got {tuple(residual.shape)} "
+                f"{residual.dtype} vs {tuple(x.shape)} {x.dtype}"
+            )
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be a positive float, got {eps}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1], got {dropout_p}")
+    seed_t = None
+    if dropout_p > 0.0:
+        if x.numel() >= 2**31:
+            raise ValueError(f"{op}: fused dropout supports fewer than 2**31 elements; split the batch")
+        seed_t = _seed_tensor(seed, x.device)
+    y, keep = LayerNormFn.apply(x, weight, bias, residual, float(eps), float(dropout_p), seed_t,
+                                bool(return_dropout_mask))
+    if return_dropout_mask:
+        return y, keep if dropout_p > 0.0 else torch.ones_like(x, dtype=torch.bool)
+    return y
+
+
+def _seed_tensor(seed, device):
+    """(1,) int64 Philox seed on `device`: `seed`, or one drawn from torch's generator."""
+    if seed is None:
+        return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+    if not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, dropout_mask=None):
+    """Plain-PyTorch LayerNorm(dropout(x) + residual), computed in fp32, output in x's dtype.
+
+    dropout_mask (bool, x's shape) gives the kept elements; without it torch's own
+    dropout draws one when dropout_p > 0.
+    """
+    z = x.float()
+    if dropout_mask is not None:
+        z = z * dropout_mask / (1.0 - dropout_p) if dropout_p < 1.0 else z * 0.0
+    elif dropout_p > 0.0:
+        z = torch.nn.functional.dropout(z, dropout_p)
+    if residual is not None:
+        z = z + residual.float()
+    y = torch.nn.functional.layer_norm(z, (x.shape[-1],), weight.float(), bias.float(), eps)
+    return y.to(x.dtype)
