@@ -1,9 +1,655 @@
-"""Placeholder: the Triton attention kernel is being written (issue 3)."""
+"""Fused (flash-style) non-causal attention for the RoBERTa encoder, in Triton.
+
+What: softmax(Q K^T * scale + key mask) V with attention-probability dropout, tiled
+with an online softmax and fp32 accumulation, so nothing of size seqlen^2 is ever
+stored. The backward recomputes the probabilities from the saved log-sum-exp
+(FlashAttention-2: Dao, 2023): a preprocess kernel for delta = rowsum(dO * O), one
+kernel for dK/dV (one program per key block) and one for dQ (one program per
+query block). No atomics anywhere, so the backward is deterministic.
+
+Inputs are (batch, seqlen, nheads, headdim) in fp16/bf16/fp32, head dims 32/64/128,
+any seqlen (tails are masked in the kernel). `attention_mask` (batch, seqlen), 1 =
+attend, masks keys; a row with no key to attend returns zeros. `attention_varlen`
+takes packed (total_tokens, nheads, headdim) with `cu_seqlens` like
+flash-attention's varlen API.
+
+Dropout uses counter-based Philox-4x32-10 keyed by a 64-bit seed; the counter is
+(query row, key column // 4, batch * nheads + head, offset), and the 4 outputs of
+one call serve 4 neighbouring key columns. The mask therefore does not depend on
+block sizes or launch order, the backward regenerates it exactly, and
+`attention_dropout_mask` exports it (the same kernel helper) for testing. Without
+an explicit `dropout_seed` the seed/offset come from torch's RNG (torch.randint on
+the device), so torch.manual_seed controls them.
+
+The ops are registered with torch.library.custom_op (forward and backward, with
+fake implementations) so torch.compile can trace through them (fullgraph).
+
+Caveats: on a CPU the kernels run only under Triton's interpreter
+(TRITON_INTERPRET=1 before triton is imported), where small blocks are used and
+bf16 tl.dot is computed wrongly (test bf16 on a GPU). fp32 inputs use IEEE fp32
+dots (exact-ish parity with PyTorch), not TF32. GPU block sizes are autotuned over
+configs sensible for Ampere/Hopper (no Hopper-only features); not yet measured on
+a GPU when this was written (no GPU was available).
+"""
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Triton chooses the interpreter when a kernel is decorated, i.e. at import.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Block sizes under the interpreter: small tiles keep the tests quick and still
+# exercise several blocks and ragged tails at seqlen 130 / 257.
+_INTERPRET_BLOCK = 32
 
 
-def attention(*args, **kwargs):
-    raise NotImplementedError("roberta_fast.kernels.attention is not implemented yet (issue 3)")
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence b: packed via cu_seqlens, or padded (0, seqlen)."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + b)
+        length = tl.load(CuSeqlens + b + 1) - start
+    else:
+        start = 0
+        length = seqlen
+    return start, length
 
 
-def attention_ref(*args, **kwargs):
-    raise NotImplementedError("roberta_fast.kernels.attention_ref is not implemented yet (issue 3)")
+@triton.jit
+def _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N: tl.constexpr):
+    """Signed 32-bit Philox randoms for rows offs_m x columns start_n..start_n+BLOCK_N.
+
+    Counter (row, column // 4, bh, offset), key = the 64-bit seed; the 4 outputs of
+    one call are the 4 columns 4g..4g+3 (start_n must be a multiple of 4). The sign
+    bit is flipped so that signed order equals unsigned order: keep = rand >= thresh.
+    """
+    seed = tl.load(Rng)
+    offset = tl.load(Rng + 1).to(tl.int32)
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    zero = tl.zeros([offs_m.shape[0], BLOCK_N // 4], dtype=tl.int32)
+    r0, r1, r2, r3 = tl.philox(seed, zero + offs_m[:, None], zero + groups[None, :], zero + bh, zero + offset)
+    # (BLOCK_M, BLOCK_N // 4) x 4 -> (BLOCK_M, BLOCK_N): column 4g + i <- r_i[g]
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    return r.to(tl.int32, bitcast=True) ^ -2147483648
+
+
+@triton.jit
+def _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK: tl.constexpr):
+    """Which key columns may be attended: inside the sequence and not padding."""
+    valid = offs_n < length
+    if HAS_MASK:
+        valid = valid & (tl.load(KeyMask + b * stride_mb + offs_n, mask=valid, other=0) != 0)
+    return valid
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, KeyMask, CuSeqlens, Rng,
+    scale_log2, thresh, inv_keep,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_mb, nheads, seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program = BLOCK_M query rows of one (batch, head): online softmax over key blocks."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
+    if pid_m * BLOCK_M >= length:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < length
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (start + offs_m[:, None]) * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh + start * stride_ks
+    v_base = V + b * stride_vb + h * stride_vh + start * stride_vs
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, length, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=(offs_n < length)[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        s = tl.where(valid_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys masked so far: avoid inf - inf
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            p = tl.where(_dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh, p, 0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=(offs_n < length)[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # no key to attend: output zeros, lse = +inf makes the backward's p = 0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc * (inv_keep / l_safe)[:, None]
+    tl.store(Out + b * stride_ob + h * stride_oh + (start + offs_m[:, None]) * stride_os + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+    tl.store(Lse + b * stride_lb + h * stride_lh + start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    Out, DOut, Delta, CuSeqlens,
+    stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+    stride_lb, stride_lh, nheads, seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32 (equals rowsum(dP * P), also under dropout)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
+    if pid_m * BLOCK_M >= length:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < length
+    rows = (start + offs_m[:, None])
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b * stride_lb + h * stride_lh + start + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DOut, DK, DV, Lse, Delta, KeyMask, CuSeqlens, Rng,
+    scale_log2, softmax_scale, thresh, inv_keep,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
+    stride_gb, stride_gs, stride_gh,  # dK and dV (same layout)
+    stride_lb, stride_lh, stride_mb, nheads, seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program = BLOCK_N keys of one (batch, head); loops over all query blocks.
+
+    Works in the transposed (key, query) orientation so P^T and dS^T feed the dots
+    without a layout transpose (as in Triton's fused-attention tutorial).
+    """
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
+    if pid_n * BLOCK_N >= length:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_in = offs_n < length
+    valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)
+    k = tl.load(K + b * stride_kb + h * stride_kh + (start + offs_n[:, None]) * stride_ks + offs_d[None, :],
+                mask=key_in[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + (start + offs_n[:, None]) * stride_vs + offs_d[None, :],
+                mask=key_in[:, None], other=0.0)
+    q_base = Q + b * stride_qb + h * stride_qh + start * stride_qs
+    do_base = DOut + b * stride_db + h * stride_dh + start * stride_ds
+    lse_base = Lse + b * stride_lb + h * stride_lh + start
+    delta_base = Delta + b * stride_lb + h * stride_lh + start
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for start_m in range(0, length, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < length
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))  # tail rows: p = 0
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2  # (BLOCK_N, BLOCK_M)
+        p_t = tl.where(valid_n[:, None], tl.exp2(s_t - lse[None, :]), 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        if HAS_DROPOUT:
+            keep_t = tl.trans(_dropout_rand(Rng, bh, offs_m, pid_n * BLOCK_N, BLOCK_N)) >= thresh
+            pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+        else:
+            pd_t = p_t
+        dv = tl.dot(pd_t.to(q.dtype), do, dv, input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    dk = dk * softmax_scale
+    rows = start + offs_n[:, None]
+    tl.store(DK + b * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=key_in[:, None])
+    tl.store(DV + b * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=key_in[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DOut, DQ, Lse, Delta, KeyMask, CuSeqlens, Rng,
+    scale_log2, softmax_scale, thresh, inv_keep,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
+    stride_gb, stride_gs, stride_gh,  # dQ
+    stride_lb, stride_lh, stride_mb, nheads, seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program = BLOCK_M query rows of one (batch, head); loops over all key blocks."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
+    if pid_m * BLOCK_M >= length:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < length
+    rows = start + offs_m[:, None]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None],
+                 other=0.0)
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + start + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + b * stride_lb + h * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh + start * stride_ks
+    v_base = V + b * stride_vb + h * stride_vh + start * stride_vs
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, length, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_in = offs_n < length
+        valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_in[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_in[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        p = tl.where(valid_n[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        if HAS_DROPOUT:
+            keep = _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    dq = dq * softmax_scale
+    tl.store(DQ + b * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _dropout_mask_kernel(Mask, Rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes the keep mask (batch, nheads, seqlen_q, seqlen_k) the attention kernels use."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh
+        ptrs = Mask + (bh * seqlen_q + offs_m[:, None]).to(tl.int64) * seqlen_k + offs_n[None, :]
+        tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
+# ----------------------------------------------------------------------------- autotuning
+_KEY = ["seqlen", "HEAD_DIM", "HAS_MASK", "IS_VARLEN", "HAS_DROPOUT"]
+# Sensible for Ampere and Hopper (no Hopper-only features): BLOCK_M 128 for the
+# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 does.
+_FWD_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                         (64, 64, 4, 3)]
+]
+_DKDV_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3),
+                         (32, 64, 4, 4)]
+]
+_DQ_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+                         (64, 32, 4, 4)]
+]
+
+
+def _tuned(kernel, configs):
+    """Autotuned on a GPU; under the interpreter a fixed small block is passed instead."""
+    return kernel if _INTERPRET else triton.autotune(configs=configs, key=_KEY)(kernel)
+
+
+_fwd = _tuned(_attn_fwd_kernel, _FWD_CONFIGS)
+_bwd_dkdv = _tuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS)
+_bwd_dq = _tuned(_attn_bwd_dq_kernel, _DQ_CONFIGS)
+_INTERPRET_META = {"BLOCK_M": _INTERPRET_BLOCK, "BLOCK_N": _INTERPRET_BLOCK}
+
+
+def _grid(rows_per_program, seqlen, batch_heads):
+    """(row blocks, batch * heads); rows_per_program names the META block that tiles seqlen."""
+    return lambda meta: (triton.cdiv(seqlen, meta[rows_per_program]), batch_heads)
+
+
+def _fixed_meta():
+    return _INTERPRET_META if _INTERPRET else {}
+
+
+# ----------------------------------------------------------------------------- launchers
+def _bsh_strides(x, varlen):
+    """(batch, seq, head) strides of (B, S, H, D), or of packed (T, H, D) with batch stride 0."""
+    return (0, x.stride(0), x.stride(1)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _dims(q, cu_seqlens, max_seqlen):
+    """batch, seqlen (padded length or max_seqlen), nheads, headdim."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    return cu_seqlens.numel() - 1, max_seqlen, q.shape[1], q.shape[2]
+
+
+def _dropout_args(dropout_p):
+    """(thresh, inv_keep): keep where the sign-flipped uint32 random >= thresh."""
+    thresh = min(int(round(dropout_p * 2**32)), 2**32 - 1) - 2**31
+    return thresh, 1.0 / (1.0 - dropout_p)
+
+
+def _lse_layout(q, cu_seqlens, batch, nheads, seqlen):
+    """Empty fp32 buffer for the per-row log-sum-exp: (B, H, S) padded, (H, T) packed; + strides."""
+    if cu_seqlens is None:
+        lse = torch.empty((batch, nheads, seqlen), device=q.device, dtype=torch.float32)
+        return lse, (lse.stride(0), lse.stride(1))
+    lse = torch.empty((nheads, q.shape[0]), device=q.device, dtype=torch.float32)
+    return lse, (0, lse.stride(0))
+
+
+def _common(q, key_mask, cu_seqlens, rng, dropout_p):
+    varlen = cu_seqlens is not None
+    flags = dict(HAS_MASK=key_mask is not None, IS_VARLEN=varlen, HAS_DROPOUT=rng is not None,
+                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    dummy = q  # pointer arguments a constexpr flag switches off are never read
+    ptrs = (dummy if key_mask is None else key_mask, dummy if cu_seqlens is None else cu_seqlens,
+            dummy if rng is None else rng)
+    stride_mb = 0 if key_mask is None else key_mask.stride(0)
+    return varlen, flags, ptrs, stride_mb
+
+
+def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    batch, seqlen, nheads, head_dim = _dims(q, cu_seqlens, max_seqlen)
+    varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng, dropout_p)
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse, lse_strides = _lse_layout(q, cu_seqlens, batch, nheads, seqlen)
+    thresh, inv_keep = _dropout_args(dropout_p)
+    _fwd[_grid("BLOCK_M", seqlen, batch * nheads)](
+        q, k, v, out, lse, mask_ptr, cu_ptr, rng_ptr,
+        softmax_scale * LOG2E, thresh, inv_keep,
+        *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen), *_bsh_strides(out, varlen),
+        *lse_strides, stride_mb, nheads, seqlen,
+        HEAD_DIM=head_dim, **flags, **_fixed_meta(),
+    )
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    batch, seqlen, nheads, head_dim = _dims(q, cu_seqlens, max_seqlen)
+    varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng, dropout_p)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    delta = torch.empty_like(lse)
+    pre_block = _INTERPRET_BLOCK if _INTERPRET else 128
+    _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * nheads)](
+        out, dout, delta, cu_ptr, *_bsh_strides(out, varlen), *_bsh_strides(dout, varlen), *lse_strides,
+        nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen,
+    )
+    dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
+    thresh, inv_keep = _dropout_args(dropout_p)
+    common = (lse, delta, mask_ptr, cu_ptr, rng_ptr, softmax_scale * LOG2E, softmax_scale, thresh, inv_keep,
+              *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
+              *_bsh_strides(dout, varlen))
+    tail = (*lse_strides, stride_mb, nheads, seqlen)
+    _bwd_dkdv[_grid("BLOCK_N", seqlen, batch * nheads)](
+        q, k, v, dout, dk, dv, *common, *_bsh_strides(dk, varlen), *tail,
+        HEAD_DIM=head_dim, **flags, **_fixed_meta(),
+    )
+    _bwd_dq[_grid("BLOCK_M", seqlen, batch * nheads)](
+        q, k, v, dout, dq, *common, *_bsh_strides(dq, varlen), *tail,
+        HEAD_DIM=head_dim, **flags, **_fixed_meta(),
+    )
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- torch ops
+@torch.library.custom_op("roberta_fast::attention_fwd", mutates_args=())
+def _attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], max_seqlen: int, rng: Optional[torch.Tensor],
+    dropout_p: float, softmax_scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): out like q; lse fp32 (B, H, S) padded or (H, T) packed, log2 units."""
+    return _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    if cu_seqlens is None:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+@torch.library.custom_op("roberta_fast::attention_bwd", mutates_args=())
+def _attention_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], max_seqlen: int,
+    rng: Optional[torch.Tensor], dropout_p: float, softmax_scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), recomputing the probabilities from lse (and the dropout mask from rng)."""
+    return _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale)
+
+
+@_attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, rng)
+    ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale = max_seqlen, dropout_p, softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_rule(ctx, dout, _dlse):
+    q, k, v, out, lse, key_mask, cu_seqlens, rng = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, rng,
+                                   ctx.dropout_p, ctx.softmax_scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_qkv(q, k, v, ndim, layout):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor {layout}, got {type(x).__name__}")
+        if x.dim() != ndim:
+            raise ValueError(f"attention: {name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"attention: q, k, v must have the same shape {layout}; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"attention: q, k, v must share one dtype among float16, bfloat16, float32; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"attention: head dim {q.shape[-1]} is not supported; supported head dims are "
+                         f"{SUPPORTED_HEAD_DIMS}")
+    if q.device.type == "cpu" and not _INTERPRET:
+        raise ValueError("attention: CPU tensors run only under Triton's interpreter; set TRITON_INTERPRET=1 "
+                         "before importing triton (or roberta_fast.kernels), or move the tensors to a CUDA GPU")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"attention: tensors must be on a CUDA GPU (or the CPU under TRITON_INTERPRET=1), "
+                         f"got {q.device}")
+    if q.numel() >= 2**31:
+        raise ValueError(f"attention: inputs of {q.numel()} elements exceed the kernels' 32-bit indexing; "
+                         "split the batch")
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+
+
+def _check_common(head_dim, dropout_p, softmax_scale, batch_heads):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"attention: softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    if batch_heads > 65535:
+        raise ValueError(f"attention: batch * nheads = {batch_heads} exceeds the CUDA grid limit 65535; "
+                         "split the batch")
+    return float(dropout_p), float(softmax_scale)
+
+
+def _key_mask(attention_mask, q):
+    """(B, S) 0/1 mask of any dtype -> contiguous uint8 for the kernels (bool: no copy, no sync)."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention: attention_mask must be a torch.Tensor (batch, seqlen), got "
+                        f"{type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != (q.shape[0], q.shape[1]):
+        raise ValueError(f"attention: attention_mask must have shape (batch, seqlen) = {(q.shape[0], q.shape[1])}, "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.device != q.device:
+        raise ValueError(f"attention: attention_mask is on {attention_mask.device} but q is on {q.device}")
+    if attention_mask.dtype != torch.bool:
+        if attention_mask.is_complex():
+            raise TypeError("attention: attention_mask must be bool, integer or float 0/1, not complex")
+        if not torch.compiler.is_compiling() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention: attention_mask must hold 0/1 (1 = attend), like the HF tokenizer's mask; "
+                             "an additive mask (0 / -inf) is not accepted. Pass a bool mask to skip this check.")
+        attention_mask = attention_mask != 0
+    return attention_mask.contiguous().view(torch.uint8)
+
+
+def _rng_state(dropout_p, dropout_seed, device):
+    """int64 (seed, offset) on the device, or None without dropout; torch.manual_seed controls the default."""
+    if dropout_p == 0.0:
+        return None
+    if dropout_seed is None:
+        return torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
+        raise ValueError(f"attention: dropout_seed must be an int in [0, 2**63) or None, got {dropout_seed!r}")
+    return torch.tensor([dropout_seed, 0], device=device, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------- public API
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, softmax_scale=None, *, dropout_seed=None):
+    """Fused non-causal attention; q, k, v (batch, seqlen, nheads, headdim) -> (batch, seqlen, nheads, headdim).
+
+    attention_mask: (batch, seqlen), 1 = attend (bool, int or float 0/1), masks keys;
+    a query with no key to attend gets zeros. dropout_p: attention-probability
+    dropout (pass 0 in eval). dropout_seed: fixes the Philox seed (offset 0); by
+    default the seed comes from torch's generator on q's device. softmax_scale:
+    defaults to 1/sqrt(headdim).
+    """
+    q, k, v = _check_qkv(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    dropout_p, softmax_scale = _check_common(q.shape[3], dropout_p, softmax_scale, q.shape[0] * q.shape[2])
+    key_mask = _key_mask(attention_mask, q)
+    rng = _rng_state(dropout_p, dropout_seed, q.device)
+    out, _ = _attention_fwd_op(q, k, v, key_mask, None, q.shape[1], rng, dropout_p, softmax_scale)
+    return out
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, *, dropout_seed=None,
+                     validate=True):
+    """Attention over packed sequences: q, k, v (total_tokens, nheads, headdim) -> same shape.
+
+    cu_seqlens: int32 (batch + 1,) cumulative lengths starting at 0 and ending at
+    total_tokens; max_seqlen: the longest length. Sequence i occupies tokens
+    cu_seqlens[i]:cu_seqlens[i+1] and attends only within itself. Dropout matches
+    `attention` on the right-padded batch when max_seqlen equals its seqlen.
+    validate=False skips the value checks of cu_seqlens (they synchronise with the
+    GPU); they are also skipped under torch.compile.
+    """
+    q, k, v = _check_qkv(q, k, v, 3, "(total_tokens, nheads, headdim)")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+            or cu_seqlens.numel() < 2:
+        raise TypeError("attention_varlen: cu_seqlens must be an int32 tensor (batch + 1,) of cumulative lengths, "
+                        "e.g. F.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"attention_varlen: cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"attention_varlen: max_seqlen must be a positive int, got {max_seqlen!r}")
+    batch = cu_seqlens.numel() - 1
+    dropout_p, softmax_scale = _check_common(q.shape[2], dropout_p, softmax_scale, batch * q.shape[1])
+    if validate and not torch.compiler.is_compiling():
+        lengths = cu_seqlens.diff()
+        first, last, shortest, longest = torch.stack(
+            [cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max()]).tolist()
+        if first != 0 or last != q.shape[0] or shortest < 0:
+            raise ValueError(f"attention_varlen: cu_seqlens must rise from 0 to total_tokens = {q.shape[0]}, got "
+                             f"first {first}, last {last}, shortest length {shortest}")
+        if longest > max_seqlen:
+            raise ValueError(f"attention_varlen: max_seqlen = {max_seqlen} but a sequence has {longest} tokens")
+    cu_seqlens = cu_seqlens.contiguous()
+    rng = _rng_state(dropout_p, dropout_seed, q.device)
+    out, _ = _attention_fwd_op(q, k, v, None, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale)
+    return out
+
+
+def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, device, offset=0):
+    """The keep mask (batch, nheads, seqlen_q, seqlen_k), True = kept, that the kernels draw for (seed, offset).
+
+    For testing: `attention(..., dropout_p=p, dropout_seed=seed)` equals
+    `attention_ref(..., dropout_p=p, dropout_mask=attention_dropout_mask(..., p, seed, ...))`.
+    """
+    device = torch.device(device)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention_dropout_mask: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if device.type == "cpu" and not _INTERPRET:
+        raise ValueError("attention_dropout_mask: CPU needs TRITON_INTERPRET=1 set before importing triton")
+    mask = torch.empty((batch, nheads, seqlen_q, seqlen_k), device=device, dtype=torch.int8)
+    rng = torch.tensor([seed, offset], device=device, dtype=torch.int64)
+    thresh, _ = _dropout_args(float(dropout_p))
+    block_m, block_n = (_INTERPRET_BLOCK, _INTERPRET_BLOCK) if _INTERPRET else (64, 64)
+    _dropout_mask_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
+        mask, rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n)
+    return mask.bool()
+
+
+def attention_ref(q, k, v, attention_mask=None, dropout_p=0.0, softmax_scale=None, dropout_mask=None, *,
+                  upcast=True):
+    """Plain-PyTorch attention, (batch, seqlen, nheads, headdim), computed in fp32 (upcast=True).
+
+    Keys where attention_mask is 0 get no weight; rows with no key get zeros.
+    dropout_mask (batch, nheads, seqlen, seqlen), True = kept, replaces a fresh
+    Bernoulli draw when dropout_p > 0. upcast=False computes in the input dtype
+    (PyTorch's own low-precision error, the yardstick for the kernel's tolerance).
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * scale  # (B, H, S, S)
+    if attention_mask is not None:
+        keep_key = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
+        scores = scores.masked_fill(~keep_key, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)
+    if attention_mask is not None:
+        probs = probs * keep_key.any(dim=-1, keepdim=True)  # a row with no key -> zeros
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            dropout_mask = torch.rand_like(probs) >= dropout_p
+        probs = probs * dropout_mask / (1.0 - dropout_p)
+    return torch.einsum("bhst,bthd->bshd", probs.to(v.dtype), v).to(dtype)
