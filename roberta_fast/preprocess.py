@@ -1,0 +1,618 @@
+"""Raw text -> a dataset directory of memory-mapped token shards.
+
+    python -m roberta_fast.preprocess --tokenizer TOKDIR --out DATADIR INPUT...
+    roberta_fast.preprocess.preprocess(inputs, tokenizer, out)    # the same from Python
+
+Inputs are `.txt` files (documents separated by blank lines, or one document per file
+with --doc-per-file), `.jsonl` files (one JSON object per line, the text under
+--text-field) and directories of them (searched recursively for .txt/.text/.md/.rst and
+.jsonl/.ndjson). The dataset directory holds:
+
+    manifest.json           written last: tokenizer hash, vocab size, special ids, dtype,
+                            per-split shard list and token/document counts, every input
+                            count, the source files and their sizes
+    tokenizer/              the tokenizer the ids belong to (RobertaTokenizer.save)
+    train/NNNNN.bin         token ids, uint16 when the vocabulary fits, else uint32:
+    valid/NNNNN.bin           each document's ids followed by `</s>` (= its direct
+                              encoding without the leading `<s>`), documents back to back
+    train/NNNNN.idx.npy     int64 offsets of the documents in the .bin (n_docs + 1)
+    chunks/NNNNN.json       marks input chunk NNNNN done, with its counts (for resuming)
+    plan.json               the inputs and options the shards were made from
+
+Text is text: a literal "<mask>" or "</s>" inside a document is tokenized as characters
+(tokenizers' `encode_special_tokens`), so special ids only ever come from the pipeline.
+A document goes to the validation split when the CRC32 of its (first MiB of) text falls
+below --valid-fraction, so the split does not depend on chunking, ordering or workers,
+and duplicate documents land in the same split.
+
+Streaming, bounded memory: files are read line by line in blocks of at most 1 MiB and
+long documents are tokenized in pieces of about 1 MiB cut at a single space between
+two words, where byte-level BPE gives the same ids as on the whole text (a piece with
+no such space is cut hard; those cuts are counted). JSONL records are parsed whole.
+Input is planned into chunks of about --shard-mb MB cut at document boundaries; chunks
+run in parallel worker processes, each writing its shards via temporary files and
+renames, then its chunks/ marker. A rerun with the same inputs and options skips the
+finished chunks; different inputs or options are refused unless --overwrite.
+
+Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced by
+U+FFFD and counted, empty files and empty documents are skipped and counted, files with
+NUL bytes (binary) are refused by name, undecodable JSONL lines are counted with their
+byte offsets; the final report prints every count and the manifest keeps them.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from roberta_fast.tokenizer import RobertaTokenizer, _write_atomic
+
+FORMAT = "roberta_fast.tokens"
+VERSION = 1
+TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
+JSONL_EXTS = {".jsonl", ".ndjson"}
+READ_BLOCK = 1 << 20  # bytes read per readline call: bounds memory on enormous lines
+PIECE_CHARS = 1 << 20  # long documents are tokenized in pieces of about this many chars
+BATCH_CHARS = 1 << 20  # chars per encode_batch call
+SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary (as git does)
+BLANK = " \t\r\n\x0b\x0c"  # a line of only these separates documents
+MAX_EXAMPLES = 20  # file names / offsets kept per count in the report
+
+
+# --------------------------------------------------------------------------- decoding
+_INVALID = [0]
+
+
+def _count_and_replace(err: UnicodeDecodeError):
+    """Codec error handler: U+FFFD for each invalid sequence, counted."""
+    _INVALID[0] += 1
+    return "\ufffd", err.end
+
+
+codecs.register_error("roberta_fast.count_replace", _count_and_replace)
+
+
+def _decoder():
+    return codecs.getincrementaldecoder("utf-8")(errors="roberta_fast.count_replace")
+
+
+def _is_blank(raw: bytes) -> bool:
+    return not raw.strip(BLANK.encode())
+
+
+# --------------------------------------------------------------------------- pieces
+def _cut(text: str) -> int:
+    """Index at which to cut a long text: a single space between two non-spaces, late as possible."""
+    lo = len(text) // 2
+    i = text.rfind(" ", lo, len(text) - 1)
+    while i > lo:
+        if not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i
+        i = text.rfind(" ", lo, i)
+    return -1
+
+
+def _split_long(text: str, stats: dict) -> Iterator[str]:
+    """Yield `text` in pieces of about PIECE_CHARS whose tokenizations concatenate to its own."""
+    while len(text) > PIECE_CHARS:
+        i = _cut(text[: PIECE_CHARS + 1])
+        if i < 0:
+            i = PIECE_CHARS
+            stats["hard_splits"] += 1
+        yield text[:i]
+        text = text[i:]
+    yield text
+
+
+def _text_pieces(f, start: int, end: int, doc_per_file: bool, stats: dict):
+    """Yield (piece, first, last) for the documents of a text file between byte offsets."""
+    f.seek(start)
+    dec = _decoder()
+    parts: list[str] = []  # the current document's text not yet yielded
+    size = 0  # chars in parts
+    in_doc = first = False
+    newline = ""  # "\n" owed before the next line of the document
+    at_line_start = True
+    pos = start
+    while pos < end:
+        raw = f.readline(READ_BLOCK)
+        if not raw:
+            break
+        pos += len(raw)
+        whole_line = at_line_start and raw.endswith(b"\n")
+        at_line_start = raw.endswith(b"\n")
+        text = dec.decode(raw, final=pos >= end)
+        if whole_line and not doc_per_file and _is_blank(raw):
+            if in_doc:
+                yield "".join(parts), first, True
+                parts, size, in_doc, newline = [], 0, False, ""
+            continue
+        if not in_doc:
+            in_doc, first = True, True
+        if text.endswith("\n"):
+            text = text[:-2] if text.endswith("\r\n") else text[:-1]
+            parts.append(newline + text)
+            newline = "\n"
+        else:
+            parts.append(newline + text)
+            newline = ""
+        size += len(parts[-1])
+        if size > PIECE_CHARS:
+            *head, tail = _split_long("".join(parts), stats)
+            for piece in head:
+                yield piece, first, False
+                first = False
+            parts, size = [tail], len(tail)
+    tail = dec.decode(b"", final=True)
+    if tail:
+        parts.append(newline + tail)
+    if in_doc:
+        yield "".join(parts), first, True
+
+
+def _jsonl_pieces(f, start: int, end: int, field: str, name: str, stats: dict):
+    """Yield (piece, first, last) for the records of a JSONL file between byte offsets."""
+    f.seek(start)
+    pos = start
+    while pos < end:
+        at = pos
+        raw = f.readline()
+        if not raw:
+            break
+        pos += len(raw)
+        if _is_blank(raw):
+            stats["blank_jsonl_lines"] += 1
+            continue
+        line = raw.decode("utf-8", errors="roberta_fast.count_replace")
+        try:
+            record = json.loads(line)
+        except ValueError:
+            _note(stats, "bad_json_lines", f"{name}@byte{at}")
+            continue
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            _note(stats, "records_without_text", f"{name}@byte{at}")
+            continue
+        if not text.strip():
+            _note(stats, "empty_documents", f"{name}@byte{at}")
+            continue
+        pieces = list(_split_long(text, stats)) if len(text) > PIECE_CHARS else [text]
+        for k, piece in enumerate(pieces):
+            yield piece, k == 0, k == len(pieces) - 1
+
+
+def _note(stats: dict, key: str, example: str) -> None:
+    stats[key] += 1
+    examples = stats["examples"].setdefault(key, [])
+    if len(examples) < MAX_EXAMPLES:
+        examples.append(example)
+
+
+# --------------------------------------------------------------------------- writing
+class _ShardWriter:
+    """Appends documents' ids to a temporary .bin; `close()` renames it and writes the .idx.npy."""
+
+    def __init__(self, bin_path: Path, dtype: np.dtype):
+        self.bin_path, self.dtype = bin_path, dtype
+        self.tmp = bin_path.with_name(f".{bin_path.name}.{os.getpid()}.tmp")
+        self.f = open(self.tmp, "wb")
+        self.offsets = [0]
+        self.n = 0
+
+    def write(self, ids: Sequence[int]) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        self.f.write(arr.tobytes())
+        self.n += arr.size
+
+    def end_document(self) -> None:
+        self.offsets.append(self.n)
+
+    def close(self) -> dict:
+        self.f.close()
+        idx_path = self.bin_path.with_name(self.bin_path.stem + ".idx.npy")
+        idx_tmp = idx_path.with_name(f".{idx_path.name}.{os.getpid()}.tmp")
+        with open(idx_tmp, "wb") as f:
+            np.save(f, np.asarray(self.offsets, dtype=np.int64))
+        os.replace(self.tmp, self.bin_path)
+        os.replace(idx_tmp, idx_path)
+        return {"tokens": self.n, "documents": len(self.offsets) - 1}
+
+
+def _new_stats() -> dict:
+    keys = ["bytes", "documents", "tokens", "pieces", "hard_splits", "invalid_utf8_replaced",
+            "empty_documents", "blank_files", "bad_json_lines", "records_without_text", "blank_jsonl_lines"]
+    return {**{k: 0 for k in keys}, "examples": {}}
+
+
+def _valid_doc(text: str, fraction: float) -> bool:
+    return zlib.crc32(text[:PIECE_CHARS].encode("utf-8", "surrogatepass")) < fraction * 2**32
+
+
+# worker globals (set once per process by _init_worker)
+_TOKENIZER = None
+_PROGRESS = None
+
+
+def _init_worker(tokenizer_file: str, progress, single_threaded: bool) -> None:
+    global _TOKENIZER, _PROGRESS
+    if single_threaded:  # one process per core: keep the Rust core from spawning its own threads
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ["RAYON_NUM_THREADS"] = "1"
+    _TOKENIZER = RobertaTokenizer.from_pretrained(Path(tokenizer_file).parent)
+    _TOKENIZER.backend.encode_special_tokens = True  # text is text: no special ids from the data
+    _PROGRESS = progress
+
+
+def _run_chunk(task: dict) -> dict:
+    """Tokenize one chunk of input into its train/valid shards; return its counts."""
+    out, index, opts = Path(task["out"]), task["index"], task["options"]
+    dtype = np.dtype(task["dtype"])
+    stats = _new_stats()
+    _INVALID[0] = 0
+    writers = {s: _ShardWriter(out / s / f"{index:05d}.bin", dtype) for s in ("train", "valid")}
+    eos = _TOKENIZER.eos_id
+    batch: list[tuple[str, bool, bool]] = []
+    state = {"split": "train", "chars": 0}
+
+    def flush():
+        ids = _TOKENIZER.encode_batch([p for p, _, _ in batch], add_special_tokens=False)
+        n = 0
+        for (piece, first, last), piece_ids in zip(batch, ids):
+            if first:
+                state["split"] = "valid" if _valid_doc(piece, opts["valid_fraction"]) else "train"
+            w = writers[state["split"]]
+            w.write(piece_ids)
+            n += len(piece_ids)
+            if last:
+                w.write([eos])
+                w.end_document()
+                stats["documents"] += 1
+                n += 1
+        stats["pieces"] += len(batch)
+        stats["tokens"] += n
+        batch.clear()
+        state["chars"] = 0
+        return n
+
+    for path, kind, start, end in task["segments"]:
+        name = os.path.basename(path)
+        with open(path, "rb") as f:
+            if kind == "jsonl":
+                pieces = _jsonl_pieces(f, start, end, opts["text_field"], name, stats)
+            else:
+                pieces = _text_pieces(f, start, end, opts["doc_per_file"], stats)
+            last_pos, docs_before = start, stats["documents"] + stats["empty_documents"]
+            for piece in pieces:
+                if piece[1] and piece[2] and not piece[0].strip():
+                    _note(stats, "empty_documents", f"{name}@byte{f.tell()}")
+                    continue
+                batch.append(piece)
+                state["chars"] += len(piece[0])
+                if state["chars"] >= BATCH_CHARS:
+                    n = flush()
+                    pos = f.tell()
+                    _report(pos - last_pos, n)
+                    last_pos = pos
+            n = flush() if batch else 0
+            _report(end - last_pos, n)
+            if start == 0 and end == os.path.getsize(path) and kind == "text" and \
+                    stats["documents"] + stats["empty_documents"] == docs_before:
+                _note(stats, "blank_files", path)  # only blank lines: nothing to keep
+        stats["bytes"] += end - start
+    stats["invalid_utf8_replaced"] = _INVALID[0]
+    stats["shards"] = {s: w.close() for s, w in writers.items()}
+    _write_atomic(out / "chunks" / f"{index:05d}.json", json.dumps(stats))
+    return stats
+
+
+def _report(nbytes: int, ntokens: int) -> None:
+    if _PROGRESS is not None:
+        _PROGRESS(nbytes, ntokens)
+
+
+# --------------------------------------------------------------------------- planning
+def _collect(inputs: Sequence[str | os.PathLike], log: Callable) -> tuple[list[tuple[str, str]], dict]:
+    """Input files as (path, kind), and the files refused or skipped, by reason."""
+    files, refused = [], {"binary_files": [], "empty_files": [], "unsupported_files": []}
+    seen = set()
+
+    def add(p: Path, explicit: bool):
+        ext = p.suffix.lower()
+        kind = "jsonl" if ext in JSONL_EXTS else "text" if (ext in TEXT_EXTS or explicit) else None
+        if kind is None:
+            refused["unsupported_files"].append(str(p))
+            return
+        key = os.path.realpath(p)
+        if key in seen:
+            return
+        seen.add(key)
+        if p.stat().st_size == 0:
+            refused["empty_files"].append(str(p))
+            log(f"skipping empty file {p}")
+            return
+        with open(p, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+        if b"\x00" in head:
+            refused["binary_files"].append(str(p))
+            log(f"refusing binary file {p}: it holds NUL bytes (convert UTF-16 text to UTF-8)")
+            return
+        files.append((str(p), kind))
+
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if not inputs:
+        raise ValueError("preprocess needs at least one input file or directory")
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            for root, dirs, names in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for n in sorted(names):
+                    if not n.startswith("."):
+                        add(Path(root) / n, explicit=False)
+        elif p.is_file():
+            add(p, explicit=True)
+        else:
+            raise ValueError(f"input {str(p)!r} does not exist (pass .txt/.jsonl files or directories)")
+    return files, refused
+
+
+def _next_boundary(f, x: int, size: int, kind: str, doc_per_file: bool) -> int:
+    """Smallest offset >= x where a document starts (after a blank line; a line for JSONL)."""
+    if x <= 0:
+        return 0
+    if kind == "text" and doc_per_file:
+        return size
+    f.seek(x - 1)
+    at_line_start = f.read(1) == b"\n"
+    if kind == "jsonl" and at_line_start:
+        return x
+    pos = x
+    while pos < size:
+        raw = f.readline(READ_BLOCK)
+        if not raw:
+            break
+        whole = at_line_start and raw.endswith(b"\n")
+        at_line_start = raw.endswith(b"\n")
+        pos += len(raw)
+        if kind == "jsonl":
+            if at_line_start:  # just read past the newline ending the line that holds x
+                return pos
+        elif whole and _is_blank(raw):
+            return pos
+    return size
+
+
+def _plan(files: list[tuple[str, str]], shard_bytes: int, doc_per_file: bool) -> list[list[tuple]]:
+    """Chunks of about shard_bytes: lists of (path, kind, start, end) cut at document starts."""
+    chunks, current, filled = [], [], 0
+    for path, kind in files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            start = 0
+            while start < size:
+                room = shard_bytes - filled
+                end = _next_boundary(f, start + room, size, kind, doc_per_file) if start + room < size else size
+                if end <= start:
+                    end = size
+                current.append((path, kind, start, end))
+                filled += end - start
+                start = end
+                if filled >= shard_bytes:
+                    chunks.append(current)
+                    current, filled = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# --------------------------------------------------------------------------- driver
+def preprocess(
+    inputs: Sequence[str | os.PathLike],
+    tokenizer: RobertaTokenizer | str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    valid_fraction: float = 0.005,
+    text_field: str = "text",
+    doc_per_file: bool = False,
+    shard_mb: float = 32,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Tokenize `inputs` into the dataset directory `out`; return its manifest (see module doc)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    if not 0.0 <= valid_fraction < 1.0:
+        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction!r}")
+    if shard_mb <= 0:
+        raise ValueError(f"shard_mb must be positive, got {shard_mb!r}")
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if not isinstance(tokenizer, RobertaTokenizer):
+        tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
+    out = Path(out)
+    files, refused = _collect(inputs, log)
+    options = {"valid_fraction": valid_fraction, "text_field": text_field, "doc_per_file": doc_per_file,
+               "shard_mb": shard_mb, "split_special_tokens": True}
+    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
+    sources = [{"path": os.path.abspath(p), "kind": k, "bytes": os.path.getsize(p),
+                "mtime_ns": os.stat(p).st_mtime_ns} for p, k in files]
+    plan = {"format": FORMAT, "version": VERSION, "tokenizer_hash": tokenizer.tokenizer_hash,
+            "dtype": dtype, "options": options, "sources": sources}
+    _prepare_out(out, plan, overwrite)
+    tokenizer.save(out / "tokenizer")
+    chunks = _plan(files, int(shard_mb * 1e6), doc_per_file)
+    todo = [i for i in range(len(chunks)) if not (out / "chunks" / f"{i:05d}.json").exists()]
+    if len(todo) < len(chunks):
+        log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
+    tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": options}
+             for i in todo]
+    t0 = time.time()
+    _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
+             sum(e - s for i in todo for _, _, s, e in chunks[i]))
+    manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
+    _write_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
+    _print_report(manifest, time.time() - t0, log)
+    return manifest
+
+
+def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
+    """Create the output tree, or check that an existing one is the same run (resume)."""
+    plan_file = out / "plan.json"
+    if out.exists() and any(out.iterdir()):
+        old = json.loads(plan_file.read_text()) if plan_file.exists() else None
+        if old != plan:
+            if not overwrite:
+                why = "was made from other inputs or options" if old else "is not a preprocess output"
+                raise ValueError(
+                    f"output directory {str(out)!r} is not empty and {why}; pass a new --out, or "
+                    "--overwrite (overwrite=True) to replace it"
+                )
+            for sub in ("train", "valid", "chunks", "tokenizer"):
+                shutil.rmtree(out / sub, ignore_errors=True)
+            for name in ("manifest.json", "plan.json"):
+                (out / name).unlink(missing_ok=True)
+    for sub in ("train", "valid", "chunks", "tokenizer"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    for sub in ("train", "valid"):  # leftovers of an interrupted run
+        for stale in (out / sub).glob(".*.tmp"):
+            stale.unlink()
+    _write_atomic(plan_file, json.dumps(plan, indent=1))
+
+
+def _execute(tasks: list[dict], tokenizer_file: str, workers: int, progress: bool, total: int) -> None:
+    """Run the chunk tasks, in this process or a pool of spawned workers, with a progress bar."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress or not tasks,
+               desc="preprocess", dynamic_ncols=True)
+    t0, tokens = time.time(), [0]
+
+    def update(nbytes: int, ntokens: int) -> None:
+        tokens[0] += ntokens
+        bar.update(nbytes)
+        bar.set_postfix_str(f"{tokens[0] / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+
+    try:
+        if workers == 1 or len(tasks) <= 1:
+            _init_worker(tokenizer_file, update, single_threaded=False)
+            for task in tasks:
+                _run_chunk(task)
+            return
+        ctx = mp.get_context("spawn")  # no fork of a process that may hold Rust thread pools
+        counters = ctx.Array("q", 2)  # bytes, tokens done, shared with the workers
+        with ctx.Pool(min(workers, len(tasks)), _init_pool, (tokenizer_file, counters)) as pool:
+            pending = pool.imap_unordered(_run_chunk, tasks)
+            done, seen = 0, [0, 0]
+            while done < len(tasks):
+                try:
+                    pending.next(timeout=0.5)
+                    done += 1
+                except mp.TimeoutError:
+                    pass
+                now = list(counters[:])
+                update(now[0] - seen[0], now[1] - seen[1])
+                seen = now
+    finally:
+        bar.close()
+
+
+def _init_pool(tokenizer_file: str, counters) -> None:
+    def progress(nbytes: int, ntokens: int) -> None:
+        with counters.get_lock():
+            counters[0] += nbytes
+            counters[1] += ntokens
+
+    _init_worker(tokenizer_file, progress, single_threaded=True)
+
+
+def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int, refused: dict) -> dict:
+    """Aggregate the chunk markers into the dataset manifest."""
+    counts = {k: 0 for k in _new_stats() if k != "examples"}
+    examples: dict[str, list] = {}
+    splits = {s: {"tokens": 0, "documents": 0, "shards": []} for s in ("train", "valid")}
+    for i in range(n_chunks):
+        stats = json.loads((out / "chunks" / f"{i:05d}.json").read_text())
+        for k in counts:
+            counts[k] += stats[k]
+        for k, v in stats["examples"].items():
+            examples.setdefault(k, []).extend(v[: MAX_EXAMPLES - len(examples.get(k, []))])
+        for s, info in stats["shards"].items():
+            splits[s]["tokens"] += info["tokens"]
+            splits[s]["documents"] += info["documents"]
+            if info["documents"]:
+                splits[s]["shards"].append({"bin": f"{s}/{i:05d}.bin", "idx": f"{s}/{i:05d}.idx.npy", **info})
+    for k, names in refused.items():
+        counts[k] = len(names)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer_hash": tokenizer.tokenizer_hash,
+        "tokenizer_path": "tokenizer",
+        **tokenizer.special_ids,
+        "dtype": plan["dtype"],
+        "splits": splits,
+        "counts": counts,
+        "refused": refused,
+        "examples": examples,
+        "options": plan["options"],
+        "sources": [{"path": s["path"], "bytes": s["bytes"]} for s in plan["sources"]],
+    }
+
+
+def _print_report(manifest: dict, seconds: float, log: Callable) -> None:
+    c, sp = manifest["counts"], manifest["splits"]
+    lines = [
+        f"dataset: {sp['train']['documents']} train documents ({sp['train']['tokens']} tokens), "
+        f"{sp['valid']['documents']} valid documents ({sp['valid']['tokens']} tokens), "
+        f"{manifest['dtype']}, vocab {manifest['vocab_size']}",
+        f"{len(manifest['sources'])} files, {c['bytes'] / 1e6:.2f} MB read in all; this run took {seconds:.1f} s",
+    ]
+    lines += [f"  {k}: {v}" for k, v in c.items()]
+    for k, names in {**manifest["refused"], **manifest["examples"]}.items():
+        if names:
+            lines.append(f"  {k}: " + ", ".join(names[:MAX_EXAMPLES]))
+    log("\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m roberta_fast.preprocess", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories of them")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (RobertaTokenizer.save, or roberta-base)")
+    p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
+    p.add_argument("--valid-fraction", type=float, default=0.005, help="share of documents held out (default 0.005)")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--doc-per-file", action="store_true", help="each .txt file is one document")
+    p.add_argument("--shard-mb", type=float, default=32, help="input MB per shard (default 32)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--overwrite", action="store_true", help="replace an output made from other inputs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        preprocess(args.inputs, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
+                   text_field=args.text_field, doc_per_file=args.doc_per_file, shard_mb=args.shard_mb,
+                   workers=args.workers, overwrite=args.overwrite, progress=not args.quiet)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
