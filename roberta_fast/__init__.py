@@ -17,11 +17,9 @@ _LAZY = {
     "RobertaConfig": "config",
     "RobertaModel": "model",
     "RobertaForMaskedLM": "model",
-    "RobertaForSequenceClassification": "model",
     "RobertaTokenizer": "tokenizer",
     "mask_tokens": "masking",
     "FusedAdam": "optim",
-    "patch": "patch",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,184 @@
+"""RobertaConfig: the model's hyperparameters, with Hugging Face's field names.
+
+Reads and writes HF `config.json`, so a checkpoint moves between roberta_fast and
+`transformers` unchanged. Values are checked at construction, so an impossible
+config fails with a readable error before any weight is allocated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keys of an HF config.json that describe things this implementation does not model
+# (generation, decoder use, provenance). They are kept and written back unchanged.
+_PASSTHROUGH_DEFAULTS = {"architectures": None, "tie_word_embeddings": True}
+
+
+@dataclass
+class RobertaConfig:
+    """RoBERTa hyperparameters; defaults are roberta-base's."""
+
+    vocab_size: int = 50265
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 514
+    type_vocab_size: int = 1
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 1
+    bos_token_id: int = 0
+    eos_token_id: int = 2
+    position_embedding_type: str = "absolute"
+    classifier_dropout: float | None = None
+    # Anything else found in an HF config.json, written back as it was read.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ checks
+    def __post_init__(self):
+        errors = []
+
+        def positive_int(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                errors.append(f"{name} must be a positive integer, got {value!r}")
+                return False
+            return True
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            positive_int(name)
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            p = getattr(self, name)
+            if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                errors.append(f"{name} must be a probability in [0, 1), got {p!r}")
+        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
+            errors.append(f"classifier_dropout must be None or in [0, 1), got {self.classifier_dropout!r}")
+        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
+            errors.append(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        if not (isinstance(self.initializer_range, (int, float)) and self.initializer_range > 0):
+            errors.append(f"initializer_range must be > 0, got {self.initializer_range!r}")
+        if (isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int)
+                and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads):
+            errors.append(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}); e.g. use {self.num_attention_heads * max(1, round(self.hidden_size / self.num_attention_heads))}"
+            )
+        if self.hidden_act not in ("gelu",):
+            errors.append(
+                f"hidden_act {self.hidden_act!r} is not supported: RoBERTa uses 'gelu' (the erf form), "
+                "which is the only activation implemented"
+            )
+        if self.position_embedding_type != "absolute":
+            errors.append(
+                f"position_embedding_type {self.position_embedding_type!r} is not supported; "
+                "only RoBERTa's learned 'absolute' positions are implemented"
+            )
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and isinstance(self.vocab_size, int) and not 0 <= value < self.vocab_size:
+                errors.append(f"{name} ({value}) must be a token id in [0, vocab_size={self.vocab_size})")
+        if self.pad_token_id is None:
+            errors.append("pad_token_id must be set: RoBERTa's positions are counted from it")
+        elif isinstance(self.max_position_embeddings, int) and self.max_seq_len < 1:
+            errors.append(
+                f"max_position_embeddings ({self.max_position_embeddings}) leaves no position for tokens: "
+                f"RoBERTa positions start at pad_token_id + 1 = {self.pad_token_id + 1}, so it must be at "
+                f"least {self.pad_token_id + 2} (for sequences of up to N tokens use N + {self.pad_token_id + 1})"
+            )
+        if errors:
+            raise ValueError("Invalid RobertaConfig:\n  - " + "\n  - ".join(errors))
+
+    # ------------------------------------------------------------- derived facts
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence the position table can hold (positions start at pad_token_id + 1)."""
+        return self.max_position_embeddings - self.pad_token_id - 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Parameter count of RobertaForMaskedLM (decoder tied to the word embeddings)."""
+        h, i, n = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h  # attn, ffn, two LayerNorms
+        head = h * h + h + 2 * h + self.vocab_size  # dense, LayerNorm, decoder bias
+        emb = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+        return n * layer + head + (emb if include_embeddings else 0)
+
+    # ----------------------------------------------------------------- presets
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "RobertaConfig":
+        """A named size: "tiny" (trains on 2 CPU cores in minutes), "base", "large"."""
+        presets = {
+            "tiny": dict(vocab_size=8192, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=512, max_position_embeddings=130),
+            "base": dict(),
+            "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                          intermediate_size=4096),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+    # ------------------------------------------------------------ HF interop
+    @classmethod
+    def from_dict(cls, data: dict) -> "RobertaConfig":
+        """Build from an HF config dict; unknown keys are kept in `extra`."""
+        data = dict(data)
+        model_type = data.get("model_type", "roberta")
+        if model_type not in ("roberta", "xlm-roberta", "camembert"):
+            raise ValueError(
+                f"config.json has model_type {model_type!r}; roberta_fast loads RoBERTa-architecture "
+                "models (model_type 'roberta', 'xlm-roberta' or 'camembert')"
+            )
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: data.pop(k) for k in list(data) if k in names}
+        return cls(**known, extra=data)
+
+    def to_dict(self) -> dict:
+        """The HF config.json contents (model_type 'roberta')."""
+        out = {k: v for k, v in _PASSTHROUGH_DEFAULTS.items()}
+        out.update(self.extra)
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
+        out["model_type"] = out.get("model_type", "roberta")
+        return {k: v for k, v in sorted(out.items()) if v is not None or k == "classifier_dropout"}
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "RobertaConfig":
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON: {err}") from err
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "RobertaConfig":
+        """Read `config.json` from an HF model directory (or the file itself)."""
+        path = os.fspath(path)
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json at {path!r}: expected an HF model directory")
+        return cls.from_json_file(file)
+
+    def save_pretrained(self, directory: str | os.PathLike, architectures: list[str] | None = None):
+        """Write `config.json` into `directory` atomically."""
+        os.makedirs(directory, exist_ok=True)
+        data = self.to_dict()
+        if architectures is not None:
+            data["architectures"] = architectures
+        target = os.path.join(directory, "config.json")
+        tmp = target + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, target)

@@ -1,0 +1,359 @@
+"""RoBERTa in one readable file: embeddings, post-LN encoder, pooler and MLM head.
+
+Computes exactly Hugging Face's `RobertaModel` / `RobertaForMaskedLM` (tested against
+`transformers` itself), with two layout differences that `roberta_fast.hf` converts:
+Q, K and V are one fused (3·hidden, hidden) projection, and the MLM decoder has no
+weight of its own (it reads the word embeddings, i.e. is tied by construction).
+
+The hot operations go through `roberta_fast.ops`, which runs the plain-PyTorch
+reference or the fused Triton kernels (`backend`); the weights are the same either way.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import RobertaConfig
+
+IGNORE_INDEX = -100  # label of a position that is not predicted
+
+
+# ----------------------------------------------------------------------- outputs
+class _Output:
+    """Attribute access plus HF-style indexing (out[0], out["logits"]) over non-None fields."""
+
+    def _items(self):
+        return [(k, v) for k, v in self.__dict__.items() if v is not None]
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return getattr(self, key)
+        return tuple(v for _, v in self._items())[key]
+
+    def to_tuple(self):
+        return tuple(v for _, v in self._items())
+
+
+@dataclass
+class BaseModelOutput(_Output):
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MaskedLMOutput(_Output):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+# ----------------------------------------------------------------- input checks
+def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
+                 position_ids=None):
+    """Raise ValueError naming the problem for inputs that would index out of range.
+
+    Runs before any kernel, so a user mistake never becomes a device-side assert. On a
+    GPU this costs one host synchronisation (the id range); models fed by a validated
+    data pipeline can turn it off with `model.check_inputs = False`.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; "
+            "convert with input_ids.long()"
+        )
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must have shape (batch, seqlen), got {tuple(input_ids.shape)}; "
+            "for a single sequence use input_ids.unsqueeze(0)"
+        )
+    batch, seqlen = input_ids.shape
+    if seqlen > config.max_seq_len:
+        raise ValueError(
+            f"sequence length {seqlen} exceeds the position table: this model takes at most "
+            f"{config.max_seq_len} tokens (max_position_embeddings={config.max_position_embeddings} "
+            f"minus pad_token_id + 1); truncate the input"
+        )
+    for name, extra in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                        ("position_ids", position_ids)):
+        if extra is None:
+            continue
+        if not isinstance(extra, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(extra).__name__}")
+        if tuple(extra.shape) != (batch, seqlen):
+            raise ValueError(
+                f"{name} must have the shape of input_ids {(batch, seqlen)}, got {tuple(extra.shape)}"
+            )
+        if extra.device != input_ids.device:
+            raise ValueError(f"{name} is on {extra.device} but input_ids is on {input_ids.device}")
+    if attention_mask is not None and attention_mask.dtype.is_complex:
+        raise ValueError("attention_mask must be 0/1 (bool, integer or float), got a complex tensor")
+
+    ranges = [("input_ids", input_ids, config.vocab_size, "vocab_size")]
+    if token_type_ids is not None:
+        ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"))
+    if position_ids is not None:
+        ranges.append(("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings"))
+    if input_ids.numel() == 0:
+        return
+    for name, t, _, _ in ranges[1:]:
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    # One host sync for every range check: [min, max] of each tensor.
+    bounds = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, _, _ in ranges]).tolist()
+    for (name, _, limit, field), (low, high) in zip(ranges, bounds):
+        if low < 0 or high >= limit:
+            raise ValueError(
+                f"{name} holds values in [{low}, {high}] but must lie in [0, {limit}) "
+                f"({field}={limit}); check that the tokenizer matches the model"
+            )
+
+
+# ------------------------------------------------------------------------ model
+class RobertaEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: RobertaConfig):
+        super().__init__()
+        h, pad = config.hidden_size, config.pad_token_id
+        self.padding_idx = pad
+        self.word_embeddings = nn.Embedding(config.vocab_size, h, padding_idx=pad)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, padding_idx=pad)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.layer_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.dropout_p = config.hidden_dropout_prob
+
+    def position_ids(self, input_ids):
+        """RoBERTa positions: pads get padding_idx, tokens padding_idx + 1, + 2, ... (fairseq)."""
+        not_pad = input_ids.ne(self.padding_idx).int()
+        return (torch.cumsum(not_pad, dim=1).int() * not_pad).long() + self.padding_idx
+
+    def forward(self, input_ids, token_type_ids=None, position_ids=None, backend="reference"):
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
+                                       self.layer_norm.eps, 0.0, backend)
+        p = self.dropout_p if self.training else 0.0
+        return F.dropout(x, p=p, training=p > 0)
+
+
+class RobertaLayer(nn.Module):
+    """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, config: RobertaConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.qkv = nn.Linear(h, 3 * h)  # rows: [query; key; value]
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, i)
+        self.ffn_out = nn.Linear(i, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.hidden_dropout_p = config.hidden_dropout_prob
+        self.attention_dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x, attention_mask=None, backend="reference"):
+        batch, seqlen, hidden = x.shape
+        hidden_p = self.hidden_dropout_p if self.training else 0.0
+        attention_p = self.attention_dropout_p if self.training else 0.0
+
+        qkv = self.qkv(x).view(batch, seqlen, 3, self.num_heads, hidden // self.num_heads)
+        q, k, v = qkv.unbind(dim=2)  # each (batch, seqlen, heads, head_dim)
+        a = ops.attention(q, k, v, attention_mask, attention_p, backend)
+        a = self.attn_out(a.reshape(batch, seqlen, hidden))
+        x = ops.dropout_add_layer_norm(a, x, self.attn_norm.weight, self.attn_norm.bias,
+                                       self.attn_norm.eps, hidden_p, backend)
+
+        f = ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias, backend)
+        f = self.ffn_out(f)
+        return ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
+                                          self.ffn_norm.eps, hidden_p, backend)
+
+
+class _PreTrained(nn.Module):
+    """Weight init (as HF's), backend choice, input checks and HF load/save, shared by both models."""
+
+    config: RobertaConfig
+
+    def _setup(self, config: RobertaConfig, backend: str):
+        self.config = config
+        self.backend = backend
+        self.check_inputs = True
+
+    @property
+    def backend(self) -> str:
+        """"auto" | "fused" | "reference"; setting it sets every submodel's too."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str):
+        value = ops.check_backend(value)
+        for module in self.modules():
+            if isinstance(module, _PreTrained):
+                object.__setattr__(module, "_backend", value)
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def _backend_for(self, tensor) -> str:
+        return ops.resolve_backend(self.backend, tensor.device)
+
+    @classmethod
+    def from_pretrained(cls, path_or_model, backend: str = "auto", **kwargs):
+        """Load an HF model directory (config.json + safetensors/bin) or a `transformers` model."""
+        from .hf import load_pretrained
+
+        return load_pretrained(cls, path_or_model, backend=backend, **kwargs)
+
+    def save_pretrained(self, directory: str | os.PathLike):
+        """Write config.json + model.safetensors that `transformers` loads with no missing keys."""
+        from .hf import save_pretrained
+
+        save_pretrained(self, directory)
+
+
+class RobertaModel(_PreTrained):
+    """The encoder, with Hugging Face `RobertaModel`'s call signature and outputs."""
+
+    def __init__(self, config: RobertaConfig, add_pooling_layer: bool = True, backend: str = "auto"):
+        super().__init__()
+        self._setup(config, backend)
+        self.embeddings = RobertaEmbeddings(config)
+        self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                output_hidden_states: bool = False, return_dict: bool = True):
+        if self.check_inputs:
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        return out if return_dict else out.to_tuple()
+
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+               output_hidden_states: bool = False) -> BaseModelOutput:
+        """forward() without the input checks (for callers that have done them)."""
+        backend = self._backend_for(input_ids)
+        x = self.embeddings(input_ids, token_type_ids, position_ids, backend)
+        hidden_states = [x] if output_hidden_states else None
+        for layer in self.layers:
+            x = layer(x, attention_mask, backend)
+            if output_hidden_states:
+                hidden_states.append(x)
+        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
+        return BaseModelOutput(x, pooled, tuple(hidden_states) if output_hidden_states else None)
+
+
+class RobertaLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm -> decoder (the word embeddings, transposed) + bias."""
+
+    def __init__(self, config: RobertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x, decoder_weight, backend="reference"):
+        x = ops.linear_gelu(x, self.dense.weight, self.dense.bias, backend)
+        x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
+                                       self.layer_norm.eps, 0.0, backend)
+        return F.linear(x, decoder_weight, self.bias)
+
+
+class RobertaForMaskedLM(_PreTrained):
+    """Encoder + MLM head; loss = cross-entropy over positions whose label is not -100."""
+
+    def __init__(self, config: RobertaConfig, backend: str = "auto"):
+        super().__init__()
+        self._setup(config, backend)
+        self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
+        self.lm_head = RobertaLMHead(config)
+        self.apply(self._init_weights)
+        nn.init.zeros_(self.lm_head.bias)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, token_type_ids=None,
+                position_ids=None, output_hidden_states: bool = False, masked_only: bool = False,
+                loss_reduction: str = "mean", return_dict: bool = True):
+        """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
+
+        masked_only=True (training): the head runs only on positions with a label, and
+        `logits` is (num_predicted, vocab) in row-major order of those positions.
+        loss_reduction: "mean" over predicted tokens (HF's) or "sum" (for callers that
+        normalise over several micro-batches or ranks themselves).
+        """
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+                raise ValueError(
+                    f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                    f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
+                )
+        elif masked_only:
+            raise ValueError("masked_only=True needs labels: they say which positions to predict")
+        if self.check_inputs:
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
+        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
+                                      output_hidden_states)
+        x = encoded.last_hidden_state
+        backend = self._backend_for(input_ids)
+        if masked_only:
+            predicted = labels.ne(IGNORE_INDEX)
+            x, target = x[predicted], labels[predicted]  # (num_predicted, hidden), (num_predicted,)
+        else:
+            target = labels
+        logits = self.lm_head(x, self.roberta.embeddings.word_embeddings.weight, backend)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction=loss_reduction)
+        out = MaskedLMOutput(loss, logits, encoded.hidden_states)
+        return out if return_dict else out.to_tuple()
+
+
+# -------------------------------------------------------------------------- MFU
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "V100": 125e12}  # dense fp16/bf16
+
+
+def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, seq_len: int) -> float:
+    """Model FLOPs of one training step, PaLM convention (DESIGN.md).
+
+    6 · (encoder matmul params · tokens + MLM-head matmul params · predicted tokens)
+    + 12 · L · H · T · tokens for attention. Embedding lookups are not matmuls.
+    """
+    h, i, n, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    encoder_matmul = n * (4 * h * h + 2 * h * i)
+    head_matmul = h * h + h * vocab
+    return 6 * (encoder_matmul * tokens + head_matmul * predicted_tokens) + 12 * n * h * seq_len * tokens
+
+
+def estimate_mfu(config: RobertaConfig, tokens_per_s: float, predicted_per_s: float, seq_len: int,
+                 device_name: str) -> float:
+    """Model FLOPs utilisation against the datasheet peak; NaN for an unknown device (a CPU)."""
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in device_name), math.nan)
+    return training_flops(config, tokens_per_s, predicted_per_s, seq_len) / peak

@@ -1,0 +1,66 @@
+"""RobertaConfig: presets, HF config.json round trip, and readable validation errors."""
+import json
+
+import pytest
+import torch
+
+import roberta_fast as rf
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name, millions", [("base", 124.7), ("large", 355.4)])
+def test_presets_match_the_published_sizes(name, millions):
+    """DESIGN.md: base 124.7M, large 355M parameters (MLM head tied); HF counts the same."""
+    cfg = rf.RobertaConfig.preset(name)
+    with torch.device("meta"):
+        hf = transformers.RobertaForMaskedLM(transformers.RobertaConfig(**cfg.to_dict()))
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert cfg.num_parameters() / 1e6 == pytest.approx(millions, abs=0.05)
+
+
+def test_tiny_preset_is_small_and_valid():
+    cfg = rf.RobertaConfig.preset("tiny")
+    assert cfg.num_parameters() < 5_000_000
+    assert cfg.max_seq_len == 128
+
+
+def test_unknown_preset_names_choices():
+    with pytest.raises(ValueError, match="base"):
+        rf.RobertaConfig.preset("huge")
+
+
+def test_hf_config_json_round_trip(tmp_path):
+    hf = transformers.RobertaConfig(vocab_size=123, hidden_size=48, num_attention_heads=3,
+                                    max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5)
+    hf.save_pretrained(tmp_path)
+    cfg = rf.RobertaConfig.from_pretrained(tmp_path)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.max_seq_len) == (123, 48, 3, 64)
+    out = tmp_path / "ours"
+    cfg.save_pretrained(out)
+    back = transformers.AutoConfig.from_pretrained(out)
+    for key, value in cfg.to_dict().items():
+        if key != "architectures":
+            assert getattr(back, key) == value, key
+    assert json.loads((out / "config.json").read_text())["model_type"] == "roberta"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(hidden_size=100, num_attention_heads=12), "divisible by num_attention_heads"),
+    (dict(max_position_embeddings=2), "leaves no position"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob must be a probability"),
+    (dict(hidden_act="relu"), "hidden_act 'relu' is not supported"),
+    (dict(position_embedding_type="relative_key"), "only RoBERTa's learned 'absolute'"),
+    (dict(pad_token_id=60000), r"pad_token_id \(60000\) must be a token id"),
+    (dict(layer_norm_eps=0), "layer_norm_eps must be > 0"),
+])
+def test_invalid_configs_raise_readable_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        rf.RobertaConfig(**fields)
+
+
+def test_non_roberta_config_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        rf.RobertaConfig.from_pretrained(tmp_path)
