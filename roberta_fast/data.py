@@ -1,0 +1,459 @@
+"""Training samples and batches from a preprocessed dataset directory (roberta_fast.preprocess).
+
+    ds = PretrainingDataset(path, split="train", seq_len=512, mode="full")  # or "doc"
+    ds[i]                   # (seq_len,) int64 ids, O(1); rows shorter than seq_len end in <pad>
+    ds.manifest             # vocab_size, tokenizer_hash, bos/pad/eos/unk/mask_id, counts, ...
+    ds.tokenizer_path       # the tokenizer directory the ids belong to
+    check_dataset(path, vocab_size=cfg.vocab_size, tokenizer=tok)  # ValueError on mismatch
+    loader = BatchLoader(ds, batch_size=16, seed=0, rank=r, world_size=w)
+    for batch in loader: ...  # {"input_ids", "attention_mask"[, "word_starts"]}: (B, S) tensors
+    loader.state_dict() / loader.load_state_dict(sd)  # resume at the next batch, in O(1)
+
+Sample layouts (the RoBERTa paper's input formats; S = seq_len):
+- mode="full" (FULL-SENTENCES, the default): the split's token stream (every document's
+  ids followed by `</s>`, documents back to back, so a `</s>` separates documents) is cut
+  into consecutive runs of S-1 tokens, each row `<s>` + run. Rows cross document
+  boundaries; only the last row of the split can be short (padded).
+- mode="doc" (DOC-SENTENCES): rows never cross a document boundary. A document is cut
+  into runs of S-2 tokens and each run becomes `<s>` + run + `</s>`. With pack=False each
+  run is a row, padded; with pack=True runs are packed in order into rows of S (next
+  fit), and `sample(i)` adds `position_ids` that restart at every run (RoBERTa's
+  convention: pad_id + 1 + offset, pad_id on padding) and `cu_seqlens`, the run
+  boundaries inside the row, so attention can be kept inside each document.
+
+Word starts (`word_starts=True`): the rule of RobertaTokenizer.word_starts, applied to
+each row (the first token after `<s>` counts as a word start even mid-word in "full" mode).
+
+Order: BatchLoader visits a permutation of the samples drawn from (seed, epoch) by a
+keyed Feistel network with cycle walking, so the i-th sample of an epoch is computed
+in O(1) time and memory, no permutation array is stored, and resuming skips straight to
+the next batch. Global batch t of an epoch is permuted positions [t*B*W, (t+1)*B*W)
+(B = batch_size per rank, W = world_size); rank r takes positions t*B*W + r + k*W,
+k < B, so ranks are disjoint and together complete. drop_last=True drops the epoch's
+final partial global batch; drop_last=False completes it by wrapping round to the
+epoch's first samples (as torch's DistributedSampler does), so every rank takes the
+same number of steps. Batches are built in a background thread `prefetch` batches
+ahead, in pinned memory when CUDA is available.
+"""
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT, VERSION = "roberta_fast.tokens", 1
+
+
+# --------------------------------------------------------------------------- manifest
+def load_manifest(path: str | Path) -> dict:
+    """The manifest.json of a dataset directory; ValueError naming the fix if it is not one."""
+    path = Path(path)
+    file = path / "manifest.json"
+    if not file.is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a preprocessed dataset (no manifest.json); make one with "
+            "`python -m roberta_fast.preprocess --tokenizer TOKDIR --out DIR INPUT...` "
+            "(an interrupted run resumes when rerun)"
+        )
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(
+            f"{str(file)!r} is format {manifest.get('format')!r} version {manifest.get('version')!r}; "
+            f"this roberta_fast reads {FORMAT!r} version {VERSION}: rerun roberta_fast.preprocess"
+        )
+    return manifest
+
+
+def check_dataset(dataset, *, vocab_size: int | None = None, tokenizer=None) -> dict:
+    """Refuse (ValueError) a dataset whose ids do not belong to `tokenizer` or a model of `vocab_size`.
+
+    `dataset` is a directory, a manifest dict or a PretrainingDataset; returns the manifest.
+    """
+    if isinstance(dataset, PretrainingDataset):
+        manifest = dataset.manifest
+    elif isinstance(dataset, dict):
+        manifest = dataset
+    else:
+        manifest = load_manifest(dataset)
+    if vocab_size is not None and int(vocab_size) != manifest["vocab_size"]:
+        raise ValueError(
+            f"the dataset was tokenized with a vocabulary of {manifest['vocab_size']} ids but the model has "
+            f"vocab_size={vocab_size}; set the model's vocab_size to {manifest['vocab_size']} or preprocess "
+            "the text again with the model's tokenizer"
+        )
+    if tokenizer is not None:
+        if not hasattr(tokenizer, "tokenizer_hash"):
+            from roberta_fast.tokenizer import RobertaTokenizer
+
+            tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
+        if tokenizer.tokenizer_hash != manifest["tokenizer_hash"]:
+            raise ValueError(
+                f"the dataset was tokenized with tokenizer {manifest['tokenizer_hash'][:12]} but the given "
+                f"tokenizer is {tokenizer.tokenizer_hash[:12]}; use the dataset's own tokenizer "
+                "(<dataset>/tokenizer) or preprocess the text again with this one"
+            )
+    return manifest
+
+
+# --------------------------------------------------------------------------- token stream
+class TokenStream:
+    """The shards of one split as one virtual array of ids (memory-mapped), with its document index."""
+
+    def __init__(self, root: Path, manifest: dict, split: str):
+        if split not in manifest["splits"]:
+            raise ValueError(f"split must be one of {sorted(manifest['splits'])}, got {split!r}")
+        dtype = np.dtype(manifest["dtype"])
+        self.root, self.shards, sizes = root, [], []
+        info = manifest["splits"][split]["shards"]
+        for shard in info:
+            file = root / shard["bin"]
+            expected = shard["tokens"] * dtype.itemsize
+            if not file.is_file() or file.stat().st_size != expected:
+                have = file.stat().st_size if file.is_file() else "missing"
+                raise ValueError(
+                    f"shard {str(file)!r} should hold {expected} bytes but is {have}; the dataset is "
+                    "damaged: preprocess it again (--overwrite)"
+                )
+            self.shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+            sizes.append(shard["tokens"])
+        self._info = info
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
+        self._doc_starts = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Ids [start, stop) of the stream as int64, across shard boundaries."""
+        start, stop = max(0, start), min(stop, len(self))
+        out = np.empty(max(0, stop - start), dtype=np.int64)
+        s = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            lo = pos - int(self.starts[s])
+            hi = min(stop, int(self.starts[s + 1])) - int(self.starts[s])
+            out[pos - start: pos - start + hi - lo] = self.shards[s][lo:hi]
+            pos += hi - lo
+            s += 1
+        return out
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """(n_docs + 1,) int64 stream offsets of the documents (each ends with its `</s>`)."""
+        if self._doc_starts is None:
+            parts = [np.load(self.root / sh["idx"])[:-1] + self.starts[i] for i, sh in enumerate(self._info)]
+            self._doc_starts = np.concatenate(parts + [[len(self)]]).astype(np.int64)
+        return self._doc_starts
+
+
+# --------------------------------------------------------------------------- dataset
+class PretrainingDataset:
+    """Fixed-length MLM samples from a dataset directory; see the module docstring for the layouts."""
+
+    def __init__(self, path: str | Path, split: str = "train", seq_len: int = 512, mode: str = "full",
+                 pack: bool = False, word_starts: bool = False):
+        if mode not in ("full", "doc"):
+            raise ValueError(f"mode must be 'full' (FULL-SENTENCES) or 'doc' (DOC-SENTENCES), got {mode!r}")
+        if pack and mode != "doc":
+            raise ValueError("pack=True packs whole documents and needs mode='doc'")
+        if not isinstance(seq_len, int) or seq_len < 3:
+            raise ValueError(f"seq_len must be an int >= 3 (<s>, a token, </s>), got {seq_len!r}")
+        self.path = Path(path)
+        self.manifest = load_manifest(self.path)
+        self.tokenizer_path = self.path / self.manifest.get("tokenizer_path", "tokenizer")
+        self.split, self.seq_len, self.mode, self.pack = split, seq_len, mode, pack
+        self.stream = TokenStream(self.path, self.manifest, split)
+        m = self.manifest
+        self.bos_id, self.pad_id, self.eos_id = m["bos_id"], m["pad_id"], m["eos_id"]
+        self.mask_id, self.vocab_size = m["mask_id"], m["vocab_size"]
+        self._tables = None
+        self.word_starts = word_starts
+        if mode == "full":
+            self._n = math.ceil(len(self.stream) / (seq_len - 1))
+        else:
+            body = seq_len - 2
+            starts = self.stream.doc_starts
+            lengths = np.diff(starts) - 1  # (n_docs,) without the </s>
+            runs = -(-lengths // body)  # ceil: rows (runs) per document
+            self._run_cum = np.concatenate([[0], np.cumsum(runs)])  # (n_docs + 1,)
+            self._n = int(self._run_cum[-1])
+            if pack:
+                self._rows = self._pack_runs(lengths, runs, body)
+                self._n = len(self._rows) - 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    # ---- runs (DOC-SENTENCES)
+    def _run(self, k: int) -> np.ndarray:
+        """Run k: `<s>` + up to S-2 ids of one document + `</s>`."""
+        d = int(np.searchsorted(self._run_cum, k, side="right")) - 1
+        j = k - int(self._run_cum[d])
+        body = self.seq_len - 2
+        start = int(self.stream.doc_starts[d])
+        end = int(self.stream.doc_starts[d + 1]) - 1  # the document's </s>
+        lo = start + j * body
+        return np.concatenate([[self.bos_id], self.stream.read(lo, min(end, lo + body)), [self.eos_id]])
+
+    def _pack_runs(self, lengths: np.ndarray, runs: np.ndarray, body: int) -> np.ndarray:
+        """(n_rows + 1,) first run of each packed row: runs in order, next fit into rows of S."""
+        # run lengths incl. <s> and </s>: full runs of body, then each document's remainder
+        n_runs = int(runs.sum())
+        run_len = np.full(n_runs, body + 2, dtype=np.int64)
+        last = np.cumsum(runs) - 1
+        run_len[last] = lengths - (runs - 1) * body + 2
+        rows, fill = [0], 0
+        for k, n in enumerate(run_len.tolist()):
+            if fill + n > self.seq_len:
+                rows.append(k)
+                fill = 0
+            fill += n
+        rows.append(n_runs)
+        return np.asarray(rows, dtype=np.int64)
+
+    # ---- samples
+    def _check_index(self, i: int) -> int:
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"dataset index must be an int, got {type(i).__name__}")
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"sample {i} out of range for a dataset of {self._n} samples")
+        return int(i)
+
+    def _parts(self, i: int) -> list[np.ndarray]:
+        """The int64 id runs that make up sample i (one, or several when packed)."""
+        if self.mode == "full":
+            step = self.seq_len - 1
+            return [np.concatenate([[self.bos_id], self.stream.read(i * step, (i + 1) * step)]).astype(np.int64)]
+        if not self.pack:
+            return [self._run(i)]
+        return [self._run(k) for k in range(self._rows[i], self._rows[i + 1])]
+
+    def row(self, i: int) -> np.ndarray:
+        """Ids of sample i as a numpy int64 array of up to seq_len (unpadded)."""
+        parts = self._parts(self._check_index(i))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """(seq_len,) int64 ids of sample i, padded with pad_id."""
+        return torch.from_numpy(self.sample(i)["input_ids"])
+
+    def sample(self, i: int) -> dict:
+        """Sample i as numpy arrays: input_ids, attention_mask (seq_len,), and word_starts /
+        position_ids / cu_seqlens where they apply."""
+        parts = self._parts(self._check_index(i))
+        ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        n, S = len(ids), self.seq_len
+        out_ids = np.full(S, self.pad_id, dtype=np.int64)
+        out_ids[:n] = ids
+        mask = np.zeros(S, dtype=np.int64)
+        mask[:n] = 1
+        out = {"input_ids": out_ids, "attention_mask": mask}
+        if self.word_starts:
+            from roberta_fast.tokenizer import word_starts_from_tables
+
+            starts = np.zeros(S, dtype=bool)
+            starts[:n] = word_starts_from_tables(ids, *self._word_tables())
+            out["word_starts"] = starts
+        if self.pack:
+            cu = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32)
+            pos = np.full(S, self.pad_id, dtype=np.int64)
+            for a, b in zip(cu[:-1], cu[1:]):
+                pos[a:b] = self.pad_id + 1 + np.arange(b - a)  # restart per document run
+            out["position_ids"], out["cu_seqlens"] = pos, cu
+        return out
+
+    def _word_tables(self):
+        if self._tables is None:
+            from roberta_fast.tokenizer import RobertaTokenizer
+
+            self._tables = RobertaTokenizer.from_pretrained(self.tokenizer_path).word_start_tables()
+        return self._tables
+
+    def __repr__(self) -> str:
+        return (f"PretrainingDataset({str(self.path)!r}, split={self.split!r}, seq_len={self.seq_len}, "
+                f"mode={self.mode!r}, pack={self.pack}, samples={self._n})")
+
+
+# --------------------------------------------------------------------------- shuffling
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(_M64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(positions, n: int, seed: int, epoch: int, rounds: int = 4) -> np.ndarray:
+    """Images of `positions` (ints in [0, n)) under a pseudo-random permutation of [0, n) keyed by (seed, epoch)."""
+    pos = np.asarray(positions, dtype=np.uint64)
+    if n <= 0:
+        raise ValueError("cannot permute an empty range")
+    if pos.size and int(pos.max()) >= n:
+        raise ValueError(f"positions must lie in [0, {n})")
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)  # 2^(2*half) >= n and < 4n
+    mask = np.uint64((1 << half) - 1)
+    base = (int(seed) * 0x9E3779B97F4A7C15 + int(epoch) * 0xD1B54A32D192ED03 + 1) & _M64
+    keys = _splitmix64(np.arange(rounds, dtype=np.uint64) + np.uint64(base))
+    with np.errstate(over="ignore"):
+        out = pos.copy()
+        todo = np.ones(out.shape, dtype=bool)
+        while todo.any():  # cycle walking: re-apply until the image falls inside [0, n)
+            x = out[todo]
+            left, right = x >> np.uint64(half), x & mask
+            for key in keys:
+                left, right = right, left ^ (_splitmix64(right ^ key) & mask)
+            out[todo] = (left << np.uint64(half)) | right
+            todo = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+# --------------------------------------------------------------------------- loader
+class BatchLoader:
+    """Deterministic, resumable, rank-sharded batches of a PretrainingDataset (see the module docstring)."""
+
+    def __init__(self, dataset: PretrainingDataset, batch_size: int, *, seed: int, rank: int = 0,
+                 world_size: int = 1, drop_last: bool = True, shuffle: bool = True,
+                 pin_memory: bool | None = None, prefetch: int = 2):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if len(dataset) == 0:
+            raise ValueError(f"{dataset!r} has no samples; give it more text or pick another split")
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, int(seed)
+        self.rank, self.world_size, self.drop_last, self.shuffle = rank, world_size, drop_last, shuffle
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.prefetch = prefetch
+        self.global_batch = batch_size * world_size
+        n = len(dataset)
+        self.steps_per_epoch = n // self.global_batch if drop_last else -(-n // self.global_batch)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{n} samples make no full global batch of {self.global_batch} (batch_size x world_size); "
+                "use a smaller batch, more data, or drop_last=False"
+            )
+        self.epoch, self.step = 0, 0
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def indices(self, epoch: int, step: int) -> np.ndarray:
+        """Dataset indices of this rank's batch `step` of `epoch`: (batch_size,) int64."""
+        n = len(self.dataset)
+        k = np.arange(self.batch_size, dtype=np.int64)
+        pos = step * self.global_batch + self.rank + k * self.world_size  # (B,) positions in the epoch
+        pos %= n  # only drop_last=False reaches past the end: wrap to the epoch's first samples
+        return permute(pos, n, self.seed, epoch) if self.shuffle else pos
+
+    def batch(self, epoch: int, step: int) -> dict:
+        """This rank's batch `step` of `epoch` as (B, S) tensors (pinned if pin_memory)."""
+        samples = [self.dataset.sample(int(i)) for i in self.indices(epoch, step)]
+        out = {}
+        for key in samples[0]:
+            if key == "cu_seqlens":  # offsets into the flattened (B*S) tokens; each pad tail a segment
+                S, cu = self.dataset.seq_len, [0]
+                for b, s in enumerate(samples):
+                    cu += (b * S + s["cu_seqlens"][1:]).tolist()
+                    if cu[-1] != (b + 1) * S:
+                        cu.append((b + 1) * S)
+                out[key] = torch.tensor(cu, dtype=torch.int32)
+                out["max_seqlen"] = int(np.diff(cu).max())
+            else:
+                out[key] = torch.from_numpy(np.stack([s[key] for s in samples]))
+        if self.pin_memory:
+            out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        return out
+
+    def __iter__(self):
+        """Yield the rest of the current epoch; afterwards the loader stands at the next epoch."""
+        if self.step >= self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        epoch, first = self.epoch, self.step
+        for step, batch in self._produce(epoch, first):
+            self.step = step + 1  # counted before the yield: state_dict() names the next batch
+            yield batch
+        if self.epoch == epoch and self.step >= self.steps_per_epoch:
+            self.epoch, self.step = epoch + 1, 0
+
+    def forever(self):
+        """Yield batches across epochs without end."""
+        while True:
+            yield from self
+
+    def _produce(self, epoch: int, first: int):
+        steps = range(first, self.steps_per_epoch)
+        if self.prefetch == 0:
+            for step in steps:
+                yield step, self.batch(epoch, step)
+            return
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def work():
+            try:
+                for step in steps:
+                    item = (step, self.batch(epoch, step))
+                    while not stop.is_set():
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            pass
+                    if stop.is_set():
+                        return
+                q.put(None)
+            except BaseException as err:  # handed to the consumer, raised there
+                q.put(err)
+
+        thread = threading.Thread(target=work, name="BatchLoader-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    q.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
+
+    def state_dict(self) -> dict:
+        """Where the loader stands: the next batch is batch `step` of `epoch`."""
+        return {"epoch": self.epoch, "step": self.step, "samples_seen": self.step * self.global_batch,
+                "seed": self.seed, "global_batch": self.global_batch, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "dataset_len": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the batch after the saved one; the order must be the same (seed, data, global batch)."""
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "drop_last", "dataset_len"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"cannot resume: the saved loader had {key}={state[key]!r}, this one has {mine[key]!r}; "
+                    "resume with the same data, seed and options"
+                )
+        if state["samples_seen"] % self.global_batch:
+            raise ValueError(
+                f"cannot resume: {state['samples_seen']} samples were seen, not a whole number of global "
+                f"batches of {self.global_batch}; keep batch_size x world_size at {state['global_batch']}"
+            )
+        self.epoch, self.step = int(state["epoch"]), state["samples_seen"] // self.global_batch
