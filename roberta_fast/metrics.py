@@ -1,0 +1,164 @@
+"""Training reports: a tqdm bar, `<out>/metrics.jsonl`, TensorBoard and a final loss plot.
+
+    log = MetricsLogger(out_dir, total_steps=600, start_step=0)
+    log.log({"kind": "train", "step": 10, "loss": 7.1, ...})    # one JSON line per call
+    log.advance(step)                                            # move the bar
+    log.close(); plot_losses(out_dir / "metrics.jsonl", out_dir / "loss.png")
+
+Each line of metrics.jsonl is one JSON object with a "kind" ("train" or "eval") and a
+"step"; non-finite numbers are written as null. On resume, `MetricsLogger(...,
+start_step=s)` drops the lines logged after step s (they belong to the steps about to
+be redone), so the file reads as if the run had never stopped. TensorBoard scalars are
+written when the `tensorboard` package is installed, the PNG plot when matplotlib is.
+Only rank 0 reports; other ranks construct the logger with enabled=False.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value):
+    """JSON-safe value: floats rounded to 6 significant digits, non-finite -> None."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float):
+        return float(f"{value:.6g}") if math.isfinite(value) else None
+    return value
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl (a torn last line, from a kill, is ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: GPU allocations on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+    except ImportError:  # pragma: no cover - non-POSIX
+        return math.nan
+
+
+class MetricsLogger:
+    """Progress bar, JSONL log and TensorBoard writer of one (rank-0) training process."""
+
+    def __init__(self, out_dir: str | os.PathLike, total_steps: int, start_step: int = 0,
+                 enabled: bool = True, progress: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = Path(out_dir) / METRICS_FILE
+        self.bar = self.writer = self._file = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_after(start_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start_step or None)
+            except ImportError:  # tensorboard not installed: JSONL only
+                self.writer = None
+
+    def _drop_after(self, step: int) -> None:
+        """Keep only the records up to `step` (atomic rewrite)."""
+        if not self.path.is_file():
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict) -> None:
+        """Append one record (needs "kind" and "step") to the JSONL file and TensorBoard."""
+        if not self.enabled:
+            return
+        record = {k: _clean(v) for k, v in record.items()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.writer is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
+        if self.bar is not None and record["kind"] == "train":
+            shown = {"loss": record.get("loss"), "tok/s": record.get("tokens_per_s"), "lr": record.get("lr")}
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items() if v is not None}, refresh=False)
+
+    def write(self, message: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def advance(self, step: int) -> None:
+        """Move the progress bar to `step`."""
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self._file is not None:
+            self._file.close()
+        self.bar = self.writer = self._file = None
+
+
+def plot_losses(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
+    """PNG of the training and validation loss against step; None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    valid = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval" and r.get("loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train MLM loss", lw=1)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation MLM loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / predicted token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path = Path(png_path)
+    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return png_path

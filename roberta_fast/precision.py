@@ -1,0 +1,79 @@
+"""Mixed precision for the trainer: the autocast context and fp16's dynamic loss scaler.
+
+fp32 master weights throughout: the parameters stay float32 and `torch.autocast` runs the
+matmuls in fp16/bf16. fp16 needs loss scaling: the loss is multiplied by `scale` before
+backward; when the gradients hold inf/NaN the update is skipped and the scale halves,
+and after `window` finite steps in a row it doubles (Micikevicius et al. 2018; the
+policy of apex / fairseq / torch.amp.GradScaler). bf16 and fp32 use a fixed scale of 1
+(no scaling), but a non-finite step is still skipped and counted.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto" -> bf16 on a GPU that supports it, else fp32; checks the others are usable."""
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision bf16 is not supported on {torch.cuda.get_device_name(device)}; use fp16")
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"precision must be auto, fp32, fp16 or bf16, got {precision!r}")
+    return precision
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward's autocast context for `precision` (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class DynamicLossScaler:
+    """Loss scale that halves on overflow and doubles after `window` clean steps.
+
+    enabled=False (bf16, fp32): the scale stays 1.0 but overflow steps are still counted.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, window: int = 1000, factor: float = 2.0,
+                 min_scale: float = 2.0 ** -14, enabled: bool = True):
+        if init_scale <= 0 or window < 1 or factor <= 1:
+            raise ValueError(f"need init_scale > 0, window >= 1, factor > 1; got {init_scale}, {window}, {factor}")
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.window, self.factor, self.min_scale = int(window), float(factor), float(min_scale)
+        self.good_steps = 0  # finite steps since the last change of scale
+        self.skipped = 0  # overflow steps in all
+        self.bad_in_a_row = 0  # consecutive overflow steps (a persistent NaN stops the run)
+
+    def update(self, found_inf: bool) -> None:
+        """Record one step: halve on overflow, double after `window` finite steps."""
+        if found_inf:
+            self.skipped += 1
+            self.bad_in_a_row += 1
+            self.good_steps = 0
+            if self.enabled:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+            return
+        self.bad_in_a_row = 0
+        self.good_steps += 1
+        if self.enabled and self.good_steps >= self.window:
+            self.scale *= self.factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped,
+                "bad_in_a_row": self.bad_in_a_row, "enabled": self.enabled}
+
+    def load_state_dict(self, state: dict) -> None:
+        if bool(state["enabled"]) == self.enabled:  # a precision change keeps this run's scale
+            self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped = int(state["skipped"])
+        self.bad_in_a_row = int(state["bad_in_a_row"])

@@ -1,0 +1,339 @@
+"""TrainConfig: every knob of `python -m roberta_fast.train`, its recipe presets and its CLI.
+
+    cfg = TrainConfig.preset("base", max_steps=1000)       # the paper's recipe, overridden
+    cfg = load_config(argv)                                # --config file, --preset, one flag per field
+
+Precedence, lowest first: the dataclass defaults, the recipe preset (`--preset`, or the
+one named in the config file), the `--config` file (YAML or JSON), then the command-line
+flags. Every field has a flag: `max_steps` is `--max-steps`, booleans take
+`--flag` / `--no-flag`. `validate()` rejects impossible values with one message listing
+every problem, before any data or weights are touched.
+
+Presets (`TRAIN_PRESETS`): "tiny" trains on 2 CPU cores in minutes; "base" and "large"
+are the RoBERTa paper's pretraining hyperparameters (Liu et al. 2019, appendix table 9:
+batch 8K sequences of 512 tokens, 500k steps, peak LR 6e-4 / 4e-4, warmup 24k / 30k,
+Adam β 0.9/0.98, ε 1e-6, weight decay 0.01, no gradient clipping); "base_fairseq" is
+fairseq's single-node base recipe (batch 2048, LR 5e-4, warmup 10k, 125k updates).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+MASKINGS = ("token", "whole_word", "span")
+MODES = ("full_sentences", "doc_sentences")
+MODEL_PRESETS = ("tiny", "base", "large")
+
+
+@dataclass
+class TrainConfig:
+    """One training run. `global_batch_size = batch_size * grad_accum * world_size` sequences."""
+
+    # what to train
+    model: str = "tiny"  # RobertaConfig preset: tiny | base | large
+    hidden_size: int | None = None  # model overrides of the preset (None: the preset's)
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    intermediate_size: int | None = None
+    dropout: float | None = None  # hidden and attention dropout (None: the preset's 0.1)
+    backend: str = "auto"  # model backend: auto | fused | reference
+    init_from: str | None = None  # an HF model directory to start from instead of random weights
+    # data
+    data: str | None = None  # dataset directory (roberta_fast.preprocess); None: the embedded corpus
+    seq_len: int = 128
+    mode: str = "full_sentences"  # full_sentences | doc_sentences
+    masking: str = "token"  # token | whole_word | span
+    mlm_probability: float = 0.15
+    mask_replace_prob: float = 0.8
+    random_replace_prob: float = 0.1
+    # batch
+    batch_size: int = 16  # sequences per micro-step per process
+    grad_accum: int | None = None  # micro-steps per optimizer step (None: from global_batch_size)
+    global_batch_size: int | None = None  # sequences per optimizer step over all processes
+    # optimisation
+    max_steps: int = 600
+    lr: float = 1e-3
+    warmup_steps: int = 60
+    min_lr: float = 0.0  # the linear decay ends here at max_steps
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    clip_grad_norm: float = 1.0  # 0: no clipping (the paper's choice)
+    precision: str = "auto"  # auto (bf16 on a bf16 GPU, else fp32) | fp32 | fp16 | bf16
+    init_loss_scale: float = 2.0 ** 16  # fp16 dynamic loss scaling
+    loss_scale_window: int = 1000  # finite steps before the scale doubles
+    max_bad_steps: int = 25  # consecutive non-finite steps that stop the run
+    seed: int = 0
+    # where and how often
+    out: str | None = None  # output directory (None: runs/<preset>)
+    resume: str = "auto"  # auto (latest checkpoint in out, if any) | never | a checkpoint path
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    stop_at: int | None = None  # checkpoint and exit after this step (time-sliced jobs)
+    prefetch: int = 4  # batches prepared ahead of the GPU
+    progress: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+    export: bool = True
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out if self.out is not None else os.path.join("runs", self.model))
+
+    def resolve_batch(self, world_size: int) -> tuple[int, int]:
+        """(grad_accum, global_batch_size) for `world_size` processes; ValueError if inconsistent."""
+        per_step = self.batch_size * world_size
+        if self.grad_accum is None and self.global_batch_size is None:
+            return 1, per_step
+        if self.grad_accum is None:
+            if self.global_batch_size % per_step:
+                raise ValueError(
+                    f"global_batch_size {self.global_batch_size} is not a multiple of batch_size "
+                    f"{self.batch_size} x {world_size} processes = {per_step}; change --batch-size or "
+                    f"--global-batch-size, or set --grad-accum"
+                )
+            return self.global_batch_size // per_step, self.global_batch_size
+        total = per_step * self.grad_accum
+        if self.global_batch_size is not None and self.global_batch_size != total:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} != batch_size {self.batch_size} x "
+                f"grad_accum {self.grad_accum} x {world_size} processes = {total}; set only two of them"
+            )
+        return self.grad_accum, total
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> "TrainConfig":
+        """Raise ValueError listing every impossible value; return self."""
+        errors = []
+
+        def check(ok, msg):
+            if not ok:
+                errors.append(msg)
+
+        def positive(name, allow_none=False, allow_zero=False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            is_int = isinstance(v, int) and not isinstance(v, bool)
+            check(is_int and (v >= 0 if allow_zero else v > 0),
+                  f"{name} must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
+
+        for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "eval_every",
+                     "save_every", "keep_checkpoints", "loss_scale_window", "max_bad_steps", "prefetch"):
+            positive(name)
+        for name in ("grad_accum", "global_batch_size", "hidden_size", "num_hidden_layers",
+                     "num_attention_heads", "intermediate_size", "stop_at"):
+            positive(name, allow_none=True)
+        positive("warmup_steps", allow_zero=True)
+        check(isinstance(self.seed, int) and 0 <= self.seed < 2 ** 63, f"seed must be an int in [0, 2^63), got {self.seed!r}")
+        check(self.model in MODEL_PRESETS, f"model must be one of {MODEL_PRESETS}, got {self.model!r}")
+        check(self.backend in ("auto", "fused", "reference"),
+              f"backend must be auto, fused or reference, got {self.backend!r}")
+        check(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        check(self.masking in MASKINGS, f"masking must be one of {MASKINGS}, got {self.masking!r}")
+        check(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        check(0.0 < self.mlm_probability < 1.0, f"mlm_probability must be in (0, 1), got {self.mlm_probability!r}")
+        check(0.0 <= self.mask_replace_prob and 0.0 <= self.random_replace_prob
+              and self.mask_replace_prob + self.random_replace_prob <= 1.0,
+              "mask_replace_prob and random_replace_prob must be >= 0 and sum to at most 1, got "
+              f"{self.mask_replace_prob!r} + {self.random_replace_prob!r}")
+        check(self.dropout is None or 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
+        check(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        check(0.0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        check(0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0,
+              f"beta1 and beta2 must be in [0, 1), got {self.beta1!r}, {self.beta2!r}")
+        check(self.eps > 0, f"eps must be > 0, got {self.eps!r}")
+        check(self.clip_grad_norm >= 0, f"clip_grad_norm must be >= 0 (0 disables clipping), got {self.clip_grad_norm!r}")
+        check(self.init_loss_scale > 0, f"init_loss_scale must be > 0, got {self.init_loss_scale!r}")
+        if isinstance(self.warmup_steps, int) and isinstance(self.max_steps, int):
+            check(self.warmup_steps <= self.max_steps,
+                  f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        if isinstance(self.stop_at, int) and isinstance(self.max_steps, int):
+            check(self.stop_at <= self.max_steps, f"stop_at ({self.stop_at}) must not exceed max_steps ({self.max_steps})")
+        check(self.resume in ("auto", "never") or bool(self.resume),
+              f"resume must be auto, never or a checkpoint path, got {self.resume!r}")
+        if self.grad_accum is not None and self.global_batch_size is not None and not errors:
+            if self.global_batch_size % (self.batch_size * self.grad_accum):
+                errors.append(
+                    f"global_batch_size {self.global_batch_size} is not batch_size {self.batch_size} x "
+                    f"grad_accum {self.grad_accum} x a whole number of processes"
+                )
+        if errors:
+            raise ValueError("invalid training config:\n  - " + "\n  - ".join(errors))
+        return self
+
+    # ------------------------------------------------------------------ presets / io
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "TrainConfig":
+        """The recipe preset `name` (see TRAIN_PRESETS) with `overrides` applied."""
+        if name not in TRAIN_PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(TRAIN_PRESETS)}")
+        return cls.from_dict({**TRAIN_PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """Build from a mapping of field names (dashes allowed); unknown keys are an error."""
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown training config keys {unknown}; valid keys: {sorted(names)}")
+        return cls(**{k: _coerce(k, v) for k, v in data.items()})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the config as JSON via a temporary file and a rename."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+
+# Recipe presets: training fields only; model sizes come from RobertaConfig.preset(model).
+TRAIN_PRESETS: dict[str, dict[str, Any]] = {
+    # 2 CPU cores, a few minutes: 2 layers, hidden 128, 128-token sequences.
+    "tiny": dict(model="tiny", seq_len=128, batch_size=16, max_steps=600, lr=1e-3, warmup_steps=60,
+                 clip_grad_norm=1.0, eval_every=100, eval_batches=8, log_every=10, save_every=200),
+    # RoBERTa paper, base: 8K x 512 tokens, 500k steps, peak 6e-4 after 24k warmup, no clipping.
+    "base": dict(model="base", seq_len=512, batch_size=32, global_batch_size=8192, max_steps=500_000,
+                 lr=6e-4, warmup_steps=24_000, clip_grad_norm=0.0, eval_every=2000, eval_batches=50,
+                 log_every=50, save_every=2000, keep_checkpoints=3),
+    # RoBERTa paper, large: 8K x 512 tokens, 500k steps, peak 4e-4 after 30k warmup, no clipping.
+    "large": dict(model="large", seq_len=512, batch_size=16, global_batch_size=8192, max_steps=500_000,
+                  lr=4e-4, warmup_steps=30_000, clip_grad_norm=0.0, eval_every=2000, eval_batches=50,
+                  log_every=50, save_every=2000, keep_checkpoints=3),
+    # fairseq's single-node base recipe: 2048 x 512 tokens, 125k updates, peak 5e-4 after 10k.
+    "base_fairseq": dict(model="base", seq_len=512, batch_size=16, global_batch_size=2048,
+                         max_steps=125_000, lr=5e-4, warmup_steps=10_000, clip_grad_norm=0.0,
+                         eval_every=2000, eval_batches=50, log_every=50, save_every=2000,
+                         keep_checkpoints=3),
+}
+
+
+# ---------------------------------------------------------------------- parsing
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """field name -> (base type, optional)."""
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for f in fields(TrainConfig):
+        t = hints[f.name]
+        args = typing.get_args(t)
+        optional = type(None) in args
+        if typing.get_origin(t) in (typing.Union, types.UnionType):
+            t = next(a for a in args if a is not type(None))
+        out[f.name] = (t, optional)
+    return out
+
+
+def _coerce(name: str, value):
+    """Convert a value read from a file or the command line to the field's type."""
+    base, optional = _field_types()[name]
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise ValueError(f"{name} cannot be empty")
+    try:
+        if base is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if base is int:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, str):
+                f = float(value)  # accepts "8192", "5e5"
+                if not f.is_integer():
+                    raise ValueError(value)
+                return int(f)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(value)
+            return value
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} expects {'an' if base is int else 'a'} {base.__name__}, got {value!r}") from None
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The mapping in a .json / .yaml / .yml file (YAML needs PyYAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{path} is YAML, which needs PyYAML (`pip install pyyaml`); or use JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path} is not valid YAML: {err}") from None
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+    else:
+        raise ValueError(f"config file {str(path)!r} must end in .json, .yaml or .yml")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of config keys to values, got {type(data).__name__}")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: --config, --preset and one flag per TrainConfig field (default: not given)."""
+    p = argparse.ArgumentParser(
+        prog="python -m roberta_fast.train",
+        description="Pretrain RoBERTa (MLM). With no arguments: the tiny preset on the embedded corpus.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", help="YAML or JSON file of config fields (flags override it)")
+    p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), help="recipe preset (default: tiny)")
+    defaults = TrainConfig()
+    for name, (base, optional) in _field_types().items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        if base is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"(default {default})")
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=base.__name__.upper(),
+                           help=f"(default {default})")
+    return p
+
+
+def load_config(argv=None) -> TrainConfig:
+    """The effective, validated TrainConfig for command-line `argv`."""
+    args = vars(build_parser().parse_args(argv))
+    file_values = read_config_file(args.pop("config")) if args.get("config") else {}
+    file_values = {str(k).replace("-", "_"): v for k, v in file_values.items()}
+    preset = args.pop("preset") or file_values.pop("preset", None) or "tiny"
+    if preset not in TRAIN_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
+    flags = {k: v for k, v in args.items() if v is not None}
+    return TrainConfig.preset(preset, **{**file_values, **flags}).validate()
