@@ -9,28 +9,54 @@ backend: "reference" (plain PyTorch, any device), "fused" (Triton kernels), or
 """
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 BACKENDS = ("auto", "fused", "reference")
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """roberta_fast.kernels, imported on first use so CPU-only users never need triton."""
+    try:
+        from roberta_fast import kernels
+    except ImportError as err:
+        raise ImportError(
+            f"backend='fused' needs triton, which failed to import ({err}); install it with "
+            "`pip install triton` (Linux), or use backend='reference'"
+        ) from err
+    return kernels
+
+
+def _triton_available() -> bool:
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
+
+
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "fused":
-        raise NotImplementedError(
-            "backend='fused' is not available yet: the Triton kernels are wired into the model "
-            "in issue 3. Use backend='reference' (or 'auto', which picks reference)."
-        )
+        _kernels()
     return backend
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that actually runs for tensors on `device`."""
+    """The backend that runs for tensors on `device`: "auto" means fused on CUDA when triton imports."""
     if backend == "auto":
-        return "reference"
+        return "fused" if device.type == "cuda" and _triton_available() else "reference"
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str):
+    warnings.warn(message, stacklevel=3)
 
 
 def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
@@ -40,6 +66,12 @@ def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
     The reference adds finfo.min to masked scores, as Hugging Face does, so a row with
     every key masked attends uniformly instead of producing NaN.
     """
+    if backend == "fused":
+        supported = _kernels().ATTENTION_HEAD_DIMS
+        if q.shape[-1] in supported:
+            return _kernels().attention(q, k, v, attention_mask, dropout_p)
+        _warn_once(f"fused attention supports head dims {supported}, not {q.shape[-1]}: "
+                   "using the reference attention for this model")
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
     additive = None
     if attention_mask is not None:
@@ -53,11 +85,23 @@ def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
 
 def linear_gelu(x, weight, bias, backend: str):
     """erf GELU(x @ weight.T + bias): the feed-forward's first half."""
+    if backend == "fused":
+        h = F.linear(x, weight)
+        return _kernels().bias_gelu(h, bias.to(h.dtype))
     return F.gelu(F.linear(x, weight, bias))
 
 
 def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float, backend: str):
-    """LayerNorm(dropout(x) + residual): the post-LN sublayer ending. residual may be None."""
+    """LayerNorm(dropout(x) + residual): the post-LN sublayer ending. residual may be None.
+
+    With mixed dtypes (autocast: x half, residual fp32) both are promoted, as PyTorch's
+    `x + residual` would, so the fused and reference paths agree.
+    """
+    if backend == "fused":
+        if residual is not None and residual.dtype != x.dtype:
+            dtype = torch.promote_types(x.dtype, residual.dtype)
+            x, residual = x.to(dtype), residual.to(dtype)
+        return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
     x = F.dropout(x, p=dropout_p, training=dropout_p > 0)
     if residual is not None:
         x = x + residual
