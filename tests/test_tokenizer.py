@@ -1,0 +1,151 @@
+"""RobertaTokenizer: RoBERTa's id layout, round trips, word starts, and parity with transformers.
+
+The tokenizer is trained on the pydoc topics (roberta_fast.corpus) with a small vocab;
+parity is checked against `transformers.AutoTokenizer` / `RobertaTokenizerFast` loaded
+from the directory `save` writes (no downloads).
+"""
+import json
+
+import numpy as np
+import pytest
+
+from roberta_fast import RobertaTokenizer
+from roberta_fast.corpus import iter_documents
+
+TRICKY = [
+    "Hello world",
+    " leading space",
+    "   three leading spaces and trailing   ",
+    "emoji 🤗🎉👩‍👩‍👧 and ünïcödé, 日本語のテキスト, Ελληνικά, עברית",
+    "a  b   c\n\n\nd\t\te\r\nf",
+    "\n\nstarts with newlines",
+    "The <mask> sat on the mat.",
+    "x<mask>y",
+    "two<mask> <mask>masks",
+    "  <mask>  ",
+    "<s>literal specials</s> <pad> <unk>",
+    "\u00a0nbsp\u2028line sep\u200bzero width",
+    "don't won't it's we'll I'm you've they'd",
+    "numbers 1234567890 3.14159 -42 1e-5",
+    "",
+]
+PLAIN = [t for t in TRICKY if "<" not in t]  # no special-token text: decode(encode(t)) == t
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return RobertaTokenizer.train_from_iterator(iter_documents(max_bytes=150_000), vocab_size=1200)
+
+
+@pytest.fixture(scope="module")
+def saved(tok, tmp_path_factory):
+    return tok.save(tmp_path_factory.mktemp("tok"))
+
+
+def test_id_layout(tok):
+    assert tok.vocab_size == 1200 == len(tok)
+    assert tok.special_ids == {"bos_id": 0, "pad_id": 1, "eos_id": 2, "unk_id": 3, "mask_id": 1199}
+    assert [tok.id_to_token(i) for i in range(4)] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert tok.id_to_token(1199) == "<mask>"
+
+
+def test_encode_adds_bos_eos(tok):
+    ids = tok.encode("Hello world")
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert ids[1:-1] == tok.encode("Hello world", add_special_tokens=False)
+    assert tok.encode("") == [tok.bos_id, tok.eos_id]
+
+
+@pytest.mark.parametrize("text", PLAIN)
+def test_round_trip(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.unk_id not in ids  # byte-level: every string is covered by the alphabet
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def test_mask_lstrip(tok):
+    a = tok.encode("a")[1:-1]
+    assert tok.encode("a <mask>") == [tok.bos_id, *a, tok.mask_id, tok.eos_id]  # the space goes with <mask>
+    assert tok.encode("a<mask>") == tok.encode("a <mask>")
+    ids = tok.encode("two<mask> <mask>masks")
+    assert ids.count(tok.mask_id) == 2
+
+
+def test_batch_equals_single(tok):
+    assert tok.encode_batch(TRICKY) == [tok.encode(t) for t in TRICKY]
+    ids, starts = tok.encode_batch(TRICKY, add_special_tokens=False, word_starts=True)
+    assert [len(s) for s in starts] == [len(i) for i in ids]
+
+
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab+merges"])
+def test_transformers_parity(tok, saved, tmp_path, files):
+    transformers = pytest.importorskip("transformers")
+    path = saved
+    if files == "vocab+merges":  # what ships with roberta-base: no tokenizer.json
+        path = tmp_path
+        for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            (path / name).write_bytes((saved / name).read_bytes())
+    hf = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert "Roberta" in type(hf).__name__ and hf.is_fast
+    ours = RobertaTokenizer.from_pretrained(path)
+    assert ours.tokenizer_hash == tok.tokenizer_hash
+    assert (hf.bos_token_id, hf.pad_token_id, hf.eos_token_id, hf.unk_token_id, hf.mask_token_id) == tuple(
+        tok.special_ids.values())
+    assert (hf.cls_token, hf.sep_token, hf.mask_token) == ("<s>", "</s>", "<mask>")
+    assert len(hf) == tok.vocab_size
+    for text in TRICKY:
+        assert hf(text)["input_ids"] == tok.encode(text) == ours.encode(text), text
+        assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text, add_special_tokens=False)
+    assert hf(TRICKY)["input_ids"] == tok.encode_batch(TRICKY)
+    for text in PLAIN:
+        assert hf.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def test_save_writes_consistent_files(tok, saved):
+    vocab = json.loads((saved / "vocab.json").read_text(encoding="utf-8"))
+    assert len(vocab) == tok.vocab_size and vocab["<mask>"] == tok.mask_id and vocab["<s>"] == 0
+    merges = (saved / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert merges[0].startswith("#version") and [tuple(m.split(" ")) for m in merges[1:]] == tok.merges()
+    assert json.loads((saved / "tokenizer_config.json").read_text())["tokenizer_class"] == "RobertaTokenizer"
+    assert not list(saved.glob("*.tmp"))
+
+
+def test_train_from_files(tmp_path):
+    docs = list(iter_documents(max_bytes=60_000))
+    files = []
+    for k in range(2):
+        f = tmp_path / f"part{k}.txt"
+        f.write_text("\n".join(docs[k::2]), encoding="utf-8")
+        files.append(f)
+    tok = RobertaTokenizer.train(files, vocab_size=600, min_frequency=2)
+    assert tok.vocab_size == 600 and tok.mask_id == 599 and tok.special_ids["pad_id"] == 1
+    text = docs[0][:200]
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_word_starts_group_whitespace_words(tok):
+    texts = ["Hello world, it's a test.\nNew  line\there", "one", "  spaced   out  ", "x\n\ny"]
+    ids, starts = tok.encode_batch(texts, add_special_tokens=False, word_starts=True)
+    for text, row, flags in zip(texts, ids, starts):
+        cut = np.flatnonzero(flags).tolist() + [len(row)]
+        assert cut[0] == 0
+        words = [tok.decode(row[a:b]).strip() for a, b in zip(cut[:-1], cut[1:])]
+        assert [w for w in words if w] == text.split(), text
+    with_specials, flags = tok.encode_batch(["a b"], word_starts=True)
+    assert flags[0][0] and flags[0][-1] and flags[0][1]  # <s>, </s> and the token after <s>
+
+
+def test_bad_arguments(tok, tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):
+        RobertaTokenizer.train_from_iterator(["some text"], vocab_size=100)
+    with pytest.raises(ValueError, match="not a file"):
+        RobertaTokenizer.train([tmp_path / "missing.txt"], vocab_size=1000)
+    with pytest.raises(ValueError, match="neither tokenizer.json nor vocab.json"):
+        RobertaTokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a directory"):
+        RobertaTokenizer.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(TypeError, match="str"):
+        tok.encode(b"bytes")
+    with pytest.raises(TypeError, match="list of str"):
+        tok.encode_batch("one string")
