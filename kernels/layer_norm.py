@@ -353,17 +353,19 @@ def _seed_tensor(seed, device):
 
 
 def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, dropout_mask=None):
-    """Plain-PyTorch LayerNorm(dropout(x) + residual), computed in fp32, output in x's dtype.
+    """Plain-PyTorch LayerNorm(dropout(x) + residual), computed in fp32 (fp64 inputs stay
+    fp64, for gold values in tests), output in x's dtype.
 
     dropout_mask (bool, x's shape) gives the kept elements; without it torch's own
     dropout draws one when dropout_p > 0.
     """
-    z = x.float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    z = x.to(acc)
     if dropout_mask is not None:
         z = z * dropout_mask / (1.0 - dropout_p) if dropout_p < 1.0 else z * 0.0
     elif dropout_p > 0.0:
         z = torch.nn.functional.dropout(z, dropout_p)
     if residual is not None:
-        z = z + residual.float()
-    y = torch.nn.functional.layer_norm(z, (x.shape[-1],), weight.float(), bias.float(), eps)
+        z = z + residual.to(acc)
+    y = torch.nn.functional.layer_norm(z, (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
     return y.to(x.dtype)
