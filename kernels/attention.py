@@ -630,7 +630,7 @@ def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, d
 
 def attention_ref(q, k, v, attention_mask=None, dropout_p=0.0, softmax_scale=None, dropout_mask=None, *,
                   upcast=True):
-    """Plain-PyTorch attention, (batch, seqlen, nheads, headdim), computed in fp32 (upcast=True).
+    """Plain-PyTorch attention, (batch, seqlen, nheads, headdim), in fp32 math or better (upcast=True).
 
     Keys where attention_mask is 0 get no weight; rows with no key get zeros.
     dropout_mask (batch, nheads, seqlen, seqlen), True = kept, replaces a fresh
@@ -638,8 +638,9 @@ def attention_ref(q, k, v, attention_mask=None, dropout_p=0.0, softmax_scale=Non
     (PyTorch's own low-precision error, the yardstick for the kernel's tolerance).
     """
     dtype = q.dtype
-    if upcast:
-        q, k, v = q.float(), k.float(), v.float()
+    if upcast:  # fp32 math (fp64 inputs stay fp64: a reference for fp32 runs)
+        math_dtype = torch.promote_types(dtype, torch.float32)
+        q, k, v = q.to(math_dtype), k.to(math_dtype), v.to(math_dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     scores = torch.einsum("bshd,bthd->bhst", q, k) * scale  # (B, H, S, S)
     if attention_mask is not None:

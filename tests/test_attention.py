@@ -1,0 +1,268 @@
+"""Tests of kernels/attention.py: the fused attention against attention_ref.
+
+Tolerances follow flash-attention: the kernel's error against a higher-precision
+reference (fp32 math for fp16/bf16 inputs, fp64 for fp32 inputs) must be at most
+twice PyTorch's own error at the input precision plus a small atol derived from
+the dtype's rounding. Every input's gradient is checked. On the CPU the kernels
+run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there
+is no GPU); larger shapes and bf16 run only on a CUDA GPU.
+"""
+import pytest
+import torch
+
+from roberta_fast.kernels.attention import (
+    SUPPORTED_HEAD_DIMS,
+    _INTERPRET,
+    attention,
+    attention_dropout_mask,
+    attention_ref,
+    attention_varlen,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (batch, seqlen, nheads, headdim, padding, softmax_scale): awkward lengths, 1 and 12 heads,
+# each head dim, every padding pattern.
+CASES = [
+    (1, 1, 1, 32, "none", None),
+    (2, 7, 12, 64, "right", None),
+    (3, 130, 1, 128, "left", 0.3),
+    (3, 257, 2, 32, "holes", None),
+    (3, 130, 2, 64, "all_masked_row", None),
+]
+if torch.cuda.is_available():
+    CASES += [(4, 512, 12, 64, "right", None), (2, 1023, 3, 128, "holes", None), (3, 509, 16, 32, "none", None)]
+
+
+def _skip_unless_runnable(device, dtype=torch.float32, size=0):
+    if device.type == "cpu" and not _INTERPRET:
+        pytest.skip("CPU tensors need Triton's interpreter, which is off because a CUDA GPU is present")
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("needs a CUDA GPU: Triton's interpreter computes bf16 tl.dot wrongly")
+    if device.type == "cpu" and size > 300:
+        pytest.skip("needs a CUDA GPU: this shape is too slow for Triton's interpreter")
+
+
+def _mask(kind, batch, seqlen, device):
+    """(batch, seqlen) bool mask, 1 = attend, with the named padding pattern (None for 'none')."""
+    if kind == "none":
+        return None
+    lengths = torch.randint(1, seqlen + 1, (batch,))
+    pos = torch.arange(seqlen)
+    if kind in ("right", "all_masked_row"):
+        mask = pos[None, :] < lengths[:, None]
+    elif kind == "left":
+        mask = pos[None, :] >= seqlen - lengths[:, None]
+    elif kind == "holes":
+        mask = torch.rand(batch, seqlen) < 0.6
+    else:
+        raise AssertionError(kind)
+    if kind == "all_masked_row":
+        mask[0] = False
+    return mask.to(device)
+
+
+def _inputs(batch, seqlen, nheads, headdim, dtype, device, packed=False):
+    """(leaves, split): split(leaves) -> q, k, v. packed=True makes q, k, v strided views of one
+    (B, S, 3, H, D) leaf, as the model's fused QKV projection does."""
+    if packed:
+        qkv = torch.randn(batch, seqlen, 3, nheads, headdim, device=device, dtype=dtype, requires_grad=True)
+        return (qkv,), lambda leaves: leaves[0].unbind(2)
+    leaves = tuple(torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+    return leaves, lambda leaves: leaves
+
+
+def _assert_flash_close(name, fast, ref, pt):
+    """|fast - ref| <= 2 |pt - ref| + atol.
+
+    atol: twice the dtype's rounding error at 0.3 (flash-attention's), plus 1e-5 of the
+    magnitude, which matters only for fp32, where PyTorch's own error can be exactly 0.
+    """
+    ref = ref.double()
+    rounded = ref.to(fast.dtype)
+    atol = 2 * (rounded + 0.3 - 0.3 - rounded).abs().max().item() + 1e-5 * max(1.0, ref.abs().max().item())
+    err = (fast.double() - ref).abs().max().item()
+    pt_err = (pt.double() - ref).abs().max().item()
+    assert err <= 2 * pt_err + atol, f"{name}: error {err:.3g} > 2 * PyTorch's {pt_err:.3g} + {atol:.3g}"
+
+
+def _check_against_ref(leaves, split, mask, dout, out, grads, dropout_p=0.0, dropout_mask=None,
+                       softmax_scale=None):
+    """Output and gradients of `leaves` vs attention_ref in higher precision and at the input precision."""
+    dtype = leaves[0].dtype
+    kwargs = dict(dropout_p=dropout_p, dropout_mask=dropout_mask, softmax_scale=softmax_scale)
+    results = []
+    for prec, upcast in ((torch.float64 if dtype == torch.float32 else torch.float32, True), (dtype, False)):
+        copies = tuple(x.detach().to(prec).requires_grad_() for x in leaves)
+        o = attention_ref(*split(copies), mask, upcast=upcast, **kwargs)
+        results.append((o, torch.autograd.grad(o, copies, dout.to(prec))))
+    (ref, grads_ref), (pt, grads_pt) = results
+    _assert_flash_close("out", out, ref, pt)
+    for i, (g, g_ref, g_pt) in enumerate(zip(grads, grads_ref, grads_pt)):
+        _assert_flash_close(f"grad {i}", g, g_ref, g_pt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_matches_reference(device, dtype, case):
+    batch, seqlen, nheads, headdim, padding, scale = case
+    _skip_unless_runnable(device, dtype, seqlen)
+    leaves, split = _inputs(batch, seqlen, nheads, headdim, dtype, device, packed=padding == "right")
+    q, k, v = split(leaves)
+    mask = _mask(padding, batch, seqlen, device)
+    out = attention(q, k, v, mask, softmax_scale=scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert all(torch.isfinite(x).all() for x in (out, *grads))
+    if padding == "all_masked_row":
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert all(torch.equal(g[0], torch.zeros_like(g[0])) for g in grads)
+    _check_against_ref(leaves, split, mask, dout, out, grads, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_matches_reference_with_exported_mask(device, dtype):
+    _skip_unless_runnable(device, dtype)
+    batch, seqlen, nheads, headdim, p = 2, 130, 2, 64, 0.17
+    (q, k, v), split = _inputs(batch, seqlen, nheads, headdim, dtype, device)
+    mask = _mask("right", batch, seqlen, device)
+    out = attention(q, k, v, mask, dropout_p=p, dropout_seed=1234)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    keep = attention_dropout_mask(batch, nheads, seqlen, seqlen, p, 1234, device)
+    _check_against_ref((q, k, v), split, mask, dout, out, grads, dropout_p=p, dropout_mask=keep)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keep_rate(device, p):
+    _skip_unless_runnable(device)
+    keep = attention_dropout_mask(2, 3, 100, 101, p, 7, device).float()  # (B, H, Sq, Sk)
+    groups = [keep, keep[..., 0::4], keep[..., 3::4], keep[:, 2], keep[1, :, :50]]  # all; column phases; head; rows
+    for g in groups:
+        n = g.numel()
+        std = (p * (1 - p) / n) ** 0.5
+        assert abs(g.mean().item() - (1 - p)) < 5 * std, f"keep rate {g.mean().item():.4f}, expected {1 - p}"
+    # neighbouring columns (the 4 outputs of one Philox call) are not correlated
+    a, b = keep[..., 0:-1:2].flatten() - (1 - p), keep[..., 1::2].flatten() - (1 - p)
+    corr = (a * b).mean() / (p * (1 - p))
+    assert abs(corr.item()) < 5 / a.numel() ** 0.5
+
+
+def test_dropout_seeds_reproduce(device):
+    _skip_unless_runnable(device)
+    (q, k, v), _ = _inputs(2, 37, 2, 32, torch.float32, device)
+    run = lambda **kw: attention(q, k, v, dropout_p=0.3, **kw)  # noqa: E731
+    assert torch.equal(run(dropout_seed=5), run(dropout_seed=5))
+    assert not torch.equal(run(dropout_seed=5), run(dropout_seed=6))
+    torch.manual_seed(11)
+    first = run()
+    torch.manual_seed(11)
+    assert torch.equal(first, run())
+    assert not torch.equal(first, run())  # the generator advanced
+    mask_a = attention_dropout_mask(1, 2, 37, 37, 0.3, 5, device)
+    assert torch.equal(mask_a, attention_dropout_mask(1, 2, 37, 37, 0.3, 5, device))
+    assert not torch.equal(mask_a, attention_dropout_mask(1, 2, 37, 37, 0.3, 5, device, offset=1))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_varlen_equals_padded(device, dropout_p):
+    _skip_unless_runnable(device)
+    dtype = torch.float16
+    batch, seqlen, nheads, headdim = 4, 70, 2, 32
+    lengths = torch.tensor([70, 1, 33, 64])
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).to(device)
+    (q, k, v), _ = _inputs(batch, seqlen, nheads, headdim, dtype, device)
+    out = attention(q, k, v, mask, dropout_p=dropout_p, dropout_seed=3)
+    dout = torch.randn_like(out) * mask[:, :, None, None]  # padded rows carry no gradient, as under an MLM loss
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+    packed = [x.detach()[mask].requires_grad_() for x in (q, k, v)]  # (total_tokens, H, D)
+    out_v = attention_varlen(*packed, cu_seqlens, seqlen, dropout_p=dropout_p, dropout_seed=3)
+    grads_v = torch.autograd.grad(out_v, packed, dout[mask])
+    tol = dict(atol=2e-3, rtol=2e-3)  # same algorithm; block sizes may differ on a GPU (autotuning)
+    torch.testing.assert_close(out_v, out[mask], **tol)
+    for g_v, g in zip(grads_v, grads):
+        torch.testing.assert_close(g_v, g[mask], **tol)
+
+
+def test_deterministic_backward(device):
+    _skip_unless_runnable(device)
+    batch, seqlen = 2, 130
+    (q, k, v), _ = _inputs(batch, seqlen, 2, 64, torch.float16, device)
+    mask = _mask("holes", batch, seqlen, device)
+    out = attention(q, k, v, mask, dropout_p=0.1, dropout_seed=9)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_mask_dtypes_agree(device):
+    _skip_unless_runnable(device)
+    (q, k, v), _ = _inputs(2, 20, 1, 32, torch.float32, device)
+    mask = _mask("holes", 2, 20, device)
+    outs = [attention(q, k, v, mask.to(dt)) for dt in (torch.bool, torch.int64, torch.int32, torch.float32)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_torch_compile_fullgraph(device):
+    _skip_unless_runnable(device)
+    (q, k, v), _ = _inputs(2, 20, 2, 32, torch.float32, device)
+    mask = _mask("right", 2, 20, device)
+
+    def loss(q, k, v, mask):
+        return (attention(q, k, v, mask, dropout_p=0.1, dropout_seed=4) * 2.0).square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    value_c = compiled(q, k, v, mask)
+    grads_c = torch.autograd.grad(value_c, (q, k, v))
+    value = loss(q, k, v, mask)
+    grads = torch.autograd.grad(value, (q, k, v))
+    torch.testing.assert_close(value_c, value)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_custom_op_registration(device):
+    _skip_unless_runnable(device)
+    (q, k, v), _ = _inputs(1, 9, 2, 32, torch.float32, device)
+    mask = _mask("holes", 1, 9, device).view(torch.uint8)
+    rng = torch.tensor([3, 0], device=device)
+    torch.library.opcheck(torch.ops.roberta_fast.attention_fwd.default, (q, k, v, mask, None, 9, rng, 0.1, 0.2))
+
+
+def test_bad_inputs(device):
+    _skip_unless_runnable(device)
+    (q, k, v), _ = _inputs(2, 8, 2, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="4-D"):
+        attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="same shape"):
+        attention(q, k[:, :4], v)
+    with pytest.raises(TypeError, match="dtype"):
+        attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="dtype"):
+        attention(*(x.long() for x in (q, k, v)))
+    with pytest.raises(ValueError, match=r"supported head dims are \(32, 64, 128\)"):
+        attention(*(torch.zeros(2, 8, 2, 48, device=device) for _ in range(3)))
+    assert SUPPORTED_HEAD_DIMS == (32, 64, 128)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        attention(q, k, v, torch.ones(2, 9, device=device))
+    with pytest.raises(ValueError, match="additive mask"):
+        attention(q, k, v, torch.zeros(2, 8, device=device).masked_fill_(torch.rand(2, 8, device=device) < 0.5,
+                                                                         float("-inf")))
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        attention(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        attention(q, k, v, dropout_p=0.1, dropout_seed=-3)
+    packed = [x.reshape(16, 2, 32) for x in (q, k, v)]
+    with pytest.raises(TypeError, match="int32"):
+        attention_varlen(*packed, torch.tensor([0, 8, 16], device=device), 8)
+    with pytest.raises(ValueError, match="total_tokens"):
+        attention_varlen(*packed, torch.tensor([0, 8, 15], device=device, dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        attention_varlen(*packed, torch.tensor([0, 4, 16], device=device, dtype=torch.int32), 8)
