@@ -26,11 +26,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def _clean(value):
-    """JSON-safe value: floats rounded to 6 significant digits, non-finite -> None."""
+    """JSON-safe value: floats kept exactly (shortest round-trip repr), non-finite -> None."""
     if isinstance(value, torch.Tensor):
         value = value.item()
-    if isinstance(value, float):
-        return float(f"{value:.6g}") if math.isfinite(value) else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     return value
 
 

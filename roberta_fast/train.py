@@ -1,19 +1,39 @@
-"""`python -m roberta_fast.train`: the RoBERTa pretraining job (issue 6; in progress).
+"""`python -m roberta_fast.train`: pretrain RoBERTa with the MLM objective (docs/training.md).
 
-Until the trainer lands this entry point states what it will do and exits 0, so the
-README's main-job line works on a fresh machine.
+    python -m roberta_fast.train                          # tiny preset, embedded corpus, ./runs/tiny
+    python -m roberta_fast.train --preset base --data DATADIR --out runs/base
+    torchrun --nproc_per_node 8 -m roberta_fast.train --preset base --data DATADIR
+
+A thin entry point: the config (roberta_fast.train_config), then the Trainer
+(roberta_fast.trainer) does the rest. A bad config, dataset or output directory exits
+with status 2 and one message before any training; an interrupted run (SIGTERM, Ctrl-C)
+saves a checkpoint and resumes when the same command is run again.
 """
+from __future__ import annotations
+
 import sys
 
 
 def main(argv=None) -> int:
-    print(
-        "roberta_fast.train: the trainer is not built yet (issue 6). When it is, this command "
-        "trains the tiny preset on the embedded default corpus (CPU or GPU), evaluates the "
-        "validation MLM loss and exports a Hugging Face model.\n"
-        "What works today: roberta_fast.RobertaForMaskedLM (reference backend), loading and "
-        "saving Hugging Face checkpoints."
-    )
+    from .train_config import load_config
+    from .trainer import Trainer
+
+    try:
+        cfg = load_config(argv)
+        trainer = Trainer(cfg)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        trainer.run()
+    except ValueError as err:  # e.g. a checkpoint that does not match the config
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 MASKINGS = ("token", "whole_word", "span")
-MODES = ("full_sentences", "doc_sentences")
+MODES = ("full", "doc")  # FULL-SENTENCES, DOC-SENTENCES (roberta_fast.data)
 MODEL_PRESETS = ("tiny", "base", "large")
 
 
@@ -49,7 +49,7 @@ class TrainConfig:
     # data
     data: str | None = None  # dataset directory (roberta_fast.preprocess); None: the embedded corpus
     seq_len: int = 128
-    mode: str = "full_sentences"  # full_sentences | doc_sentences
+    mode: str = "full"  # full (FULL-SENTENCES) | doc (DOC-SENTENCES)
     masking: str = "token"  # token | whole_word | span
     mlm_probability: float = 0.15
     mask_replace_prob: float = 0.8

@@ -1,0 +1,584 @@
+"""The RoBERTa pretraining loop: one Trainer owns the model, optimizer, data and state.
+
+    trainer = Trainer(TrainConfig.preset("tiny"))
+    trainer.run()          # train to max_steps, evaluating, logging, checkpointing, exporting
+
+One optimizer step (`train_step`): `grad_accum` micro-batches are taken from the
+loader, masked on the device (`mask_tokens`, seeded by (seed, step, global sample
+index), so a mask does not depend on how the batch is split), their predicted tokens
+counted and all-reduced over ranks; each micro-batch runs the MLM head only on its
+predicted positions with a summed loss scaled by world_size · loss_scale / total
+predicted tokens (DDP averages over ranks), so the update equals one big batch's;
+`no_sync` skips the gradient all-reduce on all but the last micro-batch. The optimizer
+unscales, clips and applies AdamW with the scheduled LR, or skips the step when a
+gradient is not finite (the scaler halves, the schedule does not advance).
+
+Data parallel: started by torchrun (WORLD_SIZE > 1), NCCL on GPUs, gloo on CPU; each
+rank reads its own part of every global batch (BatchLoader(rank, world_size)).
+
+Resume is exact: a checkpoint holds the model, optimizer, schedule, loss scaler, loader
+position, step and every rank's RNG states; on CPU in fp32 a resumed run's losses equal
+an uninterrupted run's bit for bit (tests/test_train.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
+from .config import RobertaConfig
+from .metrics import MetricsLogger, memory_gb, plot_losses
+from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
+from .precision import DynamicLossScaler, autocast, resolve_precision
+from .schedule import WarmupLinearDecay
+from .train_config import TrainConfig
+
+EVAL_MASK_SEED = 0xE7A1  # validation masks are fixed, and the same for every run and world size
+
+
+# ---------------------------------------------------------------------- distributed
+class Dist:
+    """This process's place in a torchrun job (world_size 1 without torchrun)."""
+
+    def __init__(self):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world_size > 1
+
+    def init(self, device: torch.device) -> None:
+        if self.enabled and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def gather_objects(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but no CUDA GPU is available; use --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+# ---------------------------------------------------------------------- optimizer
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices (weights, embeddings), none on biases and LayerNorm."""
+    try:
+        from .optim import param_groups_for_weight_decay
+    except ImportError:
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return param_groups_for_weight_decay(model, weight_decay)
+
+
+class Optimizer:
+    """AdamW behind one call: unscale, measure the gradient norm, clip, step or skip.
+
+    Uses torch.optim.AdamW (fused on CUDA); `step(lr, scale)` returns
+    (gradient norm before clipping, whether the gradients were non-finite).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.clip = cfg.clip_grad_norm
+        self.opt = torch.optim.AdamW(
+            weight_decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps, fused=device.type == "cuda",
+        )
+
+    def step(self, lr: float, scale: float) -> tuple[float, bool]:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        if self.clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        norm = float(norm)  # the one host sync of a step
+        if not math.isfinite(norm):
+            return norm, True
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        return norm, False
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- rng
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------- trainer
+class Trainer:
+    """Everything of one training run; `run()` trains, `train_step()` does one optimizer step."""
+
+    def __init__(self, cfg: TrainConfig, log=print):
+        from .data import BatchLoader, PretrainingDataset, check_dataset
+
+        self.cfg = cfg.validate()
+        self.dist = Dist()
+        self.device = resolve_device(cfg.device, self.dist.local_rank)
+        self.dist.init(self.device)
+        self.print = log if self.dist.is_main else (lambda *a, **k: None)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.grad_accum, self.global_batch = cfg.resolve_batch(self.dist.world_size)
+        self.out = cfg.out_dir
+        if self.dist.is_main:
+            check_writable(self.out)
+
+        # data: the dataset is checked against the model before any weight is made
+        data_path = Path(cfg.data) if cfg.data else self._default_dataset()
+        word_starts = cfg.masking != "token"
+        self.train_data = PretrainingDataset(data_path, "train", cfg.seq_len, cfg.mode, word_starts=word_starts)
+        self.valid_data = PretrainingDataset(data_path, "valid", cfg.seq_len, cfg.mode, word_starts=word_starts)
+        manifest = self.manifest = self.train_data.manifest
+        self.model_config = self._model_config(manifest)
+        check_dataset(manifest, vocab_size=self.model_config.vocab_size)
+        self.special_ids = sorted({manifest[k] for k in ("bos_id", "pad_id", "eos_id", "unk_id", "mask_id")})
+        self.loader = BatchLoader(self.train_data, cfg.batch_size, seed=cfg.seed, rank=self.dist.rank,
+                                  world_size=self.dist.world_size, prefetch=cfg.prefetch,
+                                  pin_memory=self.device.type == "cuda")
+        self.eval_batches = self._eval_batches()
+
+        # model, optimizer and the state that checkpoints carry
+        seed_everything(cfg.seed)
+        if cfg.init_from:
+            self.model = RobertaForMaskedLM.from_pretrained(cfg.init_from, backend=cfg.backend)
+        else:
+            self.model = RobertaForMaskedLM(self.model_config, backend=cfg.backend)
+        self.model.to(self.device)
+        self.model.check_inputs = False  # ids come from a dataset checked against the vocabulary
+        self.ddp = None
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False, gradient_as_bucket_view=True)
+        # dropout streams differ per rank; rank 0 keeps the single-process stream
+        seed_everything(cfg.seed + 1_000_003 * self.dist.rank)
+        self.optimizer = Optimizer(self.model, cfg, self.device)
+        self.schedule = WarmupLinearDecay(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr)
+        self.scaler = DynamicLossScaler(cfg.init_loss_scale, cfg.loss_scale_window,
+                                        enabled=self.precision == "fp16")
+        self.step = 0
+        self.tokens_seen = 0
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _default_dataset(self) -> Path:
+        from .corpus import default_dataset
+
+        if self.dist.is_main:
+            path = default_dataset()
+        self.dist.barrier()  # rank 0 builds it once; the others then find it cached
+        if not self.dist.is_main:
+            path = default_dataset()
+        return path
+
+    def _model_config(self, manifest: dict) -> RobertaConfig:
+        cfg = self.cfg
+        if cfg.init_from:
+            mc = RobertaConfig.from_pretrained(cfg.init_from)
+            if cfg.seq_len > mc.max_seq_len:
+                raise ValueError(f"seq_len {cfg.seq_len} exceeds the {mc.max_seq_len} positions of "
+                                 f"{cfg.init_from}; use --seq-len {mc.max_seq_len} or less")
+            if mc.pad_token_id != manifest["pad_id"]:
+                raise ValueError(f"{cfg.init_from} pads with id {mc.pad_token_id} but the dataset with "
+                                 f"{manifest['pad_id']}; preprocess with the model's tokenizer")
+            return mc
+        overrides = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                   "intermediate_size") if getattr(cfg, k) is not None}
+        if cfg.dropout is not None:
+            overrides.update(hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
+        base = RobertaConfig.preset(cfg.model)
+        pad = manifest["pad_id"]
+        positions = max(base.max_position_embeddings, cfg.seq_len + pad + 1)
+        return RobertaConfig.preset(cfg.model, vocab_size=manifest["vocab_size"], pad_token_id=pad,
+                                    bos_token_id=manifest["bos_id"], eos_token_id=manifest["eos_id"],
+                                    max_position_embeddings=positions, **overrides)
+
+    def _eval_batches(self) -> list[dict]:
+        """The validation set's first samples (at most eval_batches x batch_size, split over ranks)."""
+        n = min(len(self.valid_data), self.cfg.eval_batches * self.cfg.batch_size)
+        if n == 0:
+            raise ValueError(f"the dataset's valid split holds no sequence of {self.cfg.seq_len} tokens; "
+                             "preprocess with a larger --valid-fraction")
+        r, w = self.dist.rank, self.dist.world_size
+        lo, hi = r * n // w, (r + 1) * n // w  # contiguous, so masks do not depend on world size
+        batches = []
+        for start in range(lo, hi, self.cfg.batch_size):
+            rows = [self.valid_data.sample(i) for i in range(start, min(hi, start + self.cfg.batch_size))]
+            batch = {k: torch.from_numpy(np.stack([s[k] for s in rows])) for k in rows[0]}
+            batch["sample_offset"] = start
+            batches.append(batch)
+        return batches
+
+    # ------------------------------------------------------------------ the step
+    def mask(self, batch: dict, step: int, sample_offset: int, seed: int):
+        """(inputs, attention_mask or None, labels) on the device for one micro-batch."""
+        from .masking import mask_tokens
+
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        attention = batch["attention_mask"]
+        attention = None if bool(attention.all()) else attention.to(self.device, non_blocking=True)
+        word_starts = batch.get("word_starts")
+        if word_starts is not None:
+            word_starts = word_starts.to(self.device, non_blocking=True)
+        m, c = self.manifest, self.cfg
+        inputs, labels = mask_tokens(
+            ids, seed=seed, step=step, vocab_size=m["vocab_size"], mask_token_id=m["mask_id"],
+            pad_token_id=m["pad_id"], special_token_ids=self.special_ids, mlm_probability=c.mlm_probability,
+            mask_replace_prob=c.mask_replace_prob, random_replace_prob=c.random_replace_prob,
+            strategy=c.masking, word_starts=word_starts, sample_offset=sample_offset)
+        return inputs, attention, labels
+
+    def next_micro_batches(self) -> list[dict]:
+        if not hasattr(self, "_batches"):
+            self._batches = self.loader.forever()
+        return [next(self._batches) for _ in range(self.grad_accum)]
+
+    def train_step(self, micro_batches: list[dict]) -> dict:
+        """One optimizer step over this rank's micro-batches; returns its (global) statistics."""
+        cfg, w = self.cfg, self.dist.world_size
+        model = self.ddp or self.model
+        model.train()
+        per_micro = cfg.batch_size * w  # sequences of one micro-step over all ranks
+        masked, count = [], torch.zeros((), dtype=torch.float32, device=self.device)
+        tokens = 0
+        for m, batch in enumerate(micro_batches):
+            offset = m * per_micro + self.dist.rank * batch["input_ids"].shape[0]  # global row index
+            inputs, attention, labels = self.mask(batch, self.step, offset, cfg.seed)
+            count += labels.ne(IGNORE_INDEX).sum()
+            tokens += int(batch["attention_mask"].sum())
+            masked.append((inputs, attention, labels))
+        self.dist.all_reduce(count)  # predicted tokens of the whole step, all ranks
+        factor = (w * self.scaler.scale) / count.clamp_min(1.0)  # DDP averages: x world_size
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for m, (inputs, attention, labels) in enumerate(masked):
+            last = m == len(masked) - 1
+            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync:
+                with autocast(self.precision, self.device):
+                    out = model(inputs, attention_mask=attention, labels=labels, masked_only=True,
+                                loss_reduction="sum")
+                (out.loss * factor).backward()
+            loss_sum += out.loss.detach().float()
+        lr = self.schedule.lr()
+        grad_norm, found_inf = self.optimizer.step(lr, self.scaler.scale)
+        self.optimizer.zero_grad()
+        self.scaler.update(found_inf)
+        if not found_inf:
+            self.schedule.step()
+        self.step += 1
+        self.tokens_seen += tokens * w
+        return {"loss_sum": loss_sum, "count": count, "lr": lr, "grad_norm": grad_norm,
+                "skipped": found_inf, "tokens": tokens * w}
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation MLM loss, perplexity and masked-token accuracy over the fixed eval set."""
+        self.model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct
+        for batch in self.eval_batches:
+            inputs, attention, labels = self.mask(batch, 0, batch["sample_offset"], EVAL_MASK_SEED)
+            with autocast(self.precision, self.device):
+                out = self.model(inputs, attention_mask=attention, labels=labels, masked_only=True,
+                                 loss_reduction="sum")
+            target = labels[labels.ne(IGNORE_INDEX)]
+            totals += torch.stack([out.loss.double(), torch.tensor(float(target.numel()), device=self.device,
+                                                                   dtype=torch.float64),
+                                   out.logits.argmax(-1).eq(target).sum().double()])
+        self.dist.all_reduce(totals)
+        self.model.train()
+        loss_sum, count, correct = totals.tolist()
+        loss = loss_sum / max(count, 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / max(count, 1.0),
+                "predicted_tokens": int(count)}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The whole training state; collective (every rank contributes its RNG state)."""
+        rngs = self.dist.gather_objects(rng_state(self.device))
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": rngs,
+            "world_size": self.dist.world_size,
+            "config": self.cfg.to_dict(),
+            "model_config": self.model_config.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["model_config"]
+        mine = self.model_config.to_dict()
+        diff = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                            "intermediate_size", "max_position_embeddings") if saved.get(k) != mine.get(k)]
+        if diff:
+            raise ValueError("the checkpoint's model differs from this config in "
+                             + ", ".join(f"{k} ({saved.get(k)} vs {mine.get(k)})" for k in diff)
+                             + "; resume with the same model settings or a new --out")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.loader.load_state_dict(state["loader"])
+        if hasattr(self, "_batches"):
+            del self._batches
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        rngs = state["rng"]
+        if len(rngs) == self.dist.world_size:
+            set_rng_state(rngs[self.dist.rank], self.device)
+        else:  # another world size: the dropout streams cannot continue; start fresh ones
+            self.print(f"note: the checkpoint was written by {len(rngs)} processes, this run has "
+                       f"{self.dist.world_size}: dropout RNG streams are reseeded")
+            seed_everything(self.cfg.seed + 1_000_003 * self.dist.rank + self.step)
+
+    def save_checkpoint(self) -> Path | None:
+        state = self.state_dict()  # collective
+        path = self.checkpoints.save(self.step, state) if self.dist.is_main else None
+        self.dist.barrier()
+        return path
+
+    def maybe_resume(self) -> bool:
+        """Load the checkpoint that `cfg.resume` names; True if one was loaded."""
+        resume = self.cfg.resume
+        if resume == "never":
+            if self.checkpoints.latest() is not None:
+                raise ValueError(f"{self.out} already holds checkpoints and --resume never was given; "
+                                 "resume (--resume auto), or pick a new --out")
+            return False
+        path = self.checkpoints.latest() if resume == "auto" else Path(resume)
+        if path is None:
+            return False
+        self.load_state_dict(load_checkpoint(path))
+        self.print(f"resumed from {path} at step {self.step}")
+        return True
+
+    # ------------------------------------------------------------------ the run
+    def run(self, on_step=None) -> dict:
+        """Train to max_steps (or stop_at / a stop signal); returns a summary dict."""
+        cfg = self.cfg
+        resumed = self.maybe_resume()
+        if self.dist.is_main:
+            cfg.save(self.out / "train_config.json")
+        self.print(self.describe())
+        log = MetricsLogger(self.out, cfg.max_steps, self.step, enabled=self.dist.is_main,
+                            progress=cfg.progress, tensorboard=cfg.tensorboard)
+        first_eval = last_eval = None
+        status = "finished"
+        try:
+            if not resumed and self.step == 0:
+                first_eval = self.evaluate()
+                log.log({"kind": "eval", "step": 0, **first_eval})
+                log.write(f"step 0: validation loss {first_eval['loss']:.4f}")
+            end = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
+            window = {"tokens": 0, "predicted": 0.0, "t0": time.perf_counter(), "loss": 0.0, "count": 0.0}
+            with StopSignal() as stop:
+                while self.step < end:
+                    stats = self.train_step(self.next_micro_batches())
+                    self._accumulate(window, stats)
+                    if self.scaler.bad_in_a_row >= cfg.max_bad_steps:
+                        self.save_checkpoint()
+                        raise RuntimeError(self._nonfinite_message())
+                    if self.step % cfg.log_every == 0 or self.step == end:
+                        log.log(self._train_record(window, stats))
+                    log.advance(self.step)
+                    if on_step is not None:
+                        on_step(self)
+                    if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+                        last_eval = self.evaluate()
+                        log.log({"kind": "eval", "step": self.step, **last_eval})
+                        log.write(f"step {self.step}: validation loss {last_eval['loss']:.4f}, "
+                                  f"perplexity {last_eval['perplexity']:.1f}, accuracy {last_eval['accuracy']:.3f}")
+                    stop_now = self._stop_requested(stop)
+                    if self.step % cfg.save_every == 0 or self.step == end or stop_now:
+                        path = self.save_checkpoint()
+                        if stop_now:
+                            status = f"stopped by {stop.requested or 'another rank'}"
+                            log.write(f"{status} at step {self.step}; checkpoint {path}; "
+                                      "rerun the same command to resume")
+                            break
+            if self.step == cfg.max_steps and status == "finished":
+                if self.dist.is_main and cfg.export:
+                    self.export(self.out / "final")
+            elif status == "finished":
+                status = f"stopped at step {self.step} (stop_at)"
+        finally:
+            log.close()
+        if self.dist.is_main and cfg.plot and status == "finished":
+            png = plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+            self.print(f"loss plot: {png}" if png else "loss plot skipped: install matplotlib for it")
+        if first_eval and last_eval:
+            self.print(f"validation MLM loss: first {first_eval['loss']:.4f} -> last {last_eval['loss']:.4f}")
+        return {"status": status, "step": self.step, "first_eval": first_eval, "last_eval": last_eval}
+
+    def _stop_requested(self, stop: StopSignal) -> bool:
+        """Whether any rank got SIGTERM/SIGINT (all ranks must stop at the same step)."""
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
+        return bool(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item()) if self.dist.enabled else bool(stop.requested)
+
+    def _accumulate(self, window: dict, stats: dict) -> None:
+        window["tokens"] += stats["tokens"]
+        window["loss"] += stats["loss_sum"]
+        window["count"] += stats["count"]
+
+    def _train_record(self, window: dict, stats: dict) -> dict:
+        loss_sum = self.dist.all_reduce(window["loss"].clone() if isinstance(window["loss"], torch.Tensor)
+                                        else torch.tensor(window["loss"], device=self.device))
+        count = float(window["count"])
+        elapsed = time.perf_counter() - window["t0"]
+        tokens_per_s = window["tokens"] / max(elapsed, 1e-9)
+        predicted_per_s = count / max(elapsed, 1e-9)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        w = self.dist.world_size
+        record = {
+            "kind": "train", "step": self.step, "loss": float(loss_sum) / max(count, 1.0),
+            "lr": stats["lr"], "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
+            "grad_norm": stats["grad_norm"], "tokens_per_s": tokens_per_s,
+            "mfu": estimate_mfu(self.model_config, tokens_per_s / w, predicted_per_s / w, self.cfg.seq_len,
+                                device_name),
+            "memory_gb": memory_gb(self.device), "tokens_seen": self.tokens_seen,
+        }
+        window.update(tokens=0, loss=0.0, count=0.0, t0=time.perf_counter())
+        return record
+
+    def _nonfinite_message(self) -> str:
+        cause = ("fp16 overflow that loss scaling cannot absorb: try --precision bf16"
+                 if self.precision == "fp16" else
+                 f"a diverging run: lower --lr (now {self.cfg.lr}), lengthen --warmup-steps or set "
+                 "--clip-grad-norm 1.0")
+        return (f"the loss/gradients were not finite for {self.scaler.bad_in_a_row} consecutive steps, "
+                f"up to step {self.step}; likely cause: {cause}. A checkpoint of the last good weights was "
+                f"saved in {self.checkpoints.directory}")
+
+    def describe(self) -> str:
+        c, mc = self.cfg, self.model_config
+        n = sum(p.numel() for p in self.model.parameters())
+        return (
+            "effective config:\n" + json.dumps(c.to_dict(), indent=1) + "\n"
+            f"model: {c.model} (L={mc.num_hidden_layers} H={mc.hidden_size} A={mc.num_attention_heads} "
+            f"FFN={mc.intermediate_size} vocab={mc.vocab_size}), {n / 1e6:.2f}M parameters, backend "
+            f"{self.model.backend}\n"
+            f"device {self.device} x {self.dist.world_size} process(es), precision {self.precision}; "
+            f"batch {c.batch_size} x accum {self.grad_accum} x world {self.dist.world_size} = "
+            f"{self.global_batch} sequences of {c.seq_len} tokens per step\n"
+            f"data: {self.train_data.path} ({len(self.train_data)} train / {len(self.valid_data)} valid sequences)\n"
+            f"output: {self.out}"
+        )
+
+    # ------------------------------------------------------------------ export
+    def export(self, directory: Path) -> Path:
+        """Save the model and tokenizer in Hugging Face format (atomically replacing `directory`)."""
+        from .tokenizer import RobertaTokenizer
+
+        directory = Path(directory)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            self.model.save_pretrained(tmp)
+            RobertaTokenizer.from_pretrained(self.train_data.tokenizer_path).save(tmp)
+            old = directory.with_name(f".{directory.name}.old")
+            if directory.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.print(f"exported the model and tokenizer (Hugging Face format) to {directory}")
+        return directory
+
+    def close(self) -> None:
+        self.dist.close()
+
+
+def check_writable(out: Path) -> None:
+    """Create `out` and prove it writable, or raise ValueError naming it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"output directory {str(out)!r} is not writable ({err.strerror}); "
+                         "pass another --out") from None
