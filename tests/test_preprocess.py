@@ -1,0 +1,239 @@
+"""roberta_fast.preprocess: shards equal direct encoding, resuming, parallel workers, bad input.
+
+Documents are checked against `transformers`' tokenizer (split_special_tokens=True, since
+preprocessing treats "<mask>" in text as text) loaded from the saved tokenizer; every bad
+input is written into tmp_path.
+"""
+import json
+import re
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+from roberta_fast import RobertaTokenizer
+from roberta_fast import preprocess as pp
+from roberta_fast.corpus import iter_documents
+
+DOCS = [
+    "First document.\nIt has two lines.",
+    "  Leading spaces, emoji 🤗 and ünïcödé 日本語.",
+    "A literal <mask> and </s> inside text stay text.",
+    "Tabs\tand  double  spaces\nand a line\nand another",
+    "short",
+    "Numbers 3.14159 and 1e-5, quotes: \"don't\" 'it's'.",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return RobertaTokenizer.train_from_iterator(iter_documents(max_bytes=150_000), vocab_size=1000)
+
+
+@pytest.fixture(scope="module")
+def hf(tok, tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(tok.save(tmp_path_factory.mktemp("tok"))))
+
+
+def direct(hf, text):
+    """What a document's slot in a shard must hold: its encoding without <s> (ending in </s>)."""
+    return hf(text, split_special_tokens=True)["input_ids"][1:]
+
+
+def shard_docs(out, split):
+    """Every document of a split as a list of ids, in shard order."""
+    m = json.loads((out / "manifest.json").read_text())
+    docs = []
+    for shard in m["splits"][split]["shards"]:
+        ids = np.fromfile(out / shard["bin"], dtype=m["dtype"])
+        idx = np.load(out / shard["idx"])
+        assert idx[0] == 0 and idx[-1] == len(ids) == shard["tokens"] and len(idx) == shard["documents"] + 1
+        docs += [ids[a:b].tolist() for a, b in zip(idx[:-1], idx[1:])]
+    return docs
+
+
+def run(inputs, tok, out, **kw):
+    log = []
+    kw.setdefault("progress", False)
+    m = pp.preprocess(inputs, tok, out, log=log.append, **kw)
+    return m, "\n".join(log)
+
+
+def write_corpus(tmp_path, docs):
+    """Half of the documents blank-line separated in a .txt, half in a .jsonl."""
+    (tmp_path / "in").mkdir()
+    txt = [re.sub(r"\n\s*\n", "\n", d) for d in docs[::2]]  # a blank line would split the document
+    jsonl = docs[1::2]
+    (tmp_path / "in" / "a.txt").write_text("\n\n".join(txt) + "\n", encoding="utf-8")
+    with open(tmp_path / "in" / "b.jsonl", "w", encoding="utf-8") as f:
+        for d in jsonl:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    return txt + jsonl  # the order preprocessing reads them in
+
+
+def test_shards_equal_direct_encoding(tok, hf, tmp_path):
+    docs = write_corpus(tmp_path, DOCS)
+    m, log = run([tmp_path / "in"], tok, tmp_path / "out", valid_fraction=0.4)
+    expected = [direct(hf, d) for d in docs]
+    train, valid = shard_docs(tmp_path / "out", "train"), shard_docs(tmp_path / "out", "valid")
+    in_valid = [zlib.crc32(d.encode()) < 0.4 * 2**32 for d in docs]
+    assert train == [e for e, v in zip(expected, in_valid) if not v]
+    assert valid == [e for e, v in zip(expected, in_valid) if v]
+    assert 0 < len(valid) < len(docs)  # the split above really holds documents out
+    assert m["counts"]["documents"] == len(docs)
+    assert m["counts"]["tokens"] == sum(map(len, expected)) == m["splits"]["train"]["tokens"] + m["splits"]["valid"]["tokens"]
+    assert m["vocab_size"] == tok.vocab_size and m["tokenizer_hash"] == tok.tokenizer_hash
+    assert m["dtype"] == "uint16" and m["eos_id"] == tok.eos_id and m["mask_id"] == tok.mask_id
+    assert {s["path"].rsplit("/", 1)[-1] for s in m["sources"]} == {"a.txt", "b.jsonl"}
+    assert RobertaTokenizer.from_pretrained(tmp_path / "out" / "tokenizer").tokenizer_hash == tok.tokenizer_hash
+    assert "documents: 6" in log
+
+
+def test_chunks_and_workers_do_not_change_the_data(tok, tmp_path):
+    docs = list(iter_documents(max_bytes=60_000))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "docs.txt").write_text("\n\n".join(d.replace("\n\n", "\n") for d in docs))
+    inputs = [tmp_path / "docs.jsonl", tmp_path / "docs.txt"]
+    m1, _ = run(inputs, tok, tmp_path / "one", shard_mb=10.0, workers=1)
+    m4, _ = run(inputs, tok, tmp_path / "many", shard_mb=0.01, workers=2)
+    assert len(m4["splits"]["train"]["shards"]) > 4
+    assert shard_docs(tmp_path / "many", "train") == shard_docs(tmp_path / "one", "train")
+    assert shard_docs(tmp_path / "many", "valid") == shard_docs(tmp_path / "one", "valid")
+    assert m1["counts"] == m4["counts"]
+
+
+def test_resume_skips_finished_chunks(tok, tmp_path):
+    docs = write_corpus(tmp_path, [d for d in iter_documents(max_bytes=20_000)])
+    out = tmp_path / "out"
+    run([tmp_path / "in"], tok, out, shard_mb=0.005)
+    before = shard_docs(out, "train")
+    chunks = sorted((out / "chunks").glob("*.json"))
+    assert len(chunks) >= 3
+    # an interrupted run: the last chunk never finished, the manifest was never written
+    chunks[-1].unlink()
+    (out / "manifest.json").unlink()
+    untouched = out / "train" / "00000.bin"
+    stamp = untouched.stat().st_mtime_ns
+    _, log = run([tmp_path / "in"], tok, out, shard_mb=0.005)
+    assert f"{len(chunks) - 1} of {len(chunks)} chunks already done" in log
+    assert untouched.stat().st_mtime_ns == stamp
+    assert shard_docs(out, "train") == before and len(before) + len(shard_docs(out, "valid")) == len(docs)
+
+
+def test_refuses_other_inputs_in_the_same_out(tok, tmp_path):
+    write_corpus(tmp_path, DOCS)
+    out = tmp_path / "out"
+    run([tmp_path / "in" / "a.txt"], tok, out)
+    with pytest.raises(ValueError, match="other inputs or options.*--overwrite"):
+        run([tmp_path / "in"], tok, out)
+    m, _ = run([tmp_path / "in"], tok, out, overwrite=True)
+    assert m["counts"]["documents"] == len(DOCS)
+
+
+def test_bad_input_is_counted_never_lost(tok, hf, tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "bad_utf8.txt").write_bytes(b"caf\xe9 ok\xff\xfe end\n\n\n  \t\nsecond \xc3 doc\n")
+    (d / "empty.txt").write_bytes(b"")
+    (d / "blank.txt").write_bytes(b"\n   \n\t\n")
+    (d / "records.jsonl").write_text(
+        json.dumps({"text": "good record"}) + "\n" + "{not json\n" + json.dumps({"title": "no text"}) + "\n"
+        + json.dumps({"text": "   "}) + "\n" + json.dumps(["a list"]) + "\n\n" + json.dumps({"text": "last"}))
+    (d / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # skipped: not a text type
+    binary = tmp_path / "data.txt"
+    binary.write_bytes(b"looks like text\x00\x01\x02 but is not")
+    m, log = run([d, binary], tok, tmp_path / "out", valid_fraction=0.0)
+    c = m["counts"]
+    assert c["invalid_utf8_replaced"] == 4  # \xe9, \xff, \xfe and a truncated \xc3
+    assert (c["empty_files"], c["blank_files"], c["binary_files"], c["unsupported_files"]) == (1, 1, 1, 1)
+    assert (c["bad_json_lines"], c["records_without_text"], c["empty_documents"], c["blank_jsonl_lines"]) == (1, 2, 1, 1)
+    assert c["documents"] == 4
+    assert shard_docs(tmp_path / "out", "train") == [
+        direct(hf, t) for t in ["caf\ufffd ok\ufffd\ufffd end", "second \ufffd doc", "good record", "last"]]
+    assert str(binary) in m["refused"]["binary_files"] and "refusing binary file" in log and str(binary) in log
+    for key, value in c.items():
+        assert f"{key}: {value}" in log  # the report prints every count
+    assert "records.jsonl@byte" in log
+
+
+def test_enormous_line(tok, hf, tmp_path, monkeypatch):
+    """Lines longer than the read block and documents longer than a piece, at small limits."""
+    monkeypatch.setattr(pp, "READ_BLOCK", 1000)
+    monkeypatch.setattr(pp, "PIECE_CHARS", 3000)
+    words = " ".join(f"word{i % 97} ünï{i % 13}" for i in range(2000))  # one ~30 kB line
+    (tmp_path / "long.txt").write_text(words + "\n\nnext doc", encoding="utf-8")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": words}) + "\n")
+    m, _ = run([tmp_path / "long.txt", tmp_path / "long.jsonl"], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["pieces"] > 15 and m["counts"]["hard_splits"] == 0
+    assert shard_docs(tmp_path / "out", "train") == [direct(hf, words), direct(hf, "next doc"), direct(hf, words)]
+    nospace = "x" * 10_000
+    (tmp_path / "nospace.txt").write_text(nospace)
+    m, _ = run([tmp_path / "nospace.txt"], tok, tmp_path / "out2", valid_fraction=0.0)
+    (doc,) = shard_docs(tmp_path / "out2", "train")
+    assert m["counts"]["hard_splits"] >= 3 and tok.decode(doc[:-1]) == nospace  # cut, but nothing lost
+
+
+def test_real_size_single_line(tok, hf, tmp_path):
+    """A 1.2 MB line with no newline at the real limits: read in blocks, tokenized in pieces."""
+    line = " ".join(["the", "value", "of", "a", "function", "is"][i % 6] for i in range(250_000))
+    assert len(line) > pp.READ_BLOCK and len(line) > pp.PIECE_CHARS
+    (tmp_path / "big.txt").write_text(line)
+    m, _ = run([tmp_path / "big.txt"], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["pieces"] >= 2 and m["counts"]["hard_splits"] == 0
+    assert shard_docs(tmp_path / "out", "train") == [tok.encode(line)[1:]]
+
+
+def test_doc_per_file(tok, hf, tmp_path):
+    (tmp_path / "d").mkdir()
+    texts = ["para one\n\npara two\n", "single\r\nline\n\n\n", "no newline"]
+    for k, t in enumerate(texts):
+        (tmp_path / "d" / f"{k}.txt").write_text(t, newline="")
+    run([tmp_path / "d"], tok, tmp_path / "out", doc_per_file=True, valid_fraction=0.0)
+    expect = ["para one\n\npara two", "single\nline\n\n", "no newline"]
+    assert shard_docs(tmp_path / "out", "train") == [direct(hf, t) for t in expect]
+
+
+def test_large_vocab_uses_uint32(tmp_path):
+    """A vocab.json + merges.txt tokenizer with 70,002 ids, one merge reaching id 70,000."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"] + ByteLevel.alphabet())}
+    vocab.update({f"filler{i}": i for i in range(len(vocab), 70_000)})
+    vocab.update({"ab": 70_000, "<mask>": 70_001})
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "tok" / "merges.txt").write_text("#version: 0.2\na b\n")
+    big = RobertaTokenizer.from_pretrained(tmp_path / "tok")
+    assert big.vocab_size == 70_002 and big.mask_id == 70_001
+    (tmp_path / "a.txt").write_text("ab cab")
+    m, _ = run([tmp_path / "a.txt"], big, tmp_path / "out", valid_fraction=0.0)
+    assert m["dtype"] == "uint32"
+    (doc,) = shard_docs(tmp_path / "out", "train")
+    assert doc == big.encode("ab cab")[1:] and doc.count(70_000) == 2
+
+
+def test_cli(tok, tmp_path):
+    write_corpus(tmp_path, DOCS)
+    tok.save(tmp_path / "tok")
+    cmd = [sys.executable, "-m", "roberta_fast.preprocess", "--tokenizer", str(tmp_path / "tok"),
+           "--out", str(tmp_path / "out"), "--quiet", str(tmp_path / "in")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]["documents"] == len(DOCS)
+    assert "empty_documents: 0" in res.stderr
+    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bad_arguments(tok, tmp_path):
+    with pytest.raises(ValueError, match="at least one input"):
+        pp.preprocess([], tok, tmp_path / "o")
+    with pytest.raises(ValueError, match="valid_fraction"):
+        pp.preprocess([tmp_path], tok, tmp_path / "o", valid_fraction=1.5)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "junk").write_text("not mine")
+    with pytest.raises(ValueError, match="not a preprocess output"):
+        pp.preprocess([tmp_path / "x"], tok, tmp_path / "x")
