@@ -1,0 +1,119 @@
+"""Bar chart of a throughput.py report: tokens/s per setting, one bar per contender.
+
+PNG through matplotlib when it is installed (`pip install matplotlib`); without it the
+same chart is written as a dependency-free SVG beside the requested path, and the
+message says so. Used by `throughput.py --chart PATH`; also runnable on a saved report:
+
+    python benchmarks/plot.py results/throughput-....json chart.png
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from html import escape
+from pathlib import Path
+
+COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "hf-eager": "#1f77b4", "hf-compile": "#aec7e8"}
+
+
+def _series(report: dict):
+    """(settings, contenders, {(setting, contender): tokens/s}) of the ok rows, in report order."""
+    settings, contenders, value = [], [], {}
+    for r in report["results"]:
+        s = f"{r['model']}/{r['seq_len']}/{r['dtype']}"
+        if s not in settings:
+            settings.append(s)
+        if r["contender"] not in contenders:
+            contenders.append(r["contender"])
+        if r["status"] == "ok":
+            value[s, r["contender"]] = r["tokens_per_s"]
+    return settings, contenders, value
+
+
+def _title(report: dict) -> str:
+    return f"RoBERTa training throughput - {report['device']['name']} - {report['date'][:10]}"
+
+
+def _png(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings, contenders, value = _series(report)
+    width = 0.8 / max(1, len(contenders))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(settings)), 4))
+    for j, c in enumerate(contenders):
+        xs = [i + (j - (len(contenders) - 1) / 2) * width for i in range(len(settings))]
+        ax.bar(xs, [value.get((s, c), 0.0) for s in settings], width, label=c, color=COLORS.get(c))
+    ax.set_xticks(range(len(settings)), settings, rotation=20, ha="right")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(_title(report), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _svg(report: dict) -> str:
+    settings, contenders, value = _series(report)
+    top = max(value.values(), default=1.0) or 1.0
+    group, bar, h, left, base = 60 + 22 * len(contenders), 20, 240, 70, 280
+    width = left + group * len(settings) + 160
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{base + 60}" font-family="sans-serif" font-size="11">',
+           f'<text x="{left}" y="20" font-size="13">{escape(_title(report))}</text>',
+           f'<line x1="{left}" y1="{base}" x2="{left + group * len(settings)}" y2="{base}" stroke="black"/>',
+           f'<text x="10" y="{base - h}">{top:,.0f}</text><text x="10" y="{base}">0 tok/s</text>']
+    for i, s in enumerate(settings):
+        x0 = left + i * group + 10
+        for j, c in enumerate(contenders):
+            v = value.get((s, c))
+            if v is None:  # skipped or failed: an empty slot, named in the legend
+                continue
+            hh = h * v / top
+            out.append(f'<rect x="{x0 + j * (bar + 2)}" y="{base - hh:.1f}" width="{bar}" height="{hh:.1f}" '
+                       f'fill="{COLORS.get(c, "#777")}"><title>{escape(c)}: {v:,.0f} tokens/s</title></rect>')
+        out.append(f'<text x="{x0}" y="{base + 16}">{escape(s)}</text>')
+    for j, c in enumerate(contenders):
+        y = 40 + 16 * j
+        lx = left + group * len(settings) + 10
+        out.append(f'<rect x="{lx}" y="{y - 10}" width="12" height="12" fill="{COLORS.get(c, "#777")}"/>'
+                   f'<text x="{lx + 16}" y="{y}">{escape(c)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _atomic(path: Path, write) -> None:
+    """Call write(tmp_path), then rename onto path: no reader ever sees half a chart."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def throughput_chart(report: dict, path) -> str:
+    """Write the chart to `path` (PNG) or, without matplotlib, beside it as SVG; returns what was done."""
+    path = Path(path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        svg = path.with_suffix(".svg")
+        _atomic(svg, lambda p: p.write_text(_svg(report)))
+        return f"PNG chart skipped: matplotlib is not installed (`pip install matplotlib`); wrote {svg}"
+    _atomic(path, lambda p: _png(report, p))
+    return f"wrote {path}"
+
+
+if __name__ == "__main__":
+    import json
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python benchmarks/plot.py REPORT.json CHART.png")
+    print(throughput_chart(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]))

@@ -1,0 +1,786 @@
+"""End-to-end RoBERTa pretraining throughput: roberta_fast against Hugging Face, in one run.
+
+    python benchmarks/throughput.py                    # GPU: base/large x seq 128/512 x fp16/bf16
+    python benchmarks/throughput.py --quick            # any machine, about a minute: tiny model
+    python benchmarks/throughput.py --models base --seq-lens 512 --dtypes bf16 --batch 32
+    python benchmarks/throughput.py --compare benchmarks/results/OLD.json
+
+What is timed: whole training steps (host batch -> device, masking, forward, backward,
+optimizer update, gradients cleared), after warm-up, `--repeats` blocks of `--steps`
+steps each, timed with CUDA events (a clock and a synchronisation on the CPU); the
+figure is the median block. Every contender trains the identical model size (random
+init, dropout 0.1), batch, sequence length, precision (fp32 master weights + autocast;
+fp16 adds dynamic loss scaling) and masking rate (15%: 80/10/10) on the same
+FULL-SENTENCES-like batches (no padding):
+
+  rf-fused      roberta_fast, backend="fused" (Triton kernels), FusedAdam, masking on the device
+  rf-reference  roberta_fast, backend="reference" (plain PyTorch), torch AdamW, masking on the device
+  hf-eager      transformers RobertaForMaskedLM (SDPA attention), torch AdamW(fused=True on CUDA,
+                foreach on CPU), torch.autocast (+ GradScaler for fp16), batches masked on the
+                host by DataCollatorForLanguageModeling from tokenizer-style examples with
+                `special_tokens_mask`, as transformers' run_mlm.py does -- what users run today
+  hf-compile    the same under torch.compile(model)
+
+The roberta_fast step is built here from the trainer's parts (roberta_fast.precision,
+masking, optim; the model's masked_only head with a summed loss over the predicted
+count) because roberta_fast.train exposes no reusable step function yet; it does what
+the trainer's inner loop does minus logging and checkpoints. A contender that cannot
+run (no GPU, a missing package, an unfinished part raising NotImplementedError) is
+reported as skipped with the reason, never dropped.
+
+Figures per configuration and contender: ms/step, tokens/s, sequences/s, MFU
+(roberta_fast.model.estimate_mfu: DESIGN.md's PaLM convention, predicted tokens for the
+head, over the device's datasheet peak), peak device memory, and the ratio of tokens/s
+to hf-eager and hf-compile. Output: a terminal table, `--json PATH` (schema in
+benchmarks/results/README.md), a bar chart (`--chart PATH`, PNG with matplotlib, else
+SVG), `--compare OLD.json`. A full run on a GPU is also recorded in benchmarks/results/
+(one JSON per run, and the README table of the latest run per device) unless --no-record.
+
+Measured on: nothing yet (no GPU run recorded; see benchmarks/results/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS_DIR = HERE / "results"
+if str(HERE) not in sys.path:  # plot.py sits beside this file
+    sys.path.insert(0, str(HERE))
+if not torch.cuda.is_available():  # Triton kernels can only run in the interpreter on a CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SCHEMA = "roberta_fast.throughput/1"
+CONTENDERS = ("rf-fused", "rf-reference", "hf-eager", "hf-compile")
+PEERS = {"hf-eager": "vs_hf_eager", "hf-compile": "vs_hf_compile"}  # ratio key per peer
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MLM_PROBABILITY = 0.15
+# The issue's targets (H100, roberta-base, seq 512; the ratios also for large and seq 128).
+TARGETS = {"vs_hf_eager": 2.0, "vs_hf_compile": 1.3, "mfu": 0.45}
+MFU_TARGET_SETTINGS = {("base", 512)}
+BOS, PAD, EOS, UNK = 0, 1, 2, 3  # RoBERTa's special ids; <mask> is the last id
+
+
+# ------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class Setting:
+    """One configuration: every contender runs exactly this."""
+
+    model: str  # RobertaConfig preset: tiny | base | large
+    seq_len: int
+    dtype: str  # fp32 | fp16 | bf16
+    batch: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/seq{self.seq_len}/{self.dtype}"
+
+
+def model_config(name: str):
+    """The RobertaConfig preset `name` (tiny | base | large)."""
+    from roberta_fast.config import RobertaConfig
+
+    return RobertaConfig.preset(name)
+
+
+# ---------------------------------------------------------------------- data
+class HostBatches:
+    """A few fixed batches of packed sequences on the host, cycled: the data loader's output.
+
+    Each sequence is `<s> tokens </s> tokens ... </s>` with a document boundary in the middle
+    (FULL-SENTENCES packing), ordinary ids drawn from [4, mask_id), no padding.
+    """
+
+    def __init__(self, vocab_size: int, batch: int, seq_len: int, count: int = 4, seed: int = 0,
+                 pin: bool = False):
+        g = torch.Generator().manual_seed(seed)
+        mask_id = vocab_size - 1
+        ids = torch.randint(UNK + 1, mask_id, (count, batch, seq_len), generator=g)  # (count, batch, seq)
+        ids[:, :, 0] = BOS
+        ids[:, :, seq_len // 2] = EOS
+        ids[:, :, -1] = EOS
+        self.ids = ids.pin_memory() if pin else ids
+        self.i = 0
+
+    def next(self) -> torch.Tensor:
+        """The next (batch, seq_len) int64 batch on the host."""
+        batch = self.ids[self.i % len(self.ids)]
+        self.i += 1
+        return batch
+
+    def examples(self, batch: torch.Tensor) -> list[dict]:
+        """The batch as run_mlm.py's tokenized examples: lists with a special-tokens mask."""
+        special = (batch <= UNK).int()
+        return [{"input_ids": row, "special_tokens_mask": s} for row, s in
+                zip(batch.tolist(), special.tolist())]
+
+
+def hf_tokenizer(vocab_size: int):
+    """A RobertaTokenizerFast with RoBERTa's special ids and `vocab_size` ids, built offline.
+
+    DataCollatorForLanguageModeling reads only the special ids and len(tokenizer) (for the
+    random replacements), so the vocabulary is synthetic: no download, no training.
+    """
+    from tokenizers import Tokenizer, models
+    from transformers import RobertaTokenizerFast
+
+    vocab = {"<s>": BOS, "<pad>": PAD, "</s>": EOS, "<unk>": UNK}
+    vocab.update({f"t{i}": i for i in range(UNK + 1, vocab_size - 1)})
+    vocab["<mask>"] = vocab_size - 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    hf = RobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                              cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
+    if len(hf) != vocab_size or hf.mask_token_id != vocab_size - 1:
+        raise RuntimeError(f"synthetic tokenizer has {len(hf)} ids and <mask>={hf.mask_token_id}, "
+                           f"expected {vocab_size} and {vocab_size - 1}")
+    return hf
+
+
+# ----------------------------------------------------------------- contenders
+class Skip(Exception):
+    """A contender that cannot run here; the message is the reason shown to the user."""
+
+
+@dataclass
+class Run:
+    """A built contender: `step()` runs one training step and returns its predicted-token count
+    (an int or a device tensor, so that counting never synchronises)."""
+
+    step: callable
+    notes: str = ""
+    close: callable = lambda: None
+
+
+def _adamw(params, device, fused_ok=True):
+    """torch AdamW with RoBERTa's hyperparameters: fused on CUDA, foreach on the CPU."""
+    kind = {"fused": True} if device.type == "cuda" and fused_ok else {"foreach": True}
+    return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, **kind)
+
+
+def _autocast(dtype: str, device):
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+def _scaler(dtype: str, device):
+    """torch's dynamic loss scaler, enabled for fp16 only (a pass-through otherwise)."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+
+
+def build_rf(setting: Setting, device, backend: str, interpret: bool) -> Run:
+    """roberta_fast's training step: on-device masking, masked-only head, summed loss / count."""
+    if backend == "fused" and device.type != "cuda" and not interpret:
+        raise Skip("the fused backend's Triton kernels need a CUDA GPU (on a CPU they run only in "
+                   "Triton's interpreter, a correctness tool; pass --interpret to time it anyway)")
+    import roberta_fast as rf
+
+    cfg = model_config(setting.model)
+    try:
+        model = rf.RobertaForMaskedLM(cfg, backend=backend).to(device).train()
+    except NotImplementedError as err:
+        raise Skip(f"backend={backend!r} is unfinished: {err}") from err
+    model.check_inputs = False  # the batches are valid by construction; skip the host sync
+    try:
+        mask_tokens = rf.mask_tokens
+        if backend == "fused":
+            opt = rf.FusedAdam(model.parameters(), lr=6e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+        else:
+            opt = _adamw(model.parameters(), device)
+    except (ImportError, AttributeError, NotImplementedError) as err:
+        raise Skip(f"a roberta_fast part is missing or unfinished: {type(err).__name__}: {err}") from err
+    scaler = _scaler(setting.dtype, device)
+    batches = HostBatches(cfg.vocab_size, setting.batch, setting.seq_len, pin=device.type == "cuda")
+    counter = iter(range(1 << 62))
+
+    def step():
+        ids = batches.next().to(device, non_blocking=True)
+        inputs, labels = mask_tokens(ids, seed=0, step=next(counter), vocab_size=cfg.vocab_size,
+                                     mask_token_id=cfg.vocab_size - 1)
+        predicted = labels.ne(-100).sum()
+        with _autocast(setting.dtype, device):
+            out = model(inputs, labels=labels, masked_only=True, loss_reduction="sum")
+        loss = out.loss / predicted.clamp(min=1)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return predicted
+
+    return Run(step, notes=f"backend={backend}, {type(opt).__name__}")
+
+
+def build_hf(setting: Setting, device, compile_model: bool) -> Run:
+    """transformers' RobertaForMaskedLM step as users run it (see the module docstring)."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise Skip(f"transformers is not installed ({err}); `pip install transformers`") from err
+    if compile_model and not hasattr(torch, "compile"):
+        raise Skip("this torch has no torch.compile")
+    cfg = model_config(setting.model)
+    hf_cfg = transformers.RobertaConfig(**cfg.to_dict())
+    model = transformers.RobertaForMaskedLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
+    collator = transformers.DataCollatorForLanguageModeling(hf_tokenizer(cfg.vocab_size),
+                                                            mlm_probability=MLM_PROBABILITY)
+    opt = _adamw(model.parameters(), device)
+    scaler = _scaler(setting.dtype, device)
+    forward = torch.compile(model) if compile_model else model
+    batches = HostBatches(cfg.vocab_size, setting.batch, setting.seq_len)
+
+    def step():
+        batch = collator(batches.examples(batches.next()))  # masks on the host (a fresh copy)
+        predicted = int(batch["labels"].ne(-100).sum())
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with _autocast(setting.dtype, device):
+            loss = forward(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return predicted
+
+    def close():
+        if compile_model:
+            torch._dynamo.reset()
+
+    return Run(step, notes=f"transformers {transformers.__version__}, sdpa, "
+                           f"{'torch.compile' if compile_model else 'eager'}", close=close)
+
+
+def build(name: str, setting: Setting, device, args) -> Run:
+    """Build contender `name` for `setting`; raises Skip with the reason when it cannot run."""
+    if name == "rf-fused":
+        return build_rf(setting, device, "fused", args.interpret)
+    if name == "rf-reference":
+        return build_rf(setting, device, "reference", args.interpret)
+    if name == "hf-eager":
+        return build_hf(setting, device, compile_model=False)
+    if name == "hf-compile":
+        if args.skip_compile:
+            raise Skip("--skip-compile was given")
+        return build_hf(setting, device, compile_model=True)
+    raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
+
+
+# --------------------------------------------------------------------- timing
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_blocks(step, device, warmup: int, steps: int, repeats: int):
+    """Seconds per step of each of `repeats` blocks of `steps` steps, after `warmup` steps.
+
+    Also returns the mean predicted tokens per step. CUDA events bracket each block on a
+    GPU (one synchronisation per block); perf_counter after a synchronisation elsewhere.
+    """
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    per_step, predicted = [], 0
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                predicted = predicted + step()
+            end.record()
+            end.synchronize()
+            per_step.append(start.elapsed_time(end) / 1e3 / steps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                predicted = predicted + step()
+            per_step.append((time.perf_counter() - t0) / steps)
+    return per_step, float(predicted) / (steps * repeats)
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(name: str, setting: Setting, device, args) -> dict:
+    """Build, warm up and time one contender; a result row (status ok | skipped | failed)."""
+    from roberta_fast.model import estimate_mfu
+
+    row = {"contender": name, "model": setting.model, "seq_len": setting.seq_len,
+           "dtype": setting.dtype, "batch": setting.batch}
+    run = None
+    _free(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        run = build(name, setting, device, args)
+        per_step, predicted = time_blocks(run.step, device, args.warmup, args.steps, args.repeats)
+    except Skip as why:
+        return {**row, "status": "skipped", "reason": str(why)}
+    except torch.OutOfMemoryError:
+        return {**row, "status": "failed", "reason": f"out of memory at batch {setting.batch}"}
+    except Exception as err:  # a broken contender is reported, and the others still run
+        if args.verbose:
+            traceback.print_exc()
+        return {**row, "status": "failed", "reason": f"{type(err).__name__}: {err}".strip()[:500]}
+    finally:
+        if run is not None:
+            run.close()
+        del run
+    seconds = statistics.median(per_step)
+    tokens = setting.batch * setting.seq_len
+    mfu = estimate_mfu(model_config(setting.model), tokens / seconds, predicted / seconds,
+                       setting.seq_len, device_name(device))
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    _free(device)
+    return {**row, "status": "ok", "ms_per_step": seconds * 1e3,
+            "ms_per_step_blocks": [s * 1e3 for s in per_step],
+            "tokens_per_s": tokens / seconds, "sequences_per_s": setting.batch / seconds,
+            "predicted_per_step": predicted, "mfu": None if math.isnan(mfu) else mfu,
+            "peak_memory_gib": peak}
+
+
+def find_batch(model: str, seq_len: int, dtype: str, device, args, names) -> tuple[int, str]:
+    """The largest power-of-two batch at which every (eager) contender runs two steps.
+
+    torch.compile is not probed (it recompiles per shape, and its memory is at most eager's
+    in practice); a contender that then runs out of memory is reported as failed.
+    """
+    top = max(1, args.max_tokens // seq_len)
+    batch = 1 << (top.bit_length() - 1)
+    probe = argparse.Namespace(**{**vars(args), "warmup": 2, "steps": 0, "repeats": 0})
+    while batch >= 1:
+        fits = True
+        for name in names:
+            if name == "hf-compile":
+                continue
+            row = measure_probe(name, Setting(model, seq_len, dtype, batch), device, probe)
+            if row == "oom":
+                fits = False
+                break
+        if fits:
+            return batch, "largest power of two that fits every eager contender"
+        batch //= 2
+    raise RuntimeError(f"not even batch 1 fits for {model} seq {seq_len} {dtype}")
+
+
+def measure_probe(name, setting, device, args):
+    """Run two steps; "oom" if the device ran out of memory, else None (other errors show later)."""
+    run = None
+    _free(device)
+    try:
+        run = build(name, setting, device, args)
+        time_blocks(run.step, device, args.warmup, 0, 0)
+    except torch.OutOfMemoryError:
+        return "oom"
+    except Exception:
+        return None
+    finally:
+        if run is not None:
+            run.close()
+        del run
+        _free(device)
+    return None
+
+
+# ------------------------------------------------------------------- results
+def add_ratios(rows: list[dict]) -> None:
+    """Each ok row gets tokens/s over each peer's in the same setting (None if the peer did not run)."""
+    by = {(r["model"], r["seq_len"], r["dtype"], r["contender"]): r for r in rows}
+    for r in rows:
+        for peer, key in PEERS.items():
+            p = by.get((r["model"], r["seq_len"], r["dtype"], peer))
+            ok = r["status"] == "ok" and p is not None and p["status"] == "ok"
+            r[key] = r["tokens_per_s"] / p["tokens_per_s"] if ok else None
+
+
+def evaluate_targets(rows: list[dict], device) -> list[dict]:
+    """The issue's targets for rf-fused, each with achieved, met and how far off.
+
+    Targets are for a GPU run: on a CPU every target is reported as not evaluated.
+    """
+    out = []
+    for r in rows:
+        if r["contender"] != "rf-fused" or r["model"] not in ("base", "large"):
+            continue
+        names = ["vs_hf_eager", "vs_hf_compile"]
+        if (r["model"], r["seq_len"]) in MFU_TARGET_SETTINGS:
+            names.append("mfu")
+        for metric in names:
+            t = {"model": r["model"], "seq_len": r["seq_len"], "dtype": r["dtype"], "metric": metric,
+                 "target": TARGETS[metric]}
+            achieved = r.get(metric) if r["status"] == "ok" else None
+            if device.type != "cuda":
+                t.update(status="not evaluated", reason="the targets are for an H100 GPU run")
+            elif achieved is None:
+                t.update(status="not evaluated", reason="rf-fused or the peer did not run")
+            else:
+                met = achieved >= TARGETS[metric]
+                t.update(status="met" if met else "missed", achieved=achieved,
+                         shortfall=0.0 if met else TARGETS[metric] - achieved,
+                         shortfall_fraction=0.0 if met else 1.0 - achieved / TARGETS[metric])
+            out.append(t)
+    return out
+
+
+def profile_step(setting: Setting, device, args, name="rf-fused", top: int = 15) -> dict:
+    """Where one contender's step spends its time: per-op shares of device (or CPU) self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = build(name, setting, device, args)
+    try:
+        time_blocks(run.step, device, max(1, args.warmup), 0, 0)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                run.step()
+            synchronize(device)
+    finally:
+        run.close()
+    events = prof.key_averages()
+    on_gpu = device.type == "cuda"
+
+    def self_time(e):
+        if on_gpu:
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        return e.self_cpu_time_total
+
+    # On a GPU the kernels carry the device time; on a CPU the aten ops carry the CPU time.
+    timed = [(e.key, self_time(e)) for e in events if self_time(e) > 0]
+    total = sum(t for _, t in timed) or 1.0
+    timed.sort(key=lambda kv: -kv[1])
+    return {"contender": name, "setting": setting.key, "clock": "device" if on_gpu else "cpu",
+            "total_ms_per_step": total / 1e3 / 3,
+            "ops": [{"name": k[:120], "share": t / total, "ms_per_step": t / 1e3 / 3} for k, t in timed[:top]]}
+
+
+# ------------------------------------------------------------- environment
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def environment(device) -> dict:
+    """Device, driver, versions, commit and date: what a recorded figure depends on."""
+    def version(module):
+        try:
+            return __import__(module).__version__
+        except Exception:  # not installed, or broken: say so in the record
+            return None
+
+    def run(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=ROOT).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    info = {"type": device.type, "name": device_name(device), "cpu": platform.processor() or platform.machine(),
+            "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(capability=f"{props.major}.{props.minor}", memory_gib=props.total_memory / 2 ** 30,
+                    cuda=torch.version.cuda,
+                    driver=run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"))
+    status = run("git", "status", "--porcelain", "--untracked-files=no")
+    return {"device": info,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "triton": version("triton"), "transformers": version("transformers"),
+                         "roberta_fast": version("roberta_fast")},
+            "commit": run("git", "rev-parse", "HEAD"), "dirty": bool(status),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ------------------------------------------------------------------ output
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON via a temporary file and a rename, so no reader sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _percent(fraction) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The terminal table: one line per setting and contender, ratios to the HF peers."""
+    head = ("setting", "batch", "contender", "ms/step", "tokens/s", "seq/s", "MFU", "peak GiB",
+            "x hf-eager", "x hf-compile")
+    lines = [head]
+    for r in rows:
+        setting = f"{r['model']}/seq{r['seq_len']}/{r['dtype']}"
+        if r["status"] != "ok":
+            lines.append((setting, str(r["batch"]), r["contender"], f"{r['status']}: {r['reason']}"))
+            continue
+        lines.append((setting, str(r["batch"]), r["contender"], _fmt(r["ms_per_step"], ".1f"),
+                      _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["sequences_per_s"], ",.1f"),
+                      _percent(r["mfu"]),
+                      _fmt(r["peak_memory_gib"], ".1f", "n/a"),
+                      _fmt(r["vs_hf_eager"], ".2f"), _fmt(r["vs_hf_compile"], ".2f")))
+    # the first three columns line up over every row; the figures over the ok rows
+    widths = [max(len(line[i]) for line in lines if i < 3 or len(line) == len(head)) for i in range(len(head))]
+    out = []
+    for line in lines:
+        if len(line) == len(head):
+            out.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        else:  # skipped / failed: the reason runs to the end of the line
+            out.append("  ".join(c.ljust(w) for c, w in zip(line[:3], widths)) + "  " + line[3])
+    return "\n".join(out)
+
+
+def format_targets(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        what = f"{t['model']}/seq{t['seq_len']}/{t['dtype']} {t['metric']} >= {t['target']:g}"
+        if t["status"] == "not evaluated":
+            lines.append(f"  {what}: not evaluated ({t['reason']})")
+        else:
+            lines.append(f"  {what}: {t['status']} (achieved {t['achieved']:.3f}"
+                         + (f", short by {t['shortfall']:.3f}" if t["status"] == "missed" else "") + ")")
+    return "\n".join(lines)
+
+
+def compare(old: dict, new: dict) -> str:
+    """tokens/s of each (setting, contender) in `new` against `old`, with the change."""
+    notes = []
+    if old.get("device", {}).get("name") != new["device"]["name"]:
+        notes.append(f"note: devices differ ({old.get('device', {}).get('name')} vs {new['device']['name']}); "
+                     "ratios across devices mix hardware and software changes")
+    before = {(r["model"], r["seq_len"], r["dtype"], r["contender"]): r for r in old.get("results", [])}
+    lines = [f"{'setting':<22} {'contender':<13} {'old tok/s':>12} {'new tok/s':>12} {'change':>8}"]
+    for r in new["results"]:
+        key = (r["model"], r["seq_len"], r["dtype"], r["contender"])
+        o = before.get(key)
+        old_tps = o.get("tokens_per_s") if o and o.get("status") == "ok" else None
+        new_tps = r.get("tokens_per_s") if r["status"] == "ok" else None
+        change = f"{100 * (new_tps / old_tps - 1):+.1f}%" if old_tps and new_tps else "-"
+        lines.append(f"{r['model'] + '/seq' + str(r['seq_len']) + '/' + r['dtype']:<22} {r['contender']:<13} "
+                     f"{_fmt(old_tps, ',.0f'):>12} {_fmt(new_tps, ',.0f'):>12} {change:>8}")
+    return "\n".join(notes + lines)
+
+
+# ------------------------------------------------------------------ record
+TABLE_START, TABLE_END = "<!-- latest-runs:start -->", "<!-- latest-runs:end -->"
+
+
+def record_table(results_dir: Path) -> str:
+    """Markdown table of the latest throughput run per device found in `results_dir`."""
+    latest = {}
+    for path in sorted(results_dir.glob("throughput-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("schema") != SCHEMA or data.get("device", {}).get("type") != "cuda":
+            continue
+        name = data["device"]["name"]
+        if name not in latest or data["date"] > latest[name][0]["date"]:
+            latest[name] = (data, path.name)
+    if not latest:
+        return "No GPU run recorded yet."
+    lines = ["| device | date | commit | setting | batch | contender | tokens/s | MFU | x hf-eager | x hf-compile | file |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, (data, fname) in sorted(latest.items()):
+        for r in data["results"]:
+            if r["status"] != "ok":
+                cells = [r["status"] + ": " + r.get("reason", "")[:60], "", "", ""]
+            else:
+                cells = [f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]),
+                         _fmt(r.get("vs_hf_eager"), ".2f"), _fmt(r.get("vs_hf_compile"), ".2f")]
+            lines.append(f"| {name} | {data['date'][:10]} | {(data.get('commit') or '?')[:8]} | "
+                         f"{r['model']}/seq{r['seq_len']}/{r['dtype']} | {r['batch']} | {r['contender']} | "
+                         + " | ".join(cells) + f" | {fname} |")
+    return "\n".join(lines)
+
+
+def update_record_readme(results_dir: Path) -> None:
+    """Rewrite the table between the markers of results_dir/README.md (atomically)."""
+    readme = results_dir / "README.md"
+    text = readme.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f"{readme} lacks the markers {TABLE_START} / {TABLE_END} around its table")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    write_text_atomic(readme, f"{head}{TABLE_START}\n{record_table(results_dir)}\n{TABLE_END}{tail}")
+
+
+def record_path(report: dict) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", report["device"]["name"]).strip("-").lower()
+    stamp = report["date"].replace(":", "").replace("-", "")[:15]
+    return RESULTS_DIR / f"throughput-{slug}-{stamp}.json"
+
+
+# -------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny preset, seq 64, batch 4, fp32 on a CPU (bf16 on a GPU), 3 timed steps")
+    p.add_argument("--models", nargs="+", default=None, choices=("tiny", "base", "large"))
+    p.add_argument("--seq-lens", nargs="+", type=int, default=None)
+    p.add_argument("--dtypes", nargs="+", default=None, choices=tuple(DTYPES))
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the largest that fits)")
+    p.add_argument("--max-tokens", type=int, default=1 << 17, help="upper bound of the batch search, in tokens")
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="steps per timed block (default 10; quick 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed blocks; the median is reported (default 5; quick 3)")
+    p.add_argument("--skip-compile", action="store_true", help="report hf-compile as skipped (compiling is slow on a CPU)")
+    p.add_argument("--interpret", action="store_true",
+                   help="on a CPU, time rf-fused in Triton's interpreter instead of skipping it")
+    p.add_argument("--profile", action="store_true",
+                   help="profile rf-fused's step per setting (done anyway on a GPU when a target is missed)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--chart", type=Path, default=None, help="bar chart of tokens/s (PNG; SVG without matplotlib)")
+    p.add_argument("--compare", type=Path, default=None, help="a previous --json file to compare against")
+    p.add_argument("--no-record", action="store_true", help="on a GPU, do not record the run in benchmarks/results/")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failed contenders")
+    args = p.parse_args(argv)
+    for name in ("batch", "max_tokens", "warmup", "steps", "repeats"):
+        value = getattr(args, name)
+        if value is not None and (value < (0 if name == "warmup" else 1)):
+            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
+    if args.compare is not None and not args.compare.is_file():
+        p.error(f"--compare: no such file {args.compare}")
+    return args
+
+
+def settings_from(args, device) -> list[tuple[str, int, str]]:
+    """(model, seq_len, dtype) triples to run, from the flags and the mode's defaults."""
+    if args.quick:
+        models, seqs = args.models or ["tiny"], args.seq_lens or [64]
+        dtypes = args.dtypes or (["bf16"] if device.type == "cuda" else ["fp32"])
+    else:
+        models, seqs = args.models or ["base", "large"], args.seq_lens or [128, 512]
+        dtypes = args.dtypes or ["bf16", "fp16"]
+    for model in models:
+        limit = model_config(model).max_seq_len
+        bad = [s for s in seqs if s > limit]
+        if bad:
+            raise SystemExit(f"error: --seq-lens {bad} exceed the {model} preset's {limit} positions")
+    if device.type == "cuda" and "bf16" in dtypes and not torch.cuda.is_bf16_supported():
+        raise SystemExit("error: this GPU has no bf16; pass --dtypes fp16")
+    return [(m, s, d) for m in models for s in seqs for d in dtypes]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda needs a CUDA GPU, and torch sees none")
+    quick = args.quick
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 5)
+    args.steps = args.steps or (1 if quick else 10)
+    args.repeats = args.repeats or (3 if quick else 5)
+    batch = args.batch or (4 if quick else None)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work (the optimizer, losses) as trainers run it
+        torch.backends.cudnn.allow_tf32 = True
+
+    report = {"schema": SCHEMA, **environment(device),
+              "config": {"quick": quick, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+                         "mlm_probability": MLM_PROBABILITY, "contenders": args.contenders,
+                         "timing": "median over repeats of (block time / steps); CUDA events on a GPU"},
+              "results": [], "batch_choice": {}, "targets": [], "profiles": []}
+    print(f"device: {report['device']['name']}  torch {torch.__version__}  commit {(report['commit'] or '?')[:10]}")
+    for model, seq_len, dtype in settings_from(args, device):
+        if batch is None:
+            b, why = find_batch(model, seq_len, dtype, device, args, args.contenders)
+        else:
+            b, why = batch, "given" if args.batch else "--quick default"
+        setting = Setting(model, seq_len, dtype, b)
+        report["batch_choice"][setting.key] = {"batch": b, "how": why}
+        for name in args.contenders:
+            row = measure(name, setting, device, args)
+            report["results"].append(row)
+            status = f"{row['ms_per_step']:.1f} ms/step" if row["status"] == "ok" else f"{row['status']}: {row['reason']}"
+            print(f"  {setting.key} batch {b} {name}: {status}", flush=True)
+    add_ratios(report["results"])
+    report["targets"] = evaluate_targets(report["results"], device)
+
+    missed = {(t["model"], t["seq_len"], t["dtype"]) for t in report["targets"] if t["status"] == "missed"}
+    for r in report["results"]:
+        key = (r["model"], r["seq_len"], r["dtype"])
+        if r["contender"] == "rf-fused" and r["status"] == "ok" and (args.profile or key in missed):
+            try:
+                report["profiles"].append(profile_step(Setting(*key, r["batch"]), device, args))
+            except Exception as err:  # a profile is extra: report it, keep the figures
+                report["profiles"].append({"setting": "/".join(map(str, key)), "error": f"{type(err).__name__}: {err}"})
+
+    print()
+    print(format_table(report["results"]))
+    if report["targets"]:
+        print("\ntargets (rf-fused):")
+        print(format_targets(report["targets"]))
+    for prof in report["profiles"]:
+        if "ops" in prof:
+            print(f"\nwhere rf-fused's step goes, {prof['setting']} ({prof['clock']} time, "
+                  f"{prof['total_ms_per_step']:.1f} ms/step):")
+            for op in prof["ops"]:
+                print(f"  {100 * op['share']:5.1f}%  {op['name']}")
+    if args.compare is not None:
+        print(f"\ncompared with {args.compare}:")
+        print(compare(json.loads(args.compare.read_text()), report))
+
+    if args.json is not None:
+        write_json_atomic(args.json, report)
+        print(f"\nwrote {args.json}")
+    if device.type == "cuda" and not quick and not args.no_record:
+        path = record_path(report)
+        write_json_atomic(path, report)
+        update_record_readme(RESULTS_DIR)
+        print(f"recorded {path.relative_to(ROOT)} and updated {RESULTS_DIR.relative_to(ROOT)}/README.md")
+    if args.chart is not None:
+        from plot import throughput_chart
+
+        print(throughput_chart(report, args.chart))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

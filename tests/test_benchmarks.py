@@ -1,0 +1,216 @@
+"""Smoke tests of benchmarks/: throughput.py --quick end to end, every bench_*.py --quick,
+and throughput.py's bookkeeping (ratios, targets, comparison, the results record) on
+reports built here, so a wrong figure in the record fails a test on any machine.
+
+Performance itself is never asserted: the benchmarks measure it, on a GPU.
+"""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+KERNEL_BENCHES = ("bench_attention", "bench_bias_gelu", "bench_layer_norm", "bench_fused_adam",
+                  "bench_mask_tokens", "bench_preprocess")
+
+
+def _load_throughput():
+    spec = importlib.util.spec_from_file_location("benchmarks_throughput", BENCH / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+T = _load_throughput()
+
+
+def _run(args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ----------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    """One `throughput.py --quick --skip-compile` run (shared by the tests below)."""
+    out = tmp_path_factory.mktemp("throughput")
+    proc = _run(["benchmarks/throughput.py", "--quick", "--skip-compile", "--device", "cpu",
+                 "--json", str(out / "quick.json"), "--chart", str(out / "quick.png")])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc.stdout, json.loads((out / "quick.json").read_text())
+
+
+def test_quick_run_reports_every_contender(quick_report):
+    out, stdout, report = quick_report
+    assert report["schema"] == T.SCHEMA
+    for key in ("device", "versions", "commit", "date", "config", "results", "targets"):
+        assert key in report, key
+    rows = report["results"]
+    assert [r["contender"] for r in rows] == list(T.CONTENDERS)
+    for r in rows:
+        assert r["status"] in ("ok", "skipped"), r  # "failed" means a contender is broken
+        assert (r["model"], r["seq_len"], r["dtype"], r["batch"]) == ("tiny", 64, "fp32", 4)
+        if r["status"] == "skipped":
+            assert r["reason"] and r["reason"] in stdout  # skipped with the reason, never dropped
+    compiled = next(r for r in rows if r["contender"] == "hf-compile")
+    assert compiled["status"] == "skipped" and "--skip-compile" in compiled["reason"]
+    assert any(r["status"] == "ok" for r in rows), "no contender ran on the CPU"
+    if importlib.util.find_spec("transformers") is not None:
+        assert next(r for r in rows if r["contender"] == "hf-eager")["status"] == "ok"
+
+
+def test_quick_run_figures_are_consistent(quick_report):
+    _, _, report = quick_report
+    ok = [r for r in report["results"] if r["status"] == "ok"]
+    hf = next((r for r in ok if r["contender"] == "hf-eager"), None)
+    for r in ok:
+        assert len(r["ms_per_step_blocks"]) == report["config"]["repeats"] == 3
+        assert r["ms_per_step"] == pytest.approx(sorted(r["ms_per_step_blocks"])[1])  # the median
+        tokens = r["batch"] * r["seq_len"]
+        assert r["tokens_per_s"] == pytest.approx(tokens / (r["ms_per_step"] / 1e3))
+        assert r["sequences_per_s"] == pytest.approx(r["batch"] / (r["ms_per_step"] / 1e3))
+        # ~15% of the 61 ordinary tokens per sequence are predicted; specials never are
+        assert 0 < r["predicted_per_step"] <= r["batch"] * (r["seq_len"] - 3)
+        assert r["mfu"] is None and r["peak_memory_gib"] is None  # no datasheet peak for a CPU
+        if hf is not None:
+            assert r["vs_hf_eager"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
+        assert r["vs_hf_compile"] is None  # the peer was skipped
+    assert all(t["status"] == "not evaluated" for t in report["targets"])
+
+
+def test_quick_run_writes_a_chart(quick_report):
+    out, stdout, _ = quick_report
+    charts = [p for p in (out / "quick.png", out / "quick.svg") if p.exists() and p.stat().st_size > 0]
+    assert charts, stdout
+    assert not list(out.glob(".*tmp*")), "a temporary file was left behind"
+
+
+def test_compare_against_a_previous_run(quick_report, tmp_path):
+    out, _, report = quick_report
+    old = json.loads(json.dumps(report))
+    hf = next(r for r in old["results"] if r["contender"] == "hf-eager" and r["status"] == "ok")
+    hf["tokens_per_s"] *= 2  # the new run is then 50% slower than the old one
+    text = T.compare(old, report)
+    line = next(li for li in text.splitlines() if "hf-eager" in li)
+    assert line.split()[-1] == "-50.0%"
+    assert "devices differ" not in text
+    old["device"]["name"] = "NVIDIA H100 80GB HBM3"
+    assert "devices differ" in T.compare(old, report)
+
+
+@pytest.mark.parametrize("name", KERNEL_BENCHES)
+def test_kernel_benchmark_quick(name, tmp_path):
+    path = BENCH / f"{name}.py"
+    if not path.exists():
+        pytest.skip(f"benchmarks/{name}.py is not written yet")
+    proc = _run([str(path.relative_to(ROOT)), "--quick"], timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- bookkeeping
+def _row(contender, tps, model="base", seq=512, dtype="bf16", mfu=None):
+    return {"contender": contender, "model": model, "seq_len": seq, "dtype": dtype, "batch": 8,
+            "status": "ok", "tokens_per_s": tps, "sequences_per_s": tps / seq, "ms_per_step": 8 * seq / tps * 1e3,
+            "mfu": mfu, "peak_memory_gib": 1.0}
+
+
+def test_ratios_and_targets():
+    rows = [_row("rf-fused", 300.0, mfu=0.5), _row("hf-eager", 200.0), _row("hf-compile", 240.0),
+            {"contender": "rf-reference", "model": "base", "seq_len": 512, "dtype": "bf16", "batch": 8,
+             "status": "skipped", "reason": "why"}]
+    T.add_ratios(rows)
+    assert rows[0]["vs_hf_eager"] == pytest.approx(300 / 200)
+    assert rows[0]["vs_hf_compile"] == pytest.approx(300 / 240)
+    assert rows[3]["vs_hf_eager"] is None
+    targets = {t["metric"]: t for t in T.evaluate_targets(rows, torch.device("cuda"))}
+    eager = targets["vs_hf_eager"]
+    assert eager["status"] == "missed"
+    assert eager["shortfall"] == pytest.approx(T.TARGETS["vs_hf_eager"] - 1.5)
+    assert eager["shortfall_fraction"] == pytest.approx(1 - 1.5 / T.TARGETS["vs_hf_eager"])
+    assert targets["vs_hf_compile"]["status"] == ("met" if 1.25 >= T.TARGETS["vs_hf_compile"] else "missed")
+    assert targets["mfu"]["status"] == ("met" if 0.5 >= T.TARGETS["mfu"] else "missed")
+    on_cpu = T.evaluate_targets(rows, torch.device("cpu"))
+    assert on_cpu and all(t["status"] == "not evaluated" for t in on_cpu)
+
+
+def test_table_shows_skipped_reason_and_ratio():
+    rows = [_row("rf-fused", 300.0), _row("hf-eager", 200.0),
+            {"contender": "hf-compile", "model": "base", "seq_len": 512, "dtype": "bf16", "batch": 8,
+             "status": "skipped", "reason": "no compiler here"}]
+    T.add_ratios(rows)
+    table = T.format_table(rows)
+    assert "skipped: no compiler here" in table
+    assert f"{300 / 200:.2f}" in table.splitlines()[1]
+
+
+def test_record_table_keeps_the_latest_gpu_run_per_device(tmp_path):
+    (tmp_path / "README.md").write_text(f"# record\n\n{T.TABLE_START}\nold\n{T.TABLE_END}\n\ntail text\n")
+    assert T.record_table(tmp_path) == "No GPU run recorded yet."
+
+    def report(date, device_type, name, tps):
+        rows = [_row("rf-fused", tps), _row("hf-eager", 100.0)]
+        T.add_ratios(rows)
+        return {"schema": T.SCHEMA, "date": date, "commit": "abcdef123456", "device": {"type": device_type, "name": name},
+                "results": rows}
+
+    for i, (date, kind, name, tps) in enumerate([("2026-01-01T00:00:00+00:00", "cuda", "GPU-A", 150.0),
+                                                  ("2026-02-01T00:00:00+00:00", "cuda", "GPU-A", 170.0),
+                                                  ("2026-03-01T00:00:00+00:00", "cpu", "x86_64", 5.0)]):
+        T.write_json_atomic(tmp_path / f"throughput-{i}.json", report(date, kind, name, tps))
+    T.update_record_readme(tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith("# record") and text.rstrip().endswith("tail text") and "old" not in text
+    assert "2026-02-01" in text and "2026-01-01" not in text and "x86_64" not in text
+    assert f"{170 / 100:.2f}" in text and "throughput-1.json" in text
+
+
+def test_record_readme_without_markers_is_an_error(tmp_path):
+    (tmp_path / "README.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        T.update_record_readme(tmp_path)
+
+
+def test_host_batches_are_packed_sequences():
+    batches = T.HostBatches(vocab_size=100, batch=3, seq_len=9)
+    b = batches.next()
+    assert b.shape == (3, 9) and b.dtype == torch.int64
+    assert (b[:, 0] == T.BOS).all() and (b[:, -1] == T.EOS).all() and (b[:, 4] == T.EOS).all()
+    inner = b[:, 1:-1][b[:, 1:-1] != T.EOS]
+    assert inner.min() > T.UNK and inner.max() < 99  # never a special id or <mask>
+    example = batches.examples(b)[0]
+    assert example["input_ids"] == b[0].tolist()
+    assert example["special_tokens_mask"] == [int(i <= T.UNK) for i in b[0].tolist()]
+    assert not torch.equal(batches.next(), b)  # cycles through distinct batches
+
+
+def test_hf_tokenizer_has_roberta_ids():
+    pytest.importorskip("transformers")
+    tok = T.hf_tokenizer(300)
+    assert (len(tok), tok.mask_token_id, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (300, 299, 1, 0, 2)
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--steps", "-1"], ["--compare", "/no/such/file.json"]])
+def test_bad_arguments_are_rejected(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        T.parse_args(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_json_is_strict_and_atomic(tmp_path):
+    T.write_json_atomic(tmp_path / "a.json", {"x": 1.5})
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1.5}
+    with pytest.raises(ValueError):
+        T.write_json_atomic(tmp_path / "b.json", {"x": math.nan})  # NaN is not JSON: use null
+    assert not (tmp_path / "b.json").exists() and list(tmp_path.iterdir()) == [tmp_path / "a.json"]
