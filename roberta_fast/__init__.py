@@ -17,6 +17,7 @@ _LAZY = {
     "RobertaConfig": "config",
     "RobertaModel": "model",
     "RobertaForMaskedLM": "model",
+    "RobertaForSequenceClassification": "model",
     "RobertaTokenizer": "tokenizer",
     "mask_tokens": "masking",
     "FusedAdam": "optim",

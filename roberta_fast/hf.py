@@ -26,6 +26,7 @@ _LAYER_RENAMES = {
     "ffn_norm": "output.LayerNorm",
 }
 _QKV = ("query", "key", "value")
+_HEADS = ("lm_head.", "classifier.")  # task heads: same names in HF and here
 # HF keys that carry no weights of ours: buffers, and the decoder tied to the embeddings.
 _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_head\.decoder\.(weight|bias)$")
 
@@ -68,7 +69,7 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
         if _HF_IGNORED.search(key):
             continue
         if not key.startswith(prefix):
-            if key.startswith("lm_head."):
+            if key.startswith(_HEADS):
                 out[key] = value
             else:
                 unknown.append(key)
@@ -165,7 +166,7 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected)) + unknown
-    head_prefixes = (prefix + "pooler.", "lm_head.")
+    head_prefixes = (prefix + "pooler.",) + _HEADS
     essential = [k for k in missing if not k.startswith(head_prefixes)]
     if essential:
         raise ValueError(f"checkpoint lacks encoder weights: {essential[:8]}{' ...' if len(essential) > 8 else ''}")

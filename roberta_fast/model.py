@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .ops import _warn_once
 from .config import RobertaConfig
 
 IGNORE_INDEX = -100  # label of a position that is not predicted
@@ -45,6 +46,7 @@ class BaseModelOutput(_Output):
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -52,6 +54,15 @@ class MaskedLMOutput(_Output):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class SequenceClassifierOutput(_Output):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 # ----------------------------------------------------------------- input checks
@@ -166,22 +177,33 @@ class RobertaLayer(nn.Module):
         self.hidden_dropout_p = config.hidden_dropout_prob
         self.attention_dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x, attention_mask=None, backend="reference"):
-        batch, seqlen, hidden = x.shape
+    def forward(self, x, attention_mask=None, backend="reference", packed=None, output_attentions=False):
+        """x: (batch, seqlen, hidden), or (total_tokens, hidden) when `packed` = (cu_seqlens, max_seqlen).
+
+        Returns the new x, or (x, attention probabilities) with output_attentions.
+        """
+        hidden = x.shape[-1]
         hidden_p = self.hidden_dropout_p if self.training else 0.0
         attention_p = self.attention_dropout_p if self.training else 0.0
 
-        qkv = self.qkv(x).view(batch, seqlen, 3, self.num_heads, hidden // self.num_heads)
-        q, k, v = qkv.unbind(dim=2)  # each (batch, seqlen, heads, head_dim)
-        a = ops.attention(q, k, v, attention_mask, attention_p, backend)
-        a = self.attn_out(a.reshape(batch, seqlen, hidden))
+        qkv = self.qkv(x).view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
+        q, k, v = qkv.unbind(dim=-3)  # each (batch, seqlen, heads, head_dim) or (tokens, heads, head_dim)
+        probs = None
+        if packed is not None:
+            a = ops.attention_varlen(q, k, v, *packed, attention_p)
+        elif output_attentions:
+            a, probs = ops.attention_with_probs(q, k, v, attention_mask, attention_p)
+        else:
+            a = ops.attention(q, k, v, attention_mask, attention_p, backend)
+        a = self.attn_out(a.reshape(*x.shape[:-1], hidden))
         x = ops.dropout_add_layer_norm(a, x, self.attn_norm.weight, self.attn_norm.bias,
                                        self.attn_norm.eps, hidden_p, backend)
 
         f = ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias, backend)
         f = self.ffn_out(f)
-        return ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
-                                          self.ffn_norm.eps, hidden_p, backend)
+        x = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
+                                       self.ffn_norm.eps, hidden_p, backend)
+        return (x, probs) if output_attentions else x
 
 
 class _PreTrained(nn.Module):
@@ -246,27 +268,78 @@ class RobertaModel(_PreTrained):
         self.embeddings = RobertaEmbeddings(config)
         self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
+        self.unpad = True
         self.apply(self._init_weights)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                output_hidden_states: bool = False, return_dict: bool = True):
+                output_hidden_states: bool = False, output_attentions: bool = False,
+                return_dict: bool = True):
         if self.check_inputs:
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
-        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
+                          output_hidden_states, output_attentions)
         return out if return_dict else out.to_tuple()
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-               output_hidden_states: bool = False) -> BaseModelOutput:
-        """forward() without the input checks (for callers that have done them)."""
+               output_hidden_states: bool = False, output_attentions: bool = False) -> BaseModelOutput:
+        """forward() without the input checks (for callers that have done them).
+
+        With the fused backend a padded batch runs unpadded: masked tokens are dropped
+        once before the embeddings, the layers run on the packed tokens with
+        variable-length attention, and the outputs are re-padded with zeros at masked
+        positions (set `model.unpad = False` to compute those positions as HF does).
+        """
         backend = self._backend_for(input_ids)
+        if output_attentions and backend == "fused":
+            _warn_once("output_attentions=True: no fused kernel stores attention probabilities, "
+                       "so this call runs the reference attention")
+        if position_ids is None:
+            position_ids = self.embeddings.position_ids(input_ids)
+        packing = None
+        if (backend == "fused" and self.unpad and attention_mask is not None and not output_attentions
+                and not bool(attention_mask.all())):
+            packing = _Packing(attention_mask)
+            input_ids, position_ids, token_type_ids = (
+                packing.pack(t) for t in (input_ids, position_ids, token_type_ids))
         x = self.embeddings(input_ids, token_type_ids, position_ids, backend)
-        hidden_states = [x] if output_hidden_states else None
+        states, attentions = [x], []
         for layer in self.layers:
-            x = layer(x, attention_mask, backend)
-            if output_hidden_states:
-                hidden_states.append(x)
+            if packing is not None:
+                x = layer(x, backend=backend, packed=(packing.cu_seqlens, packing.max_seqlen))
+            elif output_attentions:
+                x, probs = layer(x, attention_mask, backend, output_attentions=True)
+                attentions.append(probs)
+            else:
+                x = layer(x, attention_mask, backend)
+            states.append(x)
+        if packing is not None:
+            x = packing.unpack(x)
+            states = [packing.unpack(h) for h in states] if output_hidden_states else states
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
-        return BaseModelOutput(x, pooled, tuple(hidden_states) if output_hidden_states else None)
+        return BaseModelOutput(x, pooled, tuple(states) if output_hidden_states else None,
+                               tuple(attentions) if output_attentions else None)
+
+
+class _Packing:
+    """Where the attended tokens of a padded (batch, seqlen) batch go when packed into one row."""
+
+    def __init__(self, attention_mask):
+        batch, seqlen = attention_mask.shape
+        keep = attention_mask.bool()
+        self.shape = (batch, seqlen)
+        self.indices = keep.flatten().nonzero().squeeze(1)  # (total_tokens,) into batch·seqlen
+        lengths = keep.sum(dim=1, dtype=torch.int32)
+        self.cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (batch + 1,)
+        self.max_seqlen = int(lengths.max())
+
+    def pack(self, t):
+        """(batch, seqlen, ...) -> (total_tokens, ...); None stays None."""
+        return None if t is None else t.flatten(0, 1).index_select(0, self.indices)
+
+    def unpack(self, t):
+        """(total_tokens, ...) -> (batch, seqlen, ...) with zeros at masked positions."""
+        out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[1:])
+        return out.index_copy(0, self.indices, t).view(*self.shape, *t.shape[1:])
 
 
 class RobertaLMHead(nn.Module):
@@ -297,8 +370,8 @@ class RobertaForMaskedLM(_PreTrained):
         nn.init.zeros_(self.lm_head.bias)
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, output_hidden_states: bool = False, masked_only: bool = False,
-                loss_reduction: str = "mean", return_dict: bool = True):
+                position_ids=None, output_hidden_states: bool = False, output_attentions: bool = False,
+                masked_only: bool = False, loss_reduction: str = "mean", return_dict: bool = True):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
@@ -319,7 +392,7 @@ class RobertaForMaskedLM(_PreTrained):
         if self.check_inputs:
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states)
+                                      output_hidden_states, output_attentions)
         x = encoded.last_hidden_state
         backend = self._backend_for(input_ids)
         if masked_only:
@@ -332,8 +405,83 @@ class RobertaForMaskedLM(_PreTrained):
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction=loss_reduction)
-        out = MaskedLMOutput(loss, logits, encoded.hidden_states)
+        out = MaskedLMOutput(loss, logits, encoded.hidden_states, encoded.attentions)
         return out if return_dict else out.to_tuple()
+
+
+class RobertaClassificationHead(nn.Module):
+    """HF's sentence head on the <s> token: dropout, dense, tanh, dropout, out_proj."""
+
+    def __init__(self, config: RobertaConfig, num_labels: int):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, num_labels)
+        dropout = config.classifier_dropout
+        self.dropout_p = config.hidden_dropout_prob if dropout is None else dropout
+
+    def forward(self, x):
+        p = self.dropout_p if self.training else 0.0
+        x = F.dropout(x[:, 0], p=p, training=p > 0)  # (batch, hidden) at <s>
+        x = F.dropout(torch.tanh(self.dense(x)), p=p, training=p > 0)
+        return self.out_proj(x)
+
+
+class RobertaForSequenceClassification(_PreTrained):
+    """Encoder + classification head, as HF's; the loss follows HF's `problem_type` rules.
+
+    num_labels comes from the argument, else the config's `id2label` (HF config.json),
+    else 2. problem_type ("regression", "single_label_classification",
+    "multi_label_classification") comes from the config, else is inferred as HF does.
+    """
+
+    def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
+        super().__init__()
+        if num_labels is None:
+            num_labels = len(config.extra.get("id2label") or {}) or config.extra.get("num_labels", 2)
+        if num_labels < 1:
+            raise ValueError(f"num_labels must be >= 1, got {num_labels}")
+        if len(config.extra.get("id2label") or {}) != num_labels:
+            config.extra["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+            config.extra["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+        self._setup(config, backend)
+        self.num_labels = num_labels
+        self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
+        self.classifier = RobertaClassificationHead(config, num_labels)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, token_type_ids=None,
+                position_ids=None, output_hidden_states: bool = False, output_attentions: bool = False,
+                return_dict: bool = True):
+        if self.check_inputs:
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
+        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
+                                      output_hidden_states, output_attentions)
+        logits = self.classifier(encoded.last_hidden_state)
+        loss = None if labels is None else self._loss(logits, labels)
+        out = SequenceClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
+        return out if return_dict else out.to_tuple()
+
+    def _loss(self, logits, labels):
+        problem = self.config.extra.get("problem_type")
+        if problem is None:
+            if self.num_labels == 1:
+                problem = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem = "single_label_classification"
+            else:
+                problem = "multi_label_classification"
+        if problem == "regression":
+            if self.num_labels == 1:
+                return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
+            return F.mse_loss(logits, labels.to(logits.dtype))
+        if problem == "single_label_classification":
+            if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_labels):
+                raise ValueError(f"labels must lie in [0, {self.num_labels}) for {self.num_labels} classes, "
+                                 f"got values in [{int(labels.min())}, {int(labels.max())}]")
+            return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+        if problem == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+        raise ValueError(f"unknown problem_type {problem!r}")
 
 
 # -------------------------------------------------------------------------- MFU

@@ -83,11 +83,35 @@ def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
     return out.transpose(1, 2)  # (batch, seqlen, heads, head_dim)
 
 
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float):
+    """Fused attention over packed sequences; q, k, v: (total_tokens, heads, head_dim).
+
+    Sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1] and attends only within itself.
+    Fused only: the model packs sequences only when the fused kernels run.
+    """
+    return _kernels().attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate=False)
+
+
+def attention_with_probs(q, k, v, attention_mask, dropout_p: float):
+    """Reference attention that also returns the probabilities (batch, heads, seqlen, seqlen).
+
+    For `output_attentions=True`, which no fused kernel provides (nothing seqlen² is stored).
+    """
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if attention_mask is not None:
+        keep = attention_mask[:, None, None, :].to(torch.bool)  # (batch, 1, 1, seqlen)
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(dim=-1)
+    out = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v
+    return out.transpose(1, 2), probs  # (batch, seqlen, heads, head_dim), probs
+
+
 def linear_gelu(x, weight, bias, backend: str):
     """erf GELU(x @ weight.T + bias): the feed-forward's first half."""
     if backend == "fused":
         h = F.linear(x, weight)
-        return _kernels().bias_gelu(h, bias.to(h.dtype))
+        return _kernels().bias_gelu(h, bias)
     return F.gelu(F.linear(x, weight, bias))
 
 
