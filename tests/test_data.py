@@ -1,0 +1,253 @@
+"""roberta_fast.data: packing rules, O(1) access, deterministic shuffling, rank sharding, resume.
+
+A small dataset of documents of awkward lengths (shorter and longer than seq_len) is
+preprocessed into many small shards so that rows cross shard boundaries; expected
+contents are rebuilt from the tokenizer's direct encodings.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from roberta_fast import RobertaTokenizer
+from roberta_fast.corpus import iter_documents
+from roberta_fast.data import BatchLoader, PretrainingDataset, check_dataset, permute
+from roberta_fast.preprocess import preprocess
+
+S = 37  # seq_len: prime, shorter than many documents
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(dataset dir, tokenizer, per-document ids in stream order, each ending in </s>)."""
+    root = tmp_path_factory.mktemp("data")
+    corpus = list(iter_documents(max_bytes=40_000))
+    tok = RobertaTokenizer.train_from_iterator(corpus, vocab_size=800)
+    words = " ".join(corpus).split()
+    lengths = [1, 40, 3, 90, 17, 35, 60, 2, 120, 8] * 6  # in words: shorter and longer than S tokens
+    starts = np.cumsum([0] + lengths)
+    docs = [" ".join(words[a:b]) for a, b in zip(starts[:-1], starts[1:])] + ["x", "a <mask> literal"]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    preprocess([root / "docs.jsonl"], tok, root / "ds", valid_fraction=0.0, shard_mb=0.002,
+               progress=False, log=lambda m: None)
+    tok.backend.encode_special_tokens = True  # as preprocess does: text is text
+    encoded = [tok.encode(d)[1:] for d in docs]
+    tok.backend.encode_special_tokens = False
+    return root / "ds", tok, encoded
+
+
+def unpad(row, pad):
+    row = row.tolist() if hasattr(row, "tolist") else list(row)
+    n = len(row)
+    while n and row[n - 1] == pad:
+        n -= 1
+    return row[:n]
+
+
+def test_many_shards(built):
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S)
+    assert len(ds.stream.shards) >= 5
+
+
+def test_full_sentences(built):
+    path, tok, docs = built
+    ds = PretrainingDataset(path, seq_len=S, mode="full")
+    stream = [t for d in docs for t in d]
+    assert len(ds) == -(-len(stream) // (S - 1))
+    rebuilt = []
+    for i in range(len(ds)):
+        row = ds[i]
+        assert row.shape == (S,) and row.dtype == torch.int64 and row[0] == tok.bos_id
+        body = unpad(row, tok.pad_id)[1:]
+        assert len(body) == S - 1 or i == len(ds) - 1  # only the last row is short
+        rebuilt += body
+    assert rebuilt == stream  # contiguous, crossing documents with a </s> between them
+    assert ds[-1].tolist() == ds[len(ds) - 1].tolist()
+    last = ds.sample(len(ds) - 1)
+    n = len(stream) - (len(ds) - 1) * (S - 1) + 1
+    assert last["attention_mask"].tolist() == [1] * n + [0] * (S - n)
+
+
+def test_doc_sentences_never_cross(built):
+    path, tok, docs = built
+    ds = PretrainingDataset(path, seq_len=S, mode="doc")
+    rows = [unpad(ds[i], tok.pad_id) for i in range(len(ds))]
+    for row in rows:
+        assert row[0] == tok.bos_id and row[-1] == tok.eos_id and 3 <= len(row) <= S
+        assert tok.eos_id not in row[1:-1] and tok.bos_id not in row[1:-1]  # one document per row
+    body = S - 2
+    expected = [[tok.bos_id, *d[a:a + body], tok.eos_id]  # each document cut into runs of S-2
+                for d in (doc[:-1] for doc in docs) for a in range(0, len(d), body)]
+    assert rows == expected
+
+
+def test_doc_sentences_packed(built):
+    path, tok, docs = built
+    plain = PretrainingDataset(path, seq_len=S, mode="doc")
+    packed = PretrainingDataset(path, seq_len=S, mode="doc", pack=True)
+    assert len(packed) < len(plain)
+    runs = []
+    for i in range(len(packed)):
+        s = packed.sample(i)
+        cu, ids, pos = s["cu_seqlens"], s["input_ids"], s["position_ids"]
+        n = int(cu[-1])
+        assert cu[0] == 0 and n <= S and s["attention_mask"].tolist() == [1] * n + [0] * (S - n)
+        for a, b in zip(cu[:-1], cu[1:]):
+            assert ids[a] == tok.bos_id and ids[b - 1] == tok.eos_id
+            assert pos[a:b].tolist() == list(range(tok.pad_id + 1, tok.pad_id + 1 + b - a))  # restart
+            runs.append(ids[a:b].tolist())
+        assert (pos[n:] == tok.pad_id).all() and (ids[n:] == tok.pad_id).all()
+    assert runs == [unpad(plain[i], tok.pad_id) for i in range(len(plain))]
+    loader = BatchLoader(packed, 3, seed=0, prefetch=0)
+    b = next(iter(loader))
+    cu = b["cu_seqlens"].tolist()
+    assert cu[0] == 0 and cu[-1] == 3 * S and all(x < y for x, y in zip(cu, cu[1:]))
+    assert {S, 2 * S} <= set(cu) and b["max_seqlen"] == max(np.diff(cu))
+    assert b["position_ids"].shape == (3, S)
+
+
+def test_word_starts(built):
+    path, tok, _ = built
+    ds = PretrainingDataset(path, seq_len=S, mode="doc", word_starts=True)
+    for i in (0, 5, len(ds) - 1):
+        s = ds.sample(i)
+        n = int(s["attention_mask"].sum())
+        assert s["word_starts"][:n].tolist() == tok.word_starts(s["input_ids"][:n]).tolist()
+        assert not s["word_starts"][n:].any()
+
+
+def test_permutation():
+    for n in (1, 2, 3, 7, 64, 1000, 4099):
+        p = permute(np.arange(n), n, seed=5, epoch=2)
+        assert sorted(p.tolist()) == list(range(n))
+        assert p[n // 2] == permute([n // 2], n, seed=5, epoch=2)[0]  # any position alone, O(1)
+    a, b, c = (permute(np.arange(500), 500, s, e) for s, e in ((0, 0), (0, 1), (1, 0)))
+    assert (a == permute(np.arange(500), 500, 0, 0)).all()
+    assert (a != b).mean() > 0.9 and (a != c).mean() > 0.9 and (a != np.arange(500)).mean() > 0.9
+    with pytest.raises(ValueError, match="positions"):
+        permute([10], 10, 0, 0)
+
+
+def test_loader_deterministic_and_complete(built):
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S)
+    loader = BatchLoader(ds, 4, seed=3, prefetch=2, drop_last=False)
+    again = BatchLoader(ds, 4, seed=3, prefetch=0, drop_last=False)
+    batches = list(loader)
+    assert len(batches) == len(loader) == -(-len(ds) // 4)
+    for x, y in zip(batches, again):
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["attention_mask"], y["attention_mask"])
+    ids = np.concatenate([loader.indices(0, t) for t in range(len(loader))])
+    assert set(ids.tolist()) == set(range(len(ds)))
+    rows = {tuple(ds[i].tolist()) for i in range(len(ds))}
+    assert {tuple(r.tolist()) for b in batches for r in b["input_ids"]} == rows
+    assert loader.epoch == 1 and loader.step == 0
+    second = np.concatenate([loader.indices(1, t) for t in range(len(loader))])
+    assert not np.array_equal(second, ids)  # a fresh order each epoch
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_sharding(built, world):
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S)
+    for drop_last in (True, False):
+        loaders = [BatchLoader(ds, 2, seed=1, rank=r, world_size=world, drop_last=drop_last) for r in range(world)]
+        assert len({len(x) for x in loaders}) == 1  # every rank takes as many steps
+        per_rank = [np.concatenate([x.indices(0, t) for t in range(len(x))]) for x in loaders]
+        every = np.concatenate(per_rank)
+        if drop_last:
+            assert len(set(every.tolist())) == len(every) == len(loaders[0]) * 2 * world  # disjoint
+        else:
+            assert set(every.tolist()) == set(range(len(ds)))  # complete
+            assert len(every) - len(set(every.tolist())) < 2 * world  # repeats only to fill the last batch
+        single = BatchLoader(ds, 2 * world, seed=1, drop_last=drop_last)
+        for t in range(len(single)):  # ranks split exactly the single-process global batches
+            assert sorted(np.concatenate([x.indices(0, t) for x in loaders]).tolist()) == sorted(
+                single.indices(0, t).tolist())
+
+
+def test_resume_jumps_to_the_next_batch(built):
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S, mode="doc")
+    ref = BatchLoader(ds, 4, seed=7)
+    it = ref.forever()
+    seen = [next(it)["input_ids"] for _ in range(len(ref) + 3)]  # past an epoch boundary
+    state = ref.state_dict()
+    assert (state["epoch"], state["step"]) == (1, 3)
+    following = next(it)["input_ids"]
+    resumed = BatchLoader(ds, 4, seed=7)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a checkpoint round trip
+    assert torch.equal(next(iter(resumed))["input_ids"], following)
+    assert torch.equal(seen[0], next(iter(BatchLoader(ds, 4, seed=7)))["input_ids"])
+    two = BatchLoader(ds, 2, seed=7, rank=1, world_size=2)  # same global batch, other layout
+    two.load_state_dict(state)
+    assert (two.epoch, two.step) == (1, 3)
+    with pytest.raises(ValueError, match="seed"):
+        BatchLoader(ds, 4, seed=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="global"):
+        BatchLoader(ds, 5, seed=7).load_state_dict(state)  # 12 samples seen: not whole batches of 5
+
+
+def test_prefetch_stops_cleanly(built):
+    path, _, _ = built
+    loader = BatchLoader(PretrainingDataset(path, seq_len=S), 2, seed=0, prefetch=3)
+    it = iter(loader)
+    next(it)
+    it.close()  # the background thread must end, the state must name batch 1
+    assert loader.state_dict()["step"] == 1
+    assert not [t for t in __import__("threading").enumerate() if t.name == "BatchLoader-prefetch"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA GPU")
+def test_pinned_memory(built):
+    path, _, _ = built
+    b = next(iter(BatchLoader(PretrainingDataset(path, seq_len=S), 2, seed=0)))
+    assert b["input_ids"].is_pinned() and b["attention_mask"].is_pinned()
+
+
+def test_check_dataset(built, tmp_path):
+    path, tok, _ = built
+    ds = PretrainingDataset(path, seq_len=S)
+    assert check_dataset(path, vocab_size=tok.vocab_size, tokenizer=tok)["vocab_size"] == tok.vocab_size
+    assert check_dataset(ds, tokenizer=ds.tokenizer_path)["tokenizer_hash"] == tok.tokenizer_hash
+    assert ds.manifest["pad_id"] == tok.pad_id and ds.manifest["mask_id"] == tok.mask_id
+    with pytest.raises(ValueError, match="vocab_size=50265"):
+        check_dataset(path, vocab_size=50265)
+    other = RobertaTokenizer.train_from_iterator(["other text entirely"] * 3, vocab_size=300)
+    with pytest.raises(ValueError, match="tokenized with tokenizer"):
+        check_dataset(path, tokenizer=other)
+    with pytest.raises(ValueError, match="roberta_fast.preprocess"):
+        PretrainingDataset(tmp_path)
+
+
+def test_damaged_dataset_is_refused(built, tmp_path):
+    import shutil
+
+    path, _, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    shard = sorted((copy / "train").glob("*.bin"))[0]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="damaged"):
+        PretrainingDataset(copy)
+
+
+def test_bad_arguments(built):
+    path, _, _ = built
+    with pytest.raises(ValueError, match="mode"):
+        PretrainingDataset(path, mode="sentences")
+    with pytest.raises(ValueError, match="pack"):
+        PretrainingDataset(path, mode="full", pack=True)
+    with pytest.raises(ValueError, match="split"):
+        PretrainingDataset(path, split="test")
+    ds = PretrainingDataset(path, seq_len=S)
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    with pytest.raises(ValueError, match="rank"):
+        BatchLoader(ds, 2, seed=0, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="no full global batch"):
+        BatchLoader(ds, len(ds) + 1, seed=0)
+    with pytest.raises(ValueError, match="no samples"):
+        BatchLoader(PretrainingDataset(path, split="valid", seq_len=S), 1, seed=0)
