@@ -1,0 +1,202 @@
+"""The trainer end to end on CPU: exact resume, loss falls + HF export, gradient
+accumulation, DDP (gloo, 2 processes), fp16 overflow handling, early errors.
+
+All runs share one small dataset (1 MB of the embedded corpus, vocab 1024) and use a
+1-layer, hidden-32 model on 32-token sequences so the whole file stays fast.
+"""
+import json
+import os
+import signal
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from roberta_fast.metrics import read_metrics
+from roberta_fast.train import main
+from roberta_fast.train_config import TrainConfig
+from roberta_fast.trainer import Trainer
+
+SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, seq_len=32,
+             batch_size=4, max_steps=6, warmup_steps=2, lr=3e-3, log_every=1, eval_every=3, eval_batches=2,
+             save_every=100, prefetch=2, progress=False, tensorboard=False, plot=False, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    from roberta_fast.corpus import default_dataset
+
+    return str(default_dataset(tmp_path_factory.mktemp("corpus"), vocab_size=1024, max_bytes=1_000_000))
+
+
+def small_config(dataset, out, **overrides) -> TrainConfig:
+    return TrainConfig.preset("tiny", data=dataset, out=str(out), **{**SMALL, **overrides})
+
+
+def train_losses(out):
+    return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def run(cfg, on_step=None):
+    trainer = Trainer(cfg, log=lambda *a: None)
+    try:
+        return trainer, trainer.run(on_step=on_step)
+    finally:
+        trainer.close()
+
+
+def test_resume_is_exact(dataset, tmp_path):
+    """6 steps straight == 3 steps, SIGTERM, resume for 3: same losses and weights, bit for bit."""
+    whole, _ = run(small_config(dataset, tmp_path / "whole"))
+
+    def interrupt(trainer):
+        if trainer.step == 3:
+            signal.raise_signal(signal.SIGTERM)
+
+    first, summary = run(small_config(dataset, tmp_path / "split"), on_step=interrupt)
+    assert summary["status"].startswith("stopped by SIGTERM") and summary["step"] == 3
+    assert (tmp_path / "split" / "checkpoints" / "step_00000003.pt").is_file()
+    assert not (tmp_path / "split" / "final").exists()  # no export of an unfinished run
+    resumed, summary = run(small_config(dataset, tmp_path / "split"))
+    assert summary["status"] == "finished" and summary["step"] == 6
+
+    expected = train_losses(tmp_path / "whole")
+    assert [s for s, _ in expected] == [1, 2, 3, 4, 5, 6]
+    assert train_losses(tmp_path / "split") == expected  # exact floats, as logged
+    evals = lambda out: [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"]  # noqa: E731
+    assert evals(tmp_path / "split") == evals(tmp_path / "whole")
+    for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert resumed.schedule.num_updates == whole.schedule.num_updates == 6
+
+
+def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    argv = ["--data", dataset, "--out", str(out), "--max-steps", "40", "--warmup-steps", "4", "--lr", "1e-2",
+            "--hidden-size", "64", "--num-hidden-layers", "1", "--num-attention-heads", "2",
+            "--intermediate-size", "128", "--seq-len", "32", "--batch-size", "8", "--eval-every", "40",
+            "--eval-batches", "4", "--log-every", "10", "--device", "cpu", "--no-progress",
+            "--no-tensorboard", "--no-plot"]
+    assert main(argv) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["max_steps"] == 40 and saved["hidden_size"] == 64
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 40]
+    assert evals[1]["loss"] < evals[0]["loss"] - 0.5, evals
+    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in train)
+
+    from roberta_fast.model import RobertaForMaskedLM
+
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out / "final").eval()
+    ours = RobertaForMaskedLM.from_pretrained(out / "final", backend="reference").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out / "final")
+    ids = tok(["The module defines a class.", "Return the value of <mask>."], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = hf(**ids).logits
+        got = ours(ids["input_ids"], attention_mask=ids["attention_mask"]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    fill = transformers.pipeline("fill-mask", model=str(out / "final"), tokenizer=str(out / "final"))
+    assert len(fill("Return the <mask> of the object.")) == 5
+
+
+def _params(trainer):
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_grad_accumulation_equals_one_big_batch(dataset, tmp_path):
+    """2 micro-batches of 4 give the update of one batch of 8 (same rows, same masks)."""
+    big = Trainer(small_config(dataset, tmp_path / "a", batch_size=8, dropout=0.0, clip_grad_norm=0.5))
+    accum = Trainer(small_config(dataset, tmp_path / "b", batch_size=4, grad_accum=2, dropout=0.0,
+                                 clip_grad_norm=0.5))
+    assert accum.grad_accum == 2 and accum.global_batch == big.global_batch == 8
+    for _ in range(3):
+        batch = big.next_micro_batches()[0]
+        halves = [{k: v[i:i + 4] for k, v in batch.items()} for i in (0, 4)]
+        # the loaders agree too: the accumulating trainer reads the same rows
+        for h, mine in zip(halves, accum.next_micro_batches()):
+            assert torch.equal(h["input_ids"], mine["input_ids"])
+        a, b = big.train_step([batch]), accum.train_step(halves)
+        assert a["count"] == b["count"]
+        torch.testing.assert_close(a["loss_sum"], b["loss_sum"], rtol=1e-5, atol=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for (name, x), y in zip(_params(big).items(), _params(accum).values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, dataset, out, batches, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    trainer = Trainer(small_config(dataset, out, batch_size=2, dropout=0.0), log=lambda *a: None)
+    try:
+        assert trainer.ddp is not None and trainer.global_batch == 4
+        for batch in batches:  # this rank's half of each global batch
+            trainer.train_step([{k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}])
+        if rank == 0:
+            torch.save(_params(trainer), result)
+    finally:
+        trainer.close()
+
+
+def test_ddp_two_processes_equal_one_with_double_batch(dataset, tmp_path):
+    single = Trainer(small_config(dataset, tmp_path / "single", batch_size=4, dropout=0.0))
+    batches = [single.next_micro_batches()[0] for _ in range(2)]
+    for batch in batches:
+        single.train_step([batch])
+    result = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), dataset, str(tmp_path / "ddp"), batches, result), nprocs=2)
+    ddp = torch.load(result)
+    for name, x in _params(single).items():
+        torch.testing.assert_close(ddp[name], x, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(dataset, tmp_path):
+    trainer = Trainer(small_config(dataset, tmp_path / "fp16", precision="fp16", init_loss_scale=2.0 ** 120,
+                                   dropout=0.0))
+    before = _params(trainer)
+    stats = trainer.train_step(trainer.next_micro_batches())  # loss x 2^120 overflows fp16 gradients
+    assert stats["skipped"]
+    assert trainer.scaler.scale == 2.0 ** 119 and trainer.scaler.skipped == 1
+    assert trainer.schedule.num_updates == 0 and trainer.step == 1
+    assert not trainer.optimizer.state_dict()["state"]  # Adam moments untouched
+    for name, x in _params(trainer).items():
+        assert torch.equal(x, before[name]), name
+    trainer.scaler.scale = 2.0 ** 8
+    stats = trainer.train_step(trainer.next_micro_batches())
+    assert not stats["skipped"] and trainer.schedule.num_updates == 1
+    assert all(torch.isfinite(v).all() for v in _params(trainer).values())
+    assert any(not torch.equal(x, before[k]) for k, x in _params(trainer).items())
+
+
+def test_persistent_nonfinite_stops_with_a_checkpoint(dataset, tmp_path):
+    cfg = small_config(dataset, tmp_path / "nan", precision="fp16", init_loss_scale=2.0 ** 120, max_bad_steps=2)
+    trainer = Trainer(cfg, log=lambda *a: None)
+    with pytest.raises(RuntimeError, match="not finite for 2 consecutive steps, up to step 2"):
+        trainer.run()
+    trainer.close()
+    assert (tmp_path / "nan" / "checkpoints" / "step_00000002.pt").is_file()
+
+
+def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys):
+    with pytest.raises(ValueError, match="not a preprocessed dataset"):
+        Trainer(small_config(str(tmp_path / "nowhere"), tmp_path / "o1"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="not writable"):
+        Trainer(small_config(dataset, blocker / "out"))
+    with pytest.raises(ValueError, match="global_batch_size 10 is not a multiple"):
+        Trainer(small_config(dataset, tmp_path / "o2", global_batch_size=10))
+    assert main(["--data", dataset, "--out", str(tmp_path / "o3"), "--lr", "-1", "--warmup-steps", "700"]) == 2
+    err = capsys.readouterr().err
+    assert "lr must be > 0" in err and "warmup_steps (700) must not exceed max_steps (600)" in err
+    assert not (tmp_path / "o3").exists()
