@@ -45,8 +45,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton chooses the interpreter when a kernel is decorated, i.e. at import.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Block sizes under the interpreter: small tiles keep the tests quick and still
-# exercise several blocks and ragged tails at seqlen 130 / 257.
-_INTERPRET_BLOCK = 32
+# exercise several blocks and ragged tails at seqlen 130 / 257; BLOCK_M != BLOCK_N
+# (both ways round) as in the GPU configs.
+_INTERPRET_BLOCK = 64
+_INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
+                   "dq": {"BLOCK_M": 32, "BLOCK_N": 64}}
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -328,7 +331,6 @@ def _tuned(kernel, configs):
 _fwd = _tuned(_attn_fwd_kernel, _FWD_CONFIGS)
 _bwd_dkdv = _tuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS)
 _bwd_dq = _tuned(_attn_bwd_dq_kernel, _DQ_CONFIGS)
-_INTERPRET_META = {"BLOCK_M": _INTERPRET_BLOCK, "BLOCK_N": _INTERPRET_BLOCK}
 
 
 def _grid(rows_per_program, seqlen, batch_heads):
@@ -336,8 +338,9 @@ def _grid(rows_per_program, seqlen, batch_heads):
     return lambda meta: (triton.cdiv(seqlen, meta[rows_per_program]), batch_heads)
 
 
-def _fixed_meta():
-    return _INTERPRET_META if _INTERPRET else {}
+def _fixed_meta(kernel):
+    """Block sizes to pass explicitly: the interpreter's; on a GPU the autotuner picks them."""
+    return _INTERPRET_META[kernel] if _INTERPRET else {}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -390,7 +393,7 @@ def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_
         softmax_scale * LOG2E, thresh, inv_keep,
         *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen), *_bsh_strides(out, varlen),
         *lse_strides, stride_mb, nheads, seqlen,
-        HEAD_DIM=head_dim, **flags, **_fixed_meta(),
+        HEAD_DIM=head_dim, **flags, **_fixed_meta("fwd"),
     )
     return out, lse
 
@@ -415,11 +418,11 @@ def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dr
     tail = (*lse_strides, stride_mb, nheads, seqlen)
     _bwd_dkdv[_grid("BLOCK_N", seqlen, batch * nheads)](
         q, k, v, dout, dk, dv, *common, *_bsh_strides(dk, varlen), *tail,
-        HEAD_DIM=head_dim, **flags, **_fixed_meta(),
+        HEAD_DIM=head_dim, **flags, **_fixed_meta("dkdv"),
     )
     _bwd_dq[_grid("BLOCK_M", seqlen, batch * nheads)](
         q, k, v, dout, dq, *common, *_bsh_strides(dq, varlen), *tail,
-        HEAD_DIM=head_dim, **flags, **_fixed_meta(),
+        HEAD_DIM=head_dim, **flags, **_fixed_meta("dq"),
     )
     return dq, dk, dv
 
