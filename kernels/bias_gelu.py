@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layer_norm import check_tensor, check_triton_device, num_programs, tile_shape
+from .layer_norm import check_tensor, check_triton_device, num_programs, on_device, tile_shape
 
 MAX_BLOCK_N = 256  # column tile; divides 768, 1024, 3072 and 4096
 
@@ -82,8 +82,9 @@ def _bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return y
     block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_BLOCK_N)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _bias_gelu_fwd_kernel[grid](x, bias, y, M, N, BLOCK_M=block_m, BLOCK_N=block_n,
-                                num_warps=num_warps)
+    with on_device(x.device):
+        _bias_gelu_fwd_kernel[grid](x, bias, y, M, N, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    num_warps=num_warps)
     return y
 
 
@@ -103,12 +104,14 @@ def _bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tup
     row_programs = max(1, num_programs(x.device) // col_tiles)
     rows_per_program = block_m * triton.cdiv(M, block_m * row_programs)
     row_programs = triton.cdiv(M, rows_per_program) if M else 0
-    db_part = torch.zeros((row_programs, N), dtype=torch.float32, device=x.device)
+    # every program writes its row of partial sums for its columns: no zero-fill needed
+    db_part = torch.empty((row_programs, N), dtype=torch.float32, device=x.device)
     if x.numel():
-        _bias_gelu_bwd_kernel[(row_programs, col_tiles)](
-            dy, x, bias, dx, db_part, M, N, rows_per_program,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
+        with on_device(x.device):
+            _bias_gelu_bwd_kernel[(row_programs, col_tiles)](
+                dy, x, bias, dx, db_part, M, N, rows_per_program,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            )
     return dx, db_part.sum(0)
 
 

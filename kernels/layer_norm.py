@@ -19,6 +19,7 @@ The small device/dtype helpers at the top are shared with bias_gelu.py.
 Runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 Not yet measured on a GPU: see benchmarks/bench_layer_norm.py.
 """
+import contextlib
 import functools
 import os
 from typing import Optional
@@ -65,6 +66,11 @@ def check_triton_device(device: torch.device, op: str) -> None:
         f"TRITON_INTERPRET=1 is set before triton is imported), got a {device.type} tensor; "
         f"move the inputs to a GPU or call {op}_ref instead"
     )
+
+
+def on_device(device: torch.device):
+    """Context making `device` current, so Triton launches on the tensors' GPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,12 +218,13 @@ def _layer_norm_fwd(
     if M == 0:
         return y, keep, mean, rstd
     block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
-    _layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-        x, residual, weight, bias, y, keep, mean, rstd, seed,
-        M, N, eps, dropout_p, _dropout_scale(dropout_p),
-        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
-        STORE_KEEP=store_keep, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+    with on_device(x.device):
+        _layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, residual, weight, bias, y, keep, mean, rstd, seed,
+            M, N, eps, dropout_p, _dropout_scale(dropout_p),
+            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
+            STORE_KEEP=store_keep, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
     return y, keep, mean, rstd
 
 
@@ -245,15 +252,17 @@ def _layer_norm_bwd(
     block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
     rows_per_program = block_m * triton.cdiv(M, block_m * num_programs(x.device))
     n_programs = triton.cdiv(M, rows_per_program) if M else 0
-    dw_part = torch.zeros((n_programs, N), dtype=torch.float32, device=x.device)
-    db_part = torch.zeros((n_programs, N), dtype=torch.float32, device=x.device)
+    # every program writes its whole row of partial sums: no zero-fill needed
+    dw_part = torch.empty((n_programs, N), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((n_programs, N), dtype=torch.float32, device=x.device)
     if M:
-        _layer_norm_bwd_kernel[(n_programs,)](
-            dy, x, residual, weight, mean, rstd, seed, dx, dr, dw_part, db_part,
-            M, N, rows_per_program, dropout_p, _dropout_scale(dropout_p),
-            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
-            STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
+        with on_device(x.device):
+            _layer_norm_bwd_kernel[(n_programs,)](
+                dy, x, residual, weight, mean, rstd, seed, dx, dr, dw_part, db_part,
+                M, N, rows_per_program, dropout_p, _dropout_scale(dropout_p),
+                HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
+                STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            )
     return dx, dr, dw_part.sum(0), db_part.sum(0)
 
 

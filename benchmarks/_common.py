@@ -1,0 +1,161 @@
+"""Small helpers shared by the kernel benchmarks: device facts, copy bandwidth, timing, JSON.
+
+    import _common as bc                      # benchmarks/ is the script's directory
+    bc.use_interpreter_without_gpu()          # before roberta_fast.kernels is imported
+    args = bc.parser("what this measures").parse_args()
+    device = bc.default_device()
+    copy = bc.copy_bandwidth_gbs(device)      # measured device-to-device copy, GB/s
+    times = {"fused": bc.fwd_bwd_ms(fn, inputs, dy, device), "eager": ...}  # {pass: ms}
+    rows = bc.bandwidth_rows({"N": 768}, times, {"fwd": ..., ...}, copy)  # GB/s, %copy
+    bc.print_rows(rows, [...]); bc.write_json(args.json, bc.environment(device), rows)
+
+Timing uses triton.testing.do_bench (CUDA, median) or a wall-clock median on the CPU,
+where the numbers only prove the script runs (the Triton interpreter is not fast).
+Bandwidth is reported as the bytes an op must move over its time, beside the copy
+bandwidth measured in the same run: that ratio, not a datasheet figure, is the target.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def use_interpreter_without_gpu():
+    """Without CUDA, run Triton kernels in its CPU interpreter (must precede importing triton)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def parser(description):
+    """argparse parser with the options every kernel benchmark takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny shapes (runs on the CPU under the interpreter)")
+    p.add_argument("--json", metavar="PATH", help="also write the results to this JSON file")
+    return p
+
+
+def default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_facts(device):
+    """What the numbers were measured on."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": props.name, "sm_count": props.multi_processor_count,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}"}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+
+
+def _git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(device):
+    """Device, commit, date and versions, for the JSON record."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": device_facts(device),
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "cuda": torch.version.cuda, "triton": triton_version},
+        "argv": sys.argv[1:],
+    }
+
+
+def bench_ms(fn, device, warmup=25, rep=100):
+    """Median milliseconds of one call of fn (warmup/rep in ms on CUDA, in calls on the CPU)."""
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device, nbytes=None):
+    """Measured device-to-device copy bandwidth in GB/s (read + write bytes over time)."""
+    nbytes = nbytes or (2**30 if device.type == "cuda" else 2**24)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)
+    return 2 * nbytes / ms / 1e6
+
+
+def fwd_bwd_ms(fn, inputs, dy, device):
+    """Median ms of fn(*inputs) forward, backward (grads of inputs needing them) and both."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    y = fn(*inputs)
+    return {
+        "fwd": bench_ms(lambda: fn(*inputs), device),
+        "bwd": bench_ms(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), device),
+        "fwd+bwd": bench_ms(lambda: torch.autograd.grad(fn(*inputs), leaves, dy), device),
+    }
+
+
+def bandwidth_rows(case, times, nbytes, copy_gbs, peer="eager"):
+    """Table rows for one case: ms, GB/s, % of copy bandwidth, and speed-up over `peer`.
+
+    case: dict describing the shape; times: {impl: {pass: ms}} from fwd_bwd_ms;
+    nbytes: {pass: bytes the op must move at least}.
+    """
+    rows = []
+    for impl, by_pass in times.items():
+        for name, ms in by_pass.items():
+            gbs = nbytes[name] / ms / 1e6
+            rows.append({**case, "impl": impl, "pass": name, "ms": _sig(ms),
+                         "GB/s": _sig(gbs), "%copy": _sig(100 * gbs / copy_gbs),
+                         f"x_vs_{peer}": _sig(times[peer][name] / ms)})
+    return rows
+
+
+def _sig(value, digits=3):
+    """value rounded to `digits` significant digits, for readable tables."""
+    return float(f"{value:.{digits}g}")
+
+
+def print_rows(rows, columns):
+    """Print dicts as an aligned text table."""
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path, env, results, **extra):
+    """Write {"environment", "results", **extra} to path atomically (temp file + rename)."""
+    payload = {"environment": env, **extra, "results": results}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
