@@ -504,10 +504,12 @@ def _check_qkv(q, k, v, ndim, layout):
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"attention: tensors must be on a CUDA GPU (or the CPU under TRITON_INTERPRET=1), "
                          f"got {q.device}")
-    if q.numel() >= 2**31:
-        raise ValueError(f"attention: inputs of {q.numel()} elements exceed the kernels' 32-bit indexing; "
-                         "split the batch")
-    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    for x in (q, k, v):
+        if sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) >= 2**31:
+            raise ValueError(f"attention: a tensor of shape {tuple(x.shape)} and strides {x.stride()} spans more "
+                             "elements than the kernels' 32-bit indexing allows; split the batch")
+    return q, k, v
 
 
 def _check_common(head_dim, dropout_p, softmax_scale, batch_heads):
