@@ -89,14 +89,14 @@ _DEFAULTS = dict(seed=0, step=0, vocab_size=50265, mask_token_id=None, pad_token
                  random_replace_prob=0.1, strategy="token", word_starts=None, sample_offset=0)
 
 
-def _int(name, value, low, high):
+def _int(name, value, low, high, hint=""):
     """value as an int in [low, high), else a TypeError/ValueError naming it."""
     try:
         v = operator.index(value)
     except TypeError:
         raise TypeError(f"mask_tokens: {name} must be an int, got {type(value).__name__}") from None
     if not low <= v < high:
-        raise ValueError(f"mask_tokens: {name}={v} must be in [{low}, {high})")
+        raise ValueError(f"mask_tokens: {name}={v} must be in [{low}, {high}){hint}")
     return v
 
 
@@ -141,15 +141,16 @@ def _arguments(input_ids, seed, step, vocab_size, mask_token_id, pad_token_id,
     vocab_size = _int("vocab_size", vocab_size, 1, 1 << 62)
     if mask_token_id is None:
         mask_token_id = vocab_size - 1
-    where = f"the vocabulary [0, {vocab_size}): does vocab_size match the tokenizer?"
-    mask_token_id = _int("mask_token_id", mask_token_id, 0, vocab_size)
-    pad_token_id = _int("pad_token_id", pad_token_id, 0, vocab_size)
-    special = sorted({_int("a special token id", s, 0, vocab_size) for s in special_token_ids}
+    hint = f", the vocabulary of vocab_size={vocab_size}: does vocab_size match the tokenizer?"
+    mask_token_id = _int("mask_token_id", mask_token_id, 0, vocab_size, hint)
+    pad_token_id = _int("pad_token_id", pad_token_id, 0, vocab_size, hint)
+    special = sorted({_int("a special token id", s, 0, vocab_size, hint) for s in special_token_ids}
                      | {pad_token_id, mask_token_id})
     if len(special) > 64:
         raise ValueError(f"mask_tokens: at most 64 special ids, got {len(special)}")
     if len(special) >= vocab_size:
-        raise ValueError(f"mask_tokens: every id of {where}")
+        raise ValueError(f"mask_tokens: every id of the vocabulary (vocab_size={vocab_size}) "
+                         "is special: no id is left for random replacements")
     mask_replace_prob = _prob("mask_replace_prob", mask_replace_prob)
     random_replace_prob = _prob("random_replace_prob", random_replace_prob)
     if mask_replace_prob + random_replace_prob > 1.0:
