@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import ast
 import json
+import multiprocessing
 import os
 import shutil
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator
 
@@ -85,15 +88,33 @@ def iter_documents(max_bytes: int = MAX_BYTES) -> Iterator[str]:
                 return
             yield text
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
     for root, dirs, names in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
-        for name in sorted(names):
-            if name.endswith(".py"):
-                text = _module_docs(Path(root) / name)
-                if text:
-                    if not take(text):
-                        return
-                    yield text
+        paths += [Path(root) / name for name in sorted(names) if name.endswith(".py")]
+    for text in _parse_all(paths):
+        if text:
+            if not take(text):
+                return
+            yield text
+
+
+def _parse_all(paths: list[Path]) -> Iterator[str]:
+    """_module_docs of each path, in order; parsing is the slow part, so it is spread over the cores."""
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    done = 0
+    if workers > 1:
+        pool = ProcessPoolExecutor(min(workers, 16), mp_context=multiprocessing.get_context("spawn"))
+        try:
+            for text in pool.map(_module_docs, paths, chunksize=8):
+                yield text
+                done += 1
+        except BrokenProcessPool:  # e.g. a calling script without a __main__ guard: go serial
+            pass
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    for path in paths[done:]:
+        yield _module_docs(path)
 
 
 def build_corpus(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> Path:

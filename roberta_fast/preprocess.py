@@ -51,6 +51,8 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -508,27 +510,37 @@ def _execute(tasks: list[dict], tokenizer_file: str, workers: int, progress: boo
         bar.set_postfix_str(f"{tokens[0] / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
 
     try:
-        if workers == 1 or len(tasks) <= 1:
+        if workers > 1 and len(tasks) > 1:
+            tasks = _execute_pool(tasks, tokenizer_file, workers, update)
+        if tasks:  # one worker, one task, or a pool that could not start
             _init_worker(tokenizer_file, update, single_threaded=False)
             for task in tasks:
                 _run_chunk(task)
-            return
-        ctx = mp.get_context("spawn")  # no fork of a process that may hold Rust thread pools
-        counters = ctx.Array("q", 2)  # bytes, tokens done, shared with the workers
-        with ctx.Pool(min(workers, len(tasks)), _init_pool, (tokenizer_file, counters)) as pool:
-            pending = pool.imap_unordered(_run_chunk, tasks)
-            done, seen = 0, [0, 0]
-            while done < len(tasks):
-                try:
-                    pending.next(timeout=0.5)
-                    done += 1
-                except mp.TimeoutError:
-                    pass
+    finally:
+        bar.close()
+
+
+def _execute_pool(tasks: list[dict], tokenizer_file: str, workers: int, update: Callable) -> list[dict]:
+    """Run tasks in spawned worker processes; return those left undone if the pool broke."""
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold Rust thread pools
+    counters = ctx.Array("q", 2)  # bytes, tokens done: shared with the workers for the progress bar
+    seen = [0, 0]
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_pool,
+                             initargs=(tokenizer_file, counters)) as pool:
+        futures = {pool.submit(_run_chunk, task): task for task in tasks}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for future in done:
+                    future.result()
                 now = list(counters[:])
                 update(now[0] - seen[0], now[1] - seen[1])
                 seen = now
-    finally:
-        bar.close()
+        except BrokenProcessPool:  # e.g. a calling script without a __main__ guard
+            print("preprocess: worker processes could not run; continuing in this process", file=sys.stderr)
+            return [futures[f] for f in futures if not (f.done() and f.exception() is None)]
+    return []
 
 
 def _init_pool(tokenizer_file: str, counters) -> None:
