@@ -21,6 +21,7 @@ _LAZY = {
     "RobertaTokenizer": "tokenizer",
     "mask_tokens": "masking",
     "FusedAdam": "optim",
+    "patch": "hf_patch",
 }
 
 __all__ = sorted(_LAZY)

@@ -128,3 +128,33 @@ def test_return_dict_false_gives_a_tuple():
     ids, mask = padded_batch("right")
     out = ours(ids, attention_mask=mask, return_dict=False)
     assert isinstance(out, tuple) and torch.equal(out[0], ours(ids, attention_mask=mask).last_hidden_state)
+
+
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
+@pytest.mark.parametrize("pattern", ["right", "holes"])
+def test_patch_keeps_outputs_and_gradients(cls, pattern):
+    import copy
+
+    original = hf_model(cls)
+    patched = rf.patch(copy.deepcopy(original))
+    assert patched.config._attn_implementation == "roberta_fast"
+    before = {k: v.clone() for k, v in patched.state_dict().items()}
+    ids, mask = padded_batch(pattern, seed=3)
+    outs = []
+    for model in (original, patched):
+        out = model(input_ids=ids, attention_mask=mask)
+        result = out.last_hidden_state if cls == "RobertaModel" else out.logits
+        result = result[mask.bool()] if result.dim() == 3 else result
+        result.square().sum().backward()
+        outs.append((result, {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = outs
+    assert rel_err(got, want) < 1e-5
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert rel_err(got_grads[name], grad) < 2e-5, name
+    assert all(torch.equal(before[k], v) for k, v in patched.state_dict().items())
+
+
+def test_patch_refuses_other_models():
+    with pytest.raises(ValueError, match="RoBERTa"):
+        rf.patch(torch.nn.Linear(2, 2))

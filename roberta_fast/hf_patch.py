@@ -1,0 +1,90 @@
+"""`roberta_fast.patch(model)`: speed up an existing `transformers` RoBERTa model in place.
+
+    model = transformers.AutoModelForMaskedLM.from_pretrained(path).cuda()
+    roberta_fast.patch(model)   # same weights, same outputs, fused kernels
+
+Attention goes through transformers' own extension point: an attention function and
+a mask function registered under the name "roberta_fast" (the mask stays the 2-D
+padding mask, as for flash-attention), selected with `set_attn_implementation`. The
+feed-forward's dense+GELU and the sublayers' dropout+residual+LayerNorm get fused
+forwards. No parameter is touched; the model keeps working with HF's trainer, saving
+and loading. The kernels run on CUDA tensors (on a CPU only under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+from types import MethodType
+
+from . import ops
+
+IMPLEMENTATION = "roberta_fast"
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention-interface function: q, k, v (batch, heads, seqlen, head_dim).
+
+    attention_mask is the 2-D (batch, seqlen) padding mask, or None. Returns the output in
+    (batch, seqlen, heads, head_dim), as transformers' own implementations do, and no weights.
+    """
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, head_dim)
+    if q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS or q.shape[1] != k.shape[1]:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+    out = ops._kernels().attention(q, k, v, attention_mask, dropout_p=dropout, softmax_scale=scaling)
+    return out, None
+
+
+def _register():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(IMPLEMENTATION, _attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+
+
+def _dense_dropout_add_norm(self, hidden_states, input_tensor):
+    """RobertaSelfOutput / RobertaOutput: LayerNorm(dropout(dense(h)) + residual)."""
+    p = self.dropout.p if self.training else 0.0
+    return ops.dropout_add_layer_norm(self.dense(hidden_states), input_tensor, self.LayerNorm.weight,
+                                      self.LayerNorm.bias, self.LayerNorm.eps, p, "fused")
+
+
+def _dense_gelu(self, hidden_states):
+    """RobertaIntermediate: erf GELU(dense(h)) with the bias add fused into the GELU."""
+    return ops.linear_gelu(hidden_states, self.dense.weight, self.dense.bias, "fused")
+
+
+def _lm_head(self, features, **kwargs):
+    """RobertaLMHead: dense + GELU fused, LayerNorm fused, then the (tied) decoder."""
+    x = ops.linear_gelu(features, self.dense.weight, self.dense.bias, "fused")
+    x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
+                                  self.layer_norm.eps, 0.0, "fused")
+    return self.decoder(x)
+
+
+def patch(model):
+    """Swap attention, dense+GELU and dropout+residual+LayerNorm of a transformers RoBERTa
+    model (RobertaModel, RobertaForMaskedLM, RobertaForSequenceClassification, ...) for
+    roberta_fast's fused ops, in place; returns the model. Weights are untouched."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in ("roberta", "xlm-roberta", "camembert"):
+        raise ValueError(
+            f"patch() takes a transformers RoBERTa model; got {type(model).__name__} with model_type "
+            f"{getattr(config, 'model_type', None)!r}"
+        )
+    if getattr(config, "is_decoder", False):
+        raise ValueError("patch() speeds up the bidirectional encoder; this model is configured as a decoder")
+    ops.check_backend("fused")  # a clear error when triton is missing
+    _register()
+    model.set_attn_implementation(IMPLEMENTATION)
+    gelu = config.hidden_act == "gelu"  # the fused GELU is the erf form RoBERTa uses
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind.endswith(("SelfOutput", "Output")) and hasattr(module, "LayerNorm") and hasattr(module, "dense"):
+            module.forward = MethodType(_dense_dropout_add_norm, module)
+        elif kind.endswith("Intermediate") and gelu:
+            module.forward = MethodType(_dense_gelu, module)
+        elif kind.endswith("LMHead") and hasattr(module, "layer_norm"):
+            module.forward = MethodType(_lm_head, module)
+    return model
