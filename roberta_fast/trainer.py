@@ -108,47 +108,29 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
 
 
 # ---------------------------------------------------------------------- optimizer
-def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices (weights, embeddings), none on biases and LayerNorm."""
-    try:
-        from .optim import param_groups_for_weight_decay
-    except ImportError:
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return param_groups_for_weight_decay(model, weight_decay)
-
-
 class Optimizer:
-    """AdamW behind one call: unscale, measure the gradient norm, clip, step or skip.
+    """FusedAdam behind one call: unscale, measure the gradient norm, clip, step or skip.
 
-    Uses torch.optim.AdamW (fused on CUDA); `step(lr, scale)` returns
-    (gradient norm before clipping, whether the gradients were non-finite).
+    Weight decay on matrices and embeddings only (param_groups_for_weight_decay).
+    `step(lr, scale)` returns (gradient norm before clipping, whether the gradients
+    were non-finite and the step was skipped); reading the norm is the step's one sync.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.clip = cfg.clip_grad_norm
-        self.opt = torch.optim.AdamW(
-            weight_decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps, fused=device.type == "cuda",
-        )
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+        from .optim import FusedAdam, param_groups_for_weight_decay
+
+        # clip_grad_norm 0 (no clipping): an infinite threshold still measures the norm
+        self.clip = cfg.clip_grad_norm if cfg.clip_grad_norm > 0 else math.inf
+        self.opt = FusedAdam(param_groups_for_weight_decay(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     def step(self, lr: float, scale: float) -> tuple[float, bool]:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        if self.clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
-        norm = float(norm)  # the one host sync of a step
-        if not math.isfinite(norm):
-            return norm, True
         for group in self.opt.param_groups:
             group["lr"] = lr
-        self.opt.step()
-        return norm, False
+        norm = self.opt.clip_grad_norm_(self.clip, grad_scale=scale)
+        self.opt.step(grad_scale=scale)  # skipped on the device when the norm is not finite
+        norm = float(norm)
+        return norm, not math.isfinite(norm)
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -231,7 +213,7 @@ class Trainer:
                 broadcast_buffers=False, gradient_as_bucket_view=True)
         # dropout streams differ per rank; rank 0 keeps the single-process stream
         seed_everything(cfg.seed + 1_000_003 * self.dist.rank)
-        self.optimizer = Optimizer(self.model, cfg, self.device)
+        self.optimizer = Optimizer(self.model, cfg)
         self.schedule = WarmupLinearDecay(cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr)
         self.scaler = DynamicLossScaler(cfg.init_loss_scale, cfg.loss_scale_window,
                                         enabled=self.precision == "fp16")

@@ -168,7 +168,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(dataset, tmp_path):
     assert stats["skipped"]
     assert trainer.scaler.scale == 2.0 ** 119 and trainer.scaler.skipped == 1
     assert trainer.schedule.num_updates == 0 and trainer.step == 1
-    assert not trainer.optimizer.state_dict()["state"]  # Adam moments untouched
+    for state in trainer.optimizer.state_dict()["state"].values():  # Adam moments untouched
+        assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
     for name, x in _params(trainer).items():
         assert torch.equal(x, before[name]), name
     trainer.scaler.scale = 2.0 ** 8
