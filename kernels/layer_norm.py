@@ -201,6 +201,16 @@ def _dropout_scale(dropout_p: float) -> float:
     return 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
 
 
+def _out_dtype(x, residual):
+    """y's dtype: what `x + residual` gives in PyTorch (x's own dtype without a residual)."""
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def _separate_dresidual(x, residual, dropout_p) -> bool:
+    """dresidual equals dx unless dropout scales dx or the two dtypes differ."""
+    return residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
+
+
 @torch.library.custom_op("roberta_fast::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -208,10 +218,10 @@ def _layer_norm_fwd(
     eps: float, dropout_p: float, store_keep: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual: (M, N) -> y (M, N), keep mask (M, N) or (0,), mean (M,), rstd (M,)."""
-    x = x.contiguous()
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     residual = residual.contiguous() if residual is not None else None
     M, N = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=_out_dtype(x, residual))
     keep = torch.empty((M, N) if store_keep else (0,), dtype=torch.bool, device=x.device)
     mean = torch.empty((M,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -233,7 +243,7 @@ def _(x, weight, bias, residual, seed, eps, dropout_p, store_keep):
     M, N = x.shape
     keep = x.new_empty((M, N) if store_keep else (0,), dtype=torch.bool)
     stats = x.new_empty((M,), dtype=torch.float32)
-    return torch.empty_like(x), keep, stats, torch.empty_like(stats)
+    return torch.empty_like(x, dtype=_out_dtype(x, residual)), keep, stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("roberta_fast::layer_norm_bwd", mutates_args=())
@@ -243,12 +253,13 @@ def _layer_norm_bwd(
     seed: Optional[torch.Tensor], dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dx (M, N), dresidual (M, N) or (0,) when it equals dx, dweight (N,) fp32, dbias (N,) fp32."""
-    dy, x = dy.contiguous(), x.contiguous()
+    dy, x, weight = dy.contiguous(), x.contiguous(), weight.contiguous()
     residual = residual.contiguous() if residual is not None else None
     M, N = x.shape
-    store_dr = residual is not None and dropout_p > 0.0  # otherwise dresidual == dx
+    store_dr = _separate_dresidual(x, residual, dropout_p)
     dx = torch.empty_like(x)
-    dr = torch.empty((M, N) if store_dr else (0,), dtype=x.dtype, device=x.device)
+    dr = torch.empty((M, N) if store_dr else (0,), dtype=residual.dtype if store_dr else x.dtype,
+                     device=x.device)
     block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
     rows_per_program = block_m * triton.cdiv(M, block_m * num_programs(x.device))
     n_programs = triton.cdiv(M, rows_per_program) if M else 0
@@ -269,8 +280,8 @@ def _layer_norm_bwd(
 @_layer_norm_bwd.register_fake
 def _(dy, x, weight, residual, mean, rstd, seed, dropout_p):
     M, N = x.shape
-    store_dr = residual is not None and dropout_p > 0.0
-    dr = x.new_empty((M, N) if store_dr else (0,))
+    store_dr = _separate_dresidual(x, residual, dropout_p)
+    dr = x.new_empty((M, N) if store_dr else (0,), dtype=residual.dtype if store_dr else x.dtype)
     dw = x.new_empty((N,), dtype=torch.float32)
     return torch.empty_like(x), dr, dw, torch.empty_like(dw)
 
@@ -289,7 +300,8 @@ class LayerNormFn(torch.autograd.Function):
         y, keep, mean, rstd = _layer_norm_fwd(x2, weight, bias, r2, seed, eps, dropout_p, store_keep)
         ctx.save_for_backward(x2, weight, r2, mean, rstd, seed)
         ctx.mark_non_differentiable(keep)
-        ctx.shape, ctx.dropout_p, ctx.bias_dtype = shape, dropout_p, bias.dtype
+        ctx.shape, ctx.bias_dtype = shape, bias.dtype
+        ctx.dropout_p, ctx.separate_dr = dropout_p, _separate_dresidual(x, residual, dropout_p)
         return y.view(shape), keep.view(shape) if store_keep else keep
 
     @staticmethod
@@ -299,7 +311,7 @@ class LayerNormFn(torch.autograd.Function):
         dx, dr, dw, db = _layer_norm_bwd(dy2, x2, weight, r2, mean, rstd, seed, ctx.dropout_p)
         dres = None
         if r2 is not None:
-            dres = (dr if ctx.dropout_p > 0.0 else dx).view(ctx.shape)
+            dres = (dr if ctx.separate_dr else dx).view(ctx.shape)
         return (dx.view(ctx.shape), dw.to(weight.dtype), db.to(ctx.bias_dtype), dres,
                 None, None, None, None)
 
@@ -309,10 +321,11 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=Non
     """LayerNorm(dropout(x) + residual) over the last dim of x (..., N), fp32 statistics.
 
     weight, bias: (N,), any float dtype (grads come back in their dtype); residual: x's
-    shape and dtype, or None. dropout_p > 0 applies inverted dropout to x before the add,
+    shape, any float dtype (an fp32 residual stream with bf16 x is fine), or None. dropout_p > 0 applies inverted dropout to x before the add,
     with a Philox stream keyed by `seed` (an int; None draws one from torch's generator,
     so torch.manual_seed reproduces it). With return_dropout_mask=True returns
-    (y, keep) where keep is the bool mask of kept elements of x. Output in x's dtype.
+    (y, keep) where keep is the bool mask of kept elements of x. Output in the dtype
+    of `x + residual` (x's dtype when they match or without a residual).
     """
     op = "layer_norm"
     if not isinstance(x, torch.Tensor):
@@ -331,10 +344,9 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=Non
             raise ValueError(f"{op}: {name} must have shape ({N},) to match x's last dim, got {tuple(t.shape)}")
     if residual is not None:
         check_tensor(residual, "residual", x.device, op)
-        if residual.shape != x.shape or residual.dtype != x.dtype:
+        if residual.shape != x.shape:
             raise ValueError(
-                f"{op}: residual must match x in shape and dtype, got {tuple(residual.shape)} "
-                f"{residual.dtype} vs {tuple(x.shape)} {x.dtype}"
+                f"{op}: residual must match x in shape, got {tuple(residual.shape)} vs {tuple(x.shape)}"
             )
     if not eps > 0:
         raise ValueError(f"{op}: eps must be a positive float, got {eps}")
@@ -363,12 +375,13 @@ def _seed_tensor(seed, device):
 
 def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, dropout_mask=None):
     """Plain-PyTorch LayerNorm(dropout(x) + residual), computed in fp32 (fp64 inputs stay
-    fp64, for gold values in tests), output in x's dtype.
+    fp64, for gold values in tests), output in the dtype of `x + residual`.
 
     dropout_mask (bool, x's shape) gives the kept elements; without it torch's own
     dropout draws one when dropout_p > 0.
     """
-    acc = torch.promote_types(x.dtype, torch.float32)
+    out_dtype = _out_dtype(x, residual)
+    acc = torch.promote_types(out_dtype, torch.float32)
     z = x.to(acc)
     if dropout_mask is not None:
         z = z * dropout_mask / (1.0 - dropout_p) if dropout_p < 1.0 else z * 0.0
@@ -377,4 +390,4 @@ def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, drop
     if residual is not None:
         z = z + residual.to(acc)
     y = torch.nn.functional.layer_norm(z, (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
-    return y.to(x.dtype)
+    return y.to(out_dtype)

@@ -72,7 +72,7 @@ def _gold_and_base(x, r, w, b, dy, eps=1e-5):
 
     def torch_own(x, r, w, b):
         z = x if r is None else x + r
-        return F.layer_norm(z, (x.shape[-1],), w.to(x.dtype), b.to(x.dtype), eps)
+        return F.layer_norm(z, (x.shape[-1],), w.to(z.dtype), b.to(z.dtype), eps)
 
     return gold, _out_and_grads(torch_own, x, r, w, b, dy)
 
@@ -82,13 +82,12 @@ def _check_against_reference(x, r, w, b, eps=1e-5):
     out = _out_and_grads(lambda x, r, w, b: layer_norm(x, w, b, eps, residual=r), x, r, w, b, dy)
     gold, base = _gold_and_base(x, r, w, b, dy, eps)
     names = ["x", "residual", "weight", "bias"] if r is not None else ["x", "weight", "bias"]
-    atol = ATOL[x.dtype]
-    assert out[0].dtype == x.dtype
-    assert_fa_close(out[0], gold[0], base[0], "output", atol)
+    assert out[0].dtype == base[0].dtype, "output dtype must be that of x + residual"
+    assert_fa_close(out[0], gold[0], base[0], "output", ATOL[out[0].dtype])
     for name, leaf, g, g_gold, g_base in zip(names, [t for t in (x, r, w, b) if t is not None],
                                              out[1], gold[1], base[1]):
         assert g.dtype == leaf.dtype, f"grad of {name} has dtype {g.dtype}, not {leaf.dtype}"
-        assert_fa_close(g, g_gold, g_base, f"grad of {name}", atol)
+        assert_fa_close(g, g_gold, g_base, f"grad of {name}", ATOL[g.dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -108,6 +107,15 @@ def test_more_than_65536_rows(device):
 def test_fp32_params_with_low_precision_input(device, dtype):
     triton_or_skip(device, dtype)
     _check_against_reference(*_inputs((7, 768), dtype, device, param_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp32_residual_with_low_precision_input(device, dtype):
+    """An fp32 residual stream (autocast) with half x: y in fp32, each grad in its own dtype."""
+    triton_or_skip(device, dtype)
+    x, _, w, b = _inputs((2, 7, 96), dtype, device, param_dtype=torch.float32)
+    r = torch.randn(x.shape, device=device).requires_grad_()
+    _check_against_reference(x, r, w, b)
 
 
 def test_non_contiguous_input(device):
@@ -207,8 +215,6 @@ def test_bad_inputs_raise_clear_errors(device):
         layer_norm(x, w[:4], b)
     with pytest.raises(ValueError, match="residual must match x"):
         layer_norm(x, w, b, residual=r[:2])
-    with pytest.raises(ValueError, match="residual must match x"):
-        layer_norm(x, w, b, residual=r.half())
     with pytest.raises(TypeError, match="dtype"):
         layer_norm(torch.ones(3, 8, dtype=torch.int64, device=device), w, b)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
