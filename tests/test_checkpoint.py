@@ -1,0 +1,97 @@
+"""Checkpoints: atomic writes (a kill mid-write leaves the previous one loadable),
+keep-last-k, latest, clear errors, and the stop-signal flag."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from roberta_fast.checkpoint import CheckpointManager, StopSignal, atomic_torch_save, load_checkpoint
+
+
+def state(step):
+    return {"step": step, "weights": torch.full((3,), float(step))}
+
+
+def test_save_keeps_the_last_k_and_finds_the_latest(tmp_path):
+    ckpt = CheckpointManager(tmp_path, keep=2)
+    assert ckpt.latest() is None
+    for step in (5, 10, 15):
+        ckpt.save(step, state(step))
+    assert [s for s, _ in ckpt.checkpoints()] == [10, 15]
+    assert ckpt.latest().name == "step_00000015.pt"
+    loaded = load_checkpoint(ckpt.latest())
+    assert loaded["step"] == 15 and torch.equal(loaded["weights"], torch.full((3,), 15.0))
+    assert load_checkpoint(tmp_path)["step"] == 15  # a directory: its latest
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_kill_during_write_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL in the middle of writing step 2: step 1 stays the latest and loads."""
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from roberta_fast import checkpoint
+        ckpt = checkpoint.CheckpointManager({str(tmp_path)!r}, keep=3)
+        ckpt.save(1, {{"step": 1, "w": torch.ones(1000)}})
+        real_save = torch.save
+        def dying_save(obj, f):
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint.torch.save = dying_save
+        ckpt.save(2, {{"step": 2, "w": torch.zeros(1000)}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert leftovers, "the killed writer should have left its temporary file"
+    ckpt = CheckpointManager(tmp_path, keep=3)
+    assert ckpt.latest().name == "step_00000001.pt"
+    assert torch.equal(load_checkpoint(ckpt.latest())["w"], torch.ones(1000))
+    ckpt.save(3, state(3))  # the next save clears the debris
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert [s for s, _ in ckpt.checkpoints()] == [1, 3]
+
+
+def test_failed_write_removes_its_temp_file(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        atomic_torch_save({"step": 1, "x": Unpicklable()}, tmp_path / "step_00000001.pt")
+    assert os.listdir(tmp_path) == []
+
+
+def test_load_errors_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    bad = tmp_path / "step_00000001.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_checkpoint(bad)
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a roberta_fast training checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "empty")
+    with pytest.raises(ValueError, match="keep must be"):
+        CheckpointManager(tmp_path, keep=0)
+
+
+def test_stop_signal_sets_a_flag_and_restores_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop:
+        assert stop.requested is None
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+    with StopSignal() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
+            signal.raise_signal(signal.SIGINT)

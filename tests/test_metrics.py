@@ -1,0 +1,47 @@
+"""MetricsLogger: JSONL records (exact floats, NaN -> null), resume truncation, plot."""
+import json
+import math
+
+import pytest
+
+from roberta_fast.metrics import MetricsLogger, plot_losses, read_metrics
+
+
+def test_records_and_resume_truncation(tmp_path):
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False)
+    for step in range(1, 7):
+        log.log({"kind": "train", "step": step, "loss": 1.0 / 3 + step, "mfu": math.nan})
+    log.log({"kind": "eval", "step": 5, "loss": 2.5})
+    log.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 7 and records[0]["loss"] == 1.0 / 3 + 1  # no rounding: resume compares exactly
+    assert records[0]["mfu"] is None
+    # a run resumed from step 4 drops what was logged after it, then appends
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # a line torn by a kill
+    log = MetricsLogger(tmp_path, total_steps=10, start_step=4, progress=False, tensorboard=False)
+    log.log({"kind": "train", "step": 5, "loss": 9.0})
+    log.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["kind"], r["step"]) for r in records] == [("train", s) for s in (1, 2, 3, 4, 5)]
+    assert records[-1]["loss"] == 9.0
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # every line is JSON again
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    log = MetricsLogger(tmp_path / "rank1", total_steps=5, enabled=False)
+    log.log({"kind": "train", "step": 1, "loss": 1.0})
+    log.close()
+    assert not (tmp_path / "rank1").exists()
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = MetricsLogger(tmp_path, total_steps=3, progress=False, tensorboard=False)
+    for step, loss in ((1, 3.0), (2, 2.0), (3, 1.5)):
+        log.log({"kind": "train", "step": step, "loss": loss})
+    log.log({"kind": "eval", "step": 3, "loss": 1.7})
+    log.close()
+    png = plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,101 @@
+"""TrainConfig: presets, precedence (preset < file < flags), a flag per field, batch
+arithmetic, and one readable error listing every impossible value."""
+import json
+
+import pytest
+
+from roberta_fast.train_config import TRAIN_PRESETS, TrainConfig, build_parser, load_config
+
+
+def test_defaults_are_the_tiny_preset():
+    cfg = load_config([])
+    assert cfg == TrainConfig.preset("tiny").validate()
+    assert cfg.model == "tiny" and str(cfg.out_dir) == "runs/tiny"
+
+
+def test_paper_presets():
+    base, large = TrainConfig.preset("base"), TrainConfig.preset("large")
+    for cfg in (base, large):
+        assert (cfg.seq_len, cfg.global_batch_size, cfg.max_steps) == (512, 8192, 500_000)
+        assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.clip_grad_norm) == (0.9, 0.98, 1e-6, 0.01, 0.0)
+    assert (base.lr, base.warmup_steps, large.lr, large.warmup_steps) == (6e-4, 24_000, 4e-4, 30_000)
+    # 8K sequences by accumulation x data parallelism
+    assert base.resolve_batch(world_size=8) == (32, 8192)
+    assert large.resolve_batch(world_size=64) == (8, 8192)
+    assert TrainConfig.preset("base_fairseq").resolve_batch(world_size=8) == (16, 2048)
+    for name in TRAIN_PRESETS:
+        TrainConfig.preset(name).validate()
+
+
+def test_every_field_has_a_flag():
+    actions = {a.dest for a in build_parser()._actions}
+    assert {f for f in TrainConfig.__dataclass_fields__} <= actions
+
+
+def test_precedence_preset_file_flags(tmp_path):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"preset": "base", "lr": 1e-4, "max-steps": 1000, "warmup_steps": 10}))
+    cfg = load_config(["--config", str(f), "--max-steps", "2000", "--precision", "bf16", "--no-progress"])
+    assert cfg.model == "base" and cfg.seq_len == 512  # from the preset
+    assert cfg.lr == 1e-4  # from the file
+    assert cfg.max_steps == 2000 and cfg.precision == "bf16" and cfg.progress is False  # flags win
+    y = tmp_path / "run.yaml"
+    y.write_text("lr: 2.0e-4\ngrad_accum: 4\nmasking: whole_word\nstop_at: null\n")
+    pytest.importorskip("yaml")
+    cfg = load_config(["--config", str(y), "--preset", "tiny", "--global-batch-size", "64"])
+    assert (cfg.lr, cfg.grad_accum, cfg.masking, cfg.global_batch_size) == (2e-4, 4, "whole_word", 64)
+    assert cfg.resolve_batch(1) == (4, 64)
+
+
+def test_values_are_coerced_and_checked():
+    cfg = TrainConfig.from_dict({"max_steps": "5e3", "lr": "1e-3", "stop_at": "none", "export": "false"})
+    assert (cfg.max_steps, cfg.lr, cfg.stop_at, cfg.export) == (5000, 1e-3, None, False)
+    with pytest.raises(ValueError, match="max_steps expects an int, got '2.5'"):
+        TrainConfig.from_dict({"max_steps": "2.5"})
+    with pytest.raises(ValueError, match="unknown training config keys \\['lrate'\\]"):
+        TrainConfig.from_dict({"lrate": 1})
+    with pytest.raises(ValueError, match="unknown preset"):
+        TrainConfig.preset("huge")
+
+
+def test_impossible_values_are_all_listed():
+    cfg = TrainConfig(lr=0.0, batch_size=0, precision="fp8", masking="random", warmup_steps=10, max_steps=5,
+                      mlm_probability=1.5, mask_replace_prob=0.9, random_replace_prob=0.2)
+    with pytest.raises(ValueError) as err:
+        cfg.validate()
+    msg = str(err.value)
+    for part in ("lr must be > 0", "batch_size must be a positive integer", "precision must be one of",
+                 "masking must be one of", "warmup_steps (10) must not exceed max_steps (5)",
+                 "mlm_probability must be in (0, 1)", "sum to at most 1"):
+        assert part in msg
+
+
+def test_inconsistent_batch_arithmetic():
+    with pytest.raises(ValueError, match="global_batch_size 100 is not a multiple of batch_size 16 x 2"):
+        TrainConfig(global_batch_size=100).resolve_batch(2)
+    with pytest.raises(ValueError, match="set only two of them"):
+        TrainConfig(grad_accum=2, global_batch_size=64).resolve_batch(4)
+    assert TrainConfig(grad_accum=2, global_batch_size=64).resolve_batch(2) == (2, 64)
+
+
+def test_bad_config_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(["--config", str(tmp_path / "nope.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_config(["--config", str(bad)])
+    other = tmp_path / "cfg.toml"
+    other.write_text("")
+    with pytest.raises(ValueError, match="must end in .json, .yaml or .yml"):
+        load_config(["--config", str(other)])
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config(["--config", str(listed)])
+
+
+def test_save_round_trips(tmp_path):
+    cfg = TrainConfig.preset("large", seed=7)
+    cfg.save(tmp_path / "c.json")
+    assert TrainConfig.from_dict(json.loads((tmp_path / "c.json").read_text())) == cfg
