@@ -8,6 +8,7 @@
     times = {"fused": bc.fwd_bwd_ms(fn, inputs, dy, device), "eager": ...}  # {pass: ms}
     rows = bc.bandwidth_rows({"N": 768}, times, {"fwd": ..., ...}, copy)  # GB/s, %copy
     bc.print_rows(rows, [...]); bc.write_json(args.json, bc.environment(device), rows)
+    bc.sig(x)                                 # x to 3 significant digits, for tables
 
 Timing uses triton.testing.do_bench (CUDA, median) or a wall-clock median on the CPU,
 where the numbers only prove the script runs (the Triton interpreter is not fast).
@@ -129,15 +130,18 @@ def bandwidth_rows(case, times, nbytes, copy_gbs, peer="eager"):
     for impl, by_pass in times.items():
         for name, ms in by_pass.items():
             gbs = nbytes[name] / ms / 1e6
-            rows.append({**case, "impl": impl, "pass": name, "ms": _sig(ms),
-                         "GB/s": _sig(gbs), "%copy": _sig(100 * gbs / copy_gbs),
-                         f"x_vs_{peer}": _sig(times[peer][name] / ms)})
+            rows.append({**case, "impl": impl, "pass": name, "ms": sig(ms),
+                         "GB/s": sig(gbs), "%copy": sig(100 * gbs / copy_gbs),
+                         f"x_vs_{peer}": sig(times[peer][name] / ms)})
     return rows
 
 
-def _sig(value, digits=3):
+def sig(value, digits=3):
     """value rounded to `digits` significant digits, for readable tables."""
     return float(f"{value:.{digits}g}")
+
+
+_sig = sig  # earlier name, still used by some benchmarks
 
 
 def print_rows(rows, columns):

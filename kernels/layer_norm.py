@@ -88,7 +88,7 @@ def num_programs(device: torch.device) -> int:
 def tile_shape(n_cols: int, n_rows: int, device: torch.device, max_cols: int):
     """(BLOCK_M, BLOCK_N, num_warps) for row tiles of up to `max_cols` columns.
 
-    On the GPU a tile holds ~4K elements (8-16 per thread); under the interpreter
+    On the GPU a tile holds ~4K elements (16 per thread); under the interpreter
     tiles are bigger because each program costs Python overhead.
     """
     block_n = min(triton.next_power_of_2(n_cols), max_cols)
