@@ -1,159 +1,86 @@
-"""Benchmark: roberta_fast's fused attention vs torch's scaled_dot_product_attention.
+"""Benchmark: roberta_fast's fused attention (kernels/attention.py) vs torch's SDPA.
 
-Times forward, backward and forward+backward at RoBERTa-base's shape (batch 32,
-seqlen 512, 12 heads, head dim 64, bf16) for our kernel and for SDPA's flash,
-cuDNN and memory-efficient backends (torch.nn.attention.sdpa_kernel), all in the
-same run, and prints ms, TFLOP/s and our speed relative to the fastest SDPA.
-FLOPs (non-causal, FlashAttention's convention): forward 4·B·H·S²·D, backward
-2.5× the forward (the recomputation is not counted).
+    python benchmarks/bench_attention.py [--quick] [--json PATH] [--dropout 0.1] [--dtype fp16]
 
-    python benchmarks/bench_attention.py [--json results/attention.json]
-    python benchmarks/bench_attention.py --quick   # tiny shapes; on a CPU under Triton's interpreter
-
-Measured on: no GPU was available when this was written; the GPU figures come
-from running it on an H100 (see benchmarks/results/).
+RoBERTa-base's attention: batch 32, seqlen 512, 12 heads, head dim 64, bf16 on a GPU.
+Peers in the same run: `scaled_dot_product_attention` with the flash, cuDNN and
+memory-efficient backends (torch.nn.attention.sdpa_kernel), given the transposed
+(B, H, S, D) views HF's attention makes. Passes: forward, backward alone (on a kept
+graph) and forward+backward. FLOPs (non-causal, FlashAttention's convention):
+forward 4·B·H·S²·D, backward 2.5× that (its recomputation is not counted).
+Target: fwd+bwd >= 1.0x the fastest SDPA backend on an H100.
+--quick: tiny fp32 shapes, on the CPU under the Triton interpreter where there is no
+GPU (the figures then only prove the script runs).
+Measured on: not yet on a GPU (written on a CPU-only machine); see benchmarks/results/.
 """
-import argparse
-import json
-import os
-import platform
-import sys
-import tempfile
-import time
-
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+import _common as bc
 
-import triton  # noqa: E402
-
-from roberta_fast.kernels.attention import attention  # noqa: E402
+bc.use_interpreter_without_gpu()
+from roberta_fast.kernels import attention  # noqa: E402  (after the interpreter switch)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def sdpa(backend, dropout_p):
+    """SDPA pinned to one backend, on (B, S, H, D) tensors like ours."""
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            out = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               dropout_p=dropout_p)  # (B, H, S, D)
+        return out.transpose(1, 2)
+    return run
+
+
+def main():
+    p = bc.parser(__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--headdim", type=int, default=64, choices=(32, 64, 128))
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--dropout", type=float, default=0.0, help="attention-probability dropout for every contender")
-    p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (CPU / interpreter smoke run)")
-    p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout for every contender")
     args = p.parse_args()
-    if args.quick:
-        args.batch, args.seqlen, args.heads, args.headdim = 2, 64, 2, 32
-        if not torch.cuda.is_available():
-            args.dtype = "fp32"  # the interpreter computes bf16 dots wrongly and fp16 matmul on CPU is slow
-    return args
+    device = bc.default_device()
+    quick = args.quick or device.type != "cuda"
+    b, s, h, d = (2, 64, 2, 32) if quick else (args.batch, args.seqlen, args.heads, args.headdim)
+    dtype = torch.float32 if device.type != "cuda" else DTYPES[args.dtype]  # interpreter: bf16 dots are wrong
+    print(f"device: {bc.device_facts(device)['name']}  batch {b} seqlen {s} heads {h} headdim {d} "
+          f"{dtype} dropout {args.dropout}")
 
-
-def timer(fn, quick):
-    """Median milliseconds of fn(): triton's do_bench (L2 flushed between runs) on a GPU, wall clock on a CPU."""
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 200)
-    fn()  # warm up (compiles / traces)
-    times = []
-    for _ in range(2 if quick else 5):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def contenders(dropout):
-    """name -> (q, k, v) -> out in (batch, seqlen, nheads, headdim) layout."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    def sdpa_with(backend):
-        def run(q, k, v):
-            with sdpa_kernel(backend):  # SDPA wants (B, H, S, D): transposed views, as HF's attention makes
-                return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout).transpose(1, 2)
-        return run
-
-    return {
-        "roberta_fast": lambda q, k, v: attention(q, k, v, dropout_p=dropout),
-        "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
-        "sdpa_cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
-        "sdpa_efficient": sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
-    }
-
-
-def measure(fn, q, k, v, quick):
-    """(fwd_ms, bwd_ms, fwd_bwd_ms) of fn; backward alone = fwd+bwd minus fwd."""
-    dout = torch.randn_like(q)
-
-    def fwd():
-        with torch.no_grad():
-            fn(q, k, v)
-
-    def fwd_bwd():
-        torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-
-    fwd_ms = timer(fwd, quick)
-    total_ms = timer(fwd_bwd, quick)
-    return fwd_ms, total_ms - fwd_ms, total_ms
-
-
-def write_json(path, payload):
-    """Write atomically: a temp file in the same folder, then rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
-
-
-def main():
-    args = parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = DTYPES[args.dtype]
-    b, s, h, d = args.batch, args.seqlen, args.heads, args.headdim
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    fwd_flop = 4 * b * h * s * s * d
-    flops = {"fwd": fwd_flop, "bwd": 2.5 * fwd_flop, "fwd_bwd": 3.5 * fwd_flop}
-
-    device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or 'unknown'})"
-    print(f"attention fwd/bwd  batch {b} seqlen {s} heads {h} headdim {d} {args.dtype} dropout {args.dropout} "
-          f"on {device_name}{' (Triton interpreter)' if os.environ.get('TRITON_INTERPRET') == '1' else ''}")
-    print(f"{'contender':16s} {'fwd ms':>9s} {'bwd ms':>9s} {'f+b ms':>9s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} "
-          f"{'f+b TF/s':>9s}")
-    results = {}
-    for name, fn in contenders(args.dropout).items():
+    dout = torch.randn_like(q)
+    contenders = {"roberta_fast": lambda q, k, v: attention(q, k, v, dropout_p=args.dropout)}
+    contenders.update({name: sdpa(backend, args.dropout) for name, backend in SDPA_BACKENDS.items()})
+    times, skipped = {}, {}
+    for name, fn in contenders.items():
         try:
-            times = measure(fn, q, k, v, args.quick)
-        except (RuntimeError, NotImplementedError) as err:  # backend not available on this device / dtype
-            results[name] = {"unavailable": str(err).split("\n")[0][:200]}
-            print(f"{name:16s} unavailable: {results[name]['unavailable']}")
-            continue
-        row = {}
-        for phase, ms in zip(("fwd", "bwd", "fwd_bwd"), times):
-            row[f"{phase}_ms"] = ms
-            row[f"{phase}_tflops"] = flops[phase] / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
-        results[name] = row
-        print(f"{name:16s} {row['fwd_ms']:9.3f} {row['bwd_ms']:9.3f} {row['fwd_bwd_ms']:9.3f} "
-              f"{row['fwd_tflops']:9.3g} {row['bwd_tflops']:9.3g} {row['fwd_bwd_tflops']:9.3g}")
+            times[name] = bc.fwd_bwd_ms(fn, (q, k, v), dout, device)
+        except RuntimeError as err:  # this SDPA backend does not run on this device / dtype / shape
+            skipped[name] = str(err).splitlines()[0][:160]
+            print(f"{name}: skipped ({skipped[name]})")
 
-    sdpa = {n: r["fwd_bwd_ms"] for n, r in results.items() if n.startswith("sdpa") and "fwd_bwd_ms" in r}
-    summary = {}
-    if sdpa and "fwd_bwd_ms" in results["roberta_fast"]:
-        best = min(sdpa, key=sdpa.get)
-        summary = {"best_sdpa": best, "speedup_vs_best_sdpa": sdpa[best] / results["roberta_fast"]["fwd_bwd_ms"]}
-        print(f"roberta_fast fwd+bwd speed vs best SDPA ({best}): {summary['speedup_vs_best_sdpa']:.3f}x")
+    fwd_flop = 4 * b * h * s * s * d
+    flop = {"fwd": fwd_flop, "bwd": 2.5 * fwd_flop, "fwd+bwd": 3.5 * fwd_flop}
+    sdpa_ran = [n for n in times if n in SDPA_BACKENDS]
+    best = {name: min(times[n][name] for n in sdpa_ran) for name in flop} if sdpa_ran else None
+    rows = []
+    for impl, by_pass in times.items():
+        for name, ms in by_pass.items():
+            row = {"B": b, "S": s, "H": h, "D": d, "dtype": str(dtype).removeprefix("torch."), "impl": impl,
+                   "pass": name, "ms": bc._sig(ms), "TFLOP/s": bc._sig(flop[name] / ms / 1e9)}
+            if best:
+                row["x_vs_best_sdpa"] = bc._sig(best[name] / ms)
+            rows.append(row)
+    bc.print_rows(rows, ["B", "S", "H", "D", "dtype", "impl", "pass", "ms", "TFLOP/s", "x_vs_best_sdpa"])
     if args.json:
-        write_json(args.json, {
-            "benchmark": "attention", "device": device_name, "torch": torch.__version__,
-            "triton": triton.__version__, "python": sys.version.split()[0],
-            "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-            "shape": {"batch": b, "seqlen": s, "heads": h, "headdim": d}, "dtype": args.dtype,
-            "dropout": args.dropout, "flop": flops, "results": results, **summary,
-        })
-        print(f"wrote {args.json}")
+        bc.write_json(args.json, bc.environment(device), rows, benchmark="attention", dropout=args.dropout,
+                      skipped=skipped, flop=flop)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .layer_norm import on_device
+
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -93,6 +95,40 @@ def _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _attn_fwd_block(
+    acc, l_i, m_i, q, k_base, v_base, KeyMask, Rng, b, bh, stride_mb, stride_ks, stride_vs, offs_m, offs_d,
+    start_n, length, scale_log2, thresh,
+    BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with one key block; MASK_KEYS for tail / padded blocks."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASK_KEYS:
+        key_in = (offs_n < length)[:, None]
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_in, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_in, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
+    if MASK_KEYS:
+        qk = tl.where(_key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 units; scale > 0
+    if MASK_KEYS:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key so far masked: avoid inf - inf
+    else:
+        m_new_safe = m_new
+    p = tl.exp2(qk * scale_log2 - m_new_safe[:, None])
+    alpha = tl.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh, p, 0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, KeyMask, CuSeqlens, Rng,
     scale_log2, thresh, inv_keep,
@@ -121,23 +157,16 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start_n in range(0, length, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=(offs_n < length)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        s = tl.where(valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys masked so far: avoid inf - inf
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if HAS_DROPOUT:
-            p = tl.where(_dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh, p, 0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=(offs_n < length)[:, None], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+    # Whole key blocks without padding skip all masking; the tail (or every block of a padded batch) masks.
+    n_full = 0 if HAS_MASK else (length // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(acc, l_i, m_i, q, k_base, v_base, KeyMask, Rng, b, bh, stride_mb,
+                                        stride_ks, stride_vs, offs_m, offs_d, start_n, length, scale_log2, thresh,
+                                        BLOCK_N, False, HAS_MASK, HAS_DROPOUT, PRECISION)
+    for start_n in range(n_full, length, BLOCK_N):
+        acc, l_i, m_i = _attn_fwd_block(acc, l_i, m_i, q, k_base, v_base, KeyMask, Rng, b, bh, stride_mb,
+                                        stride_ks, stride_vs, offs_m, offs_d, start_n, length, scale_log2, thresh,
+                                        BLOCK_N, True, HAS_MASK, HAS_DROPOUT, PRECISION)
 
     empty = l_i == 0.0  # no key to attend: output zeros, lse = +inf makes the backward's p = 0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -199,7 +228,7 @@ def _attn_bwd_dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_in = offs_n < length
-    valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)
+    valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)  # (BLOCK_N,)
     k = tl.load(K + b * stride_kb + h * stride_kh + (start + offs_n[:, None]) * stride_ks + offs_d[None, :],
                 mask=key_in[:, None], other=0.0)
     v = tl.load(V + b * stride_vb + h * stride_vh + (start + offs_n[:, None]) * stride_vs + offs_d[None, :],
@@ -218,8 +247,10 @@ def _attn_bwd_dkdv_kernel(
         do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))  # tail rows: p = 0
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2  # (BLOCK_N, BLOCK_M)
-        p_t = tl.where(valid_n[:, None], tl.exp2(s_t - lse[None, :]), 0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.exp2(s_t * scale_log2 - lse[None, :])
+        if HAS_MASK:  # keys past the end need no mask: their dK/dV rows are never stored
+            p_t = tl.where(valid_n[:, None], p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if HAS_DROPOUT:
             keep_t = tl.trans(_dropout_rand(Rng, bh, offs_m, pid_n * BLOCK_N, BLOCK_N)) >= thresh
@@ -273,11 +304,12 @@ def _attn_bwd_dq_kernel(
     for start_n in range(0, length, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < length
-        valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_in[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_in[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        p = tl.where(valid_n[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(s * scale_log2 - lse[:, None])
+        if HAS_MASK:  # keys past the end need no mask: k = 0 there, so they add nothing to dQ
+            p = tl.where(_key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if HAS_DROPOUT:
             keep = _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh
@@ -388,13 +420,14 @@ def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse, lse_strides = _lse_layout(q, cu_seqlens, batch, nheads, seqlen)
     thresh, inv_keep = _dropout_args(dropout_p)
-    _fwd[_grid("BLOCK_M", seqlen, batch * nheads)](
-        q, k, v, out, lse, mask_ptr, cu_ptr, rng_ptr,
-        softmax_scale * LOG2E, thresh, inv_keep,
-        *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen), *_bsh_strides(out, varlen),
-        *lse_strides, stride_mb, nheads, seqlen,
-        HEAD_DIM=head_dim, **flags, **_fixed_meta("fwd"),
-    )
+    with on_device(q.device):
+        _fwd[_grid("BLOCK_M", seqlen, batch * nheads)](
+            q, k, v, out, lse, mask_ptr, cu_ptr, rng_ptr,
+            softmax_scale * LOG2E, thresh, inv_keep,
+            *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
+            *_bsh_strides(out, varlen), *lse_strides, stride_mb, nheads, seqlen,
+            HEAD_DIM=head_dim, **flags, **_fixed_meta("fwd"),
+        )
     return out, lse
 
 
@@ -406,24 +439,25 @@ def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dr
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     delta = torch.empty_like(lse)
     pre_block = _INTERPRET_BLOCK if _INTERPRET else 128
-    _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * nheads)](
-        out, dout, delta, cu_ptr, *_bsh_strides(out, varlen), *_bsh_strides(dout, varlen), *lse_strides,
-        nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen,
-    )
     dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
     thresh, inv_keep = _dropout_args(dropout_p)
     common = (lse, delta, mask_ptr, cu_ptr, rng_ptr, softmax_scale * LOG2E, softmax_scale, thresh, inv_keep,
               *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
               *_bsh_strides(dout, varlen))
     tail = (*lse_strides, stride_mb, nheads, seqlen)
-    _bwd_dkdv[_grid("BLOCK_N", seqlen, batch * nheads)](
-        q, k, v, dout, dk, dv, *common, *_bsh_strides(dk, varlen), *tail,
-        HEAD_DIM=head_dim, **flags, **_fixed_meta("dkdv"),
-    )
-    _bwd_dq[_grid("BLOCK_M", seqlen, batch * nheads)](
-        q, k, v, dout, dq, *common, *_bsh_strides(dq, varlen), *tail,
-        HEAD_DIM=head_dim, **flags, **_fixed_meta("dq"),
-    )
+    with on_device(q.device):
+        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * nheads)](
+            out, dout, delta, cu_ptr, *_bsh_strides(out, varlen), *_bsh_strides(dout, varlen), *lse_strides,
+            nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen,
+        )
+        _bwd_dkdv[_grid("BLOCK_N", seqlen, batch * nheads)](
+            q, k, v, dout, dk, dv, *common, *_bsh_strides(dk, varlen), *tail,
+            HEAD_DIM=head_dim, **flags, **_fixed_meta("dkdv"),
+        )
+        _bwd_dq[_grid("BLOCK_M", seqlen, batch * nheads)](
+            q, k, v, dout, dq, *common, *_bsh_strides(dq, varlen), *tail,
+            HEAD_DIM=head_dim, **flags, **_fixed_meta("dq"),
+        )
     return dq, dk, dv
 
 
@@ -628,8 +662,9 @@ def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, d
     rng = torch.tensor([seed, offset], device=device, dtype=torch.int64)
     thresh, _ = _dropout_args(float(dropout_p))
     block_m, block_n = (_INTERPRET_BLOCK, _INTERPRET_BLOCK) if _INTERPRET else (64, 64)
-    _dropout_mask_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-        mask, rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n)
+    with on_device(device):
+        _dropout_mask_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
+            mask, rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n)
     return mask.bool()
 
 
