@@ -106,9 +106,13 @@ class MetricsLogger:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
-        if self.bar is not None and record["kind"] == "train":
+        if record["kind"] == "train":
             shown = {"loss": record.get("loss"), "tok/s": record.get("tokens_per_s"), "lr": record.get("lr")}
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items() if v is not None}, refresh=False)
+            shown = {k: f"{v:.4g}" for k, v in shown.items() if v is not None}
+            if self.bar is not None:
+                self.bar.set_postfix(shown, refresh=False)
+            else:  # no bar (logs to a file): one line per logged step
+                self.write(f"step {record['step']}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""

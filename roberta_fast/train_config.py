@@ -59,9 +59,9 @@ class TrainConfig:
     grad_accum: int | None = None  # micro-steps per optimizer step (None: from global_batch_size)
     global_batch_size: int | None = None  # sequences per optimizer step over all processes
     # optimisation
-    max_steps: int = 600
-    lr: float = 1e-3
-    warmup_steps: int = 60
+    max_steps: int = 300
+    lr: float = 2e-3
+    warmup_steps: int = 30
     min_lr: float = 0.0  # the linear decay ends here at max_steps
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -80,7 +80,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
-    save_every: int = 200
+    save_every: int = 100
     keep_checkpoints: int = 2
     stop_at: int | None = None  # checkpoint and exit after this step (time-sliced jobs)
     prefetch: int = 4  # batches prepared ahead of the GPU
@@ -209,8 +209,8 @@ class TrainConfig:
 # Recipe presets: training fields only; model sizes come from RobertaConfig.preset(model).
 TRAIN_PRESETS: dict[str, dict[str, Any]] = {
     # 2 CPU cores, a few minutes: 2 layers, hidden 128, 128-token sequences.
-    "tiny": dict(model="tiny", seq_len=128, batch_size=16, max_steps=600, lr=1e-3, warmup_steps=60,
-                 clip_grad_norm=1.0, eval_every=100, eval_batches=8, log_every=10, save_every=200),
+    "tiny": dict(model="tiny", seq_len=128, batch_size=16, max_steps=300, lr=2e-3, warmup_steps=30,
+                 clip_grad_norm=1.0, eval_every=100, eval_batches=8, log_every=10, save_every=100),
     # RoBERTa paper, base: 8K x 512 tokens, 500k steps, peak 6e-4 after 24k warmup, no clipping.
     "base": dict(model="base", seq_len=512, batch_size=32, global_batch_size=8192, max_steps=500_000,
                  lr=6e-4, warmup_steps=24_000, clip_grad_norm=0.0, eval_every=2000, eval_batches=50,

@@ -199,5 +199,5 @@ def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys):
         Trainer(small_config(dataset, tmp_path / "o2", global_batch_size=10))
     assert main(["--data", dataset, "--out", str(tmp_path / "o3"), "--lr", "-1", "--warmup-steps", "700"]) == 2
     err = capsys.readouterr().err
-    assert "lr must be > 0" in err and "warmup_steps (700) must not exceed max_steps (600)" in err
+    assert "lr must be > 0" in err and "warmup_steps (700) must not exceed max_steps (300)" in err
     assert not (tmp_path / "o3").exists()
