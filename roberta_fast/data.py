@@ -204,9 +204,12 @@ class PretrainingDataset:
         """(n_rows + 1,) first run of each packed row: runs in order, next fit into rows of S."""
         # run lengths incl. <s> and </s>: full runs of body, then each document's remainder
         n_runs = int(runs.sum())
+        if n_runs == 0:
+            return np.zeros(1, dtype=np.int64)
         run_len = np.full(n_runs, body + 2, dtype=np.int64)
-        last = np.cumsum(runs) - 1
-        run_len[last] = lengths - (runs - 1) * body + 2
+        some = runs > 0
+        last = np.cumsum(runs)[some] - 1  # each document's last run: its remainder
+        run_len[last] = lengths[some] - (runs[some] - 1) * body + 2
         rows, fill = [0], 0
         for k, n in enumerate(run_len.tolist()):
             if fill + n > self.seq_len:

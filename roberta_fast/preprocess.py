@@ -326,7 +326,7 @@ def _report(nbytes: int, ntokens: int) -> None:
 # --------------------------------------------------------------------------- planning
 def _collect(inputs: Sequence[str | os.PathLike], log: Callable) -> tuple[list[tuple[str, str]], dict]:
     """Input files as (path, kind), and the files refused or skipped, by reason."""
-    files, refused = [], {"binary_files": [], "empty_files": [], "unsupported_files": []}
+    files, refused = [], {"binary_files": [], "empty_files": [], "unreadable_files": [], "unsupported_files": []}
     seen = set()
 
     def add(p: Path, explicit: bool):
@@ -339,12 +339,18 @@ def _collect(inputs: Sequence[str | os.PathLike], log: Callable) -> tuple[list[t
         if key in seen:
             return
         seen.add(key)
-        if p.stat().st_size == 0:
+        try:
+            size = p.stat().st_size
+            with open(p, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+        except OSError as err:  # permissions, a dangling link, ...
+            refused["unreadable_files"].append(str(p))
+            log(f"skipping unreadable file {p}: {err.strerror or err}")
+            return
+        if size == 0:
             refused["empty_files"].append(str(p))
             log(f"skipping empty file {p}")
             return
-        with open(p, "rb") as f:
-            head = f.read(SNIFF_BYTES)
         if b"\x00" in head:
             refused["binary_files"].append(str(p))
             log(f"refusing binary file {p}: it holds NUL bytes (convert UTF-16 text to UTF-8)")

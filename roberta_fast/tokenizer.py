@@ -74,7 +74,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def _pipeline(tok: Tokenizer) -> Tokenizer:
     """Give a BPE tokenizer roberta-base's pre-tokenizer, decoder and post-processor."""
     tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     tok.post_processor = processors.RobertaProcessing(

@@ -249,5 +249,8 @@ def test_bad_arguments(built):
         BatchLoader(ds, 2, seed=0, rank=2, world_size=2)
     with pytest.raises(ValueError, match="no full global batch"):
         BatchLoader(ds, len(ds) + 1, seed=0)
-    with pytest.raises(ValueError, match="no samples"):
-        BatchLoader(PretrainingDataset(path, split="valid", seq_len=S), 1, seed=0)
+    for mode, pack in (("full", False), ("doc", False), ("doc", True)):  # the valid split is empty here
+        empty = PretrainingDataset(path, split="valid", seq_len=S, mode=mode, pack=pack)
+        assert len(empty) == 0
+        with pytest.raises(ValueError, match="no samples"):
+            BatchLoader(empty, 1, seed=0)

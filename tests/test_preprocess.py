@@ -143,12 +143,14 @@ def test_bad_input_is_counted_never_lost(tok, hf, tmp_path):
         json.dumps({"text": "good record"}) + "\n" + "{not json\n" + json.dumps({"title": "no text"}) + "\n"
         + json.dumps({"text": "   "}) + "\n" + json.dumps(["a list"]) + "\n\n" + json.dumps({"text": "last"}))
     (d / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # skipped: not a text type
+    (d / "dangling.txt").symlink_to(tmp_path / "gone.txt")
     binary = tmp_path / "data.txt"
     binary.write_bytes(b"looks like text\x00\x01\x02 but is not")
     m, log = run([d, binary], tok, tmp_path / "out", valid_fraction=0.0)
     c = m["counts"]
     assert c["invalid_utf8_replaced"] == 4  # \xe9, \xff, \xfe and a truncated \xc3
     assert (c["empty_files"], c["blank_files"], c["binary_files"], c["unsupported_files"]) == (1, 1, 1, 1)
+    assert c["unreadable_files"] == 1 and "skipping unreadable file" in log
     assert (c["bad_json_lines"], c["records_without_text"], c["empty_documents"], c["blank_jsonl_lines"]) == (1, 2, 1, 1)
     assert c["documents"] == 4
     assert shard_docs(tmp_path / "out", "train") == [
