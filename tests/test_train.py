@@ -201,3 +201,31 @@ def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lr must be > 0" in err and "warmup_steps (700) must not exceed max_steps (300)" in err
     assert not (tmp_path / "o3").exists()
+
+
+def test_resume_refusals(dataset, tmp_path):
+    Trainer(small_config(dataset, tmp_path / "o"), log=lambda *a: None).save_checkpoint()
+    with pytest.raises(ValueError, match="already holds checkpoints and --resume never"):
+        Trainer(small_config(dataset, tmp_path / "o", resume="never")).maybe_resume()
+    with pytest.raises(ValueError, match=r"differs from this config in hidden_size \(32 vs 64\)"):
+        Trainer(small_config(dataset, tmp_path / "o", hidden_size=64)).maybe_resume()
+
+
+@pytest.mark.parametrize("masking, mode", [("whole_word", "doc"), ("span", "full")])
+def test_other_maskings_and_modes_train(dataset, tmp_path, masking, mode):
+    trainer = Trainer(small_config(dataset, tmp_path / "o", masking=masking, mode=mode))
+    stats = trainer.train_step(trainer.next_micro_batches())
+    assert not stats["skipped"] and stats["count"] > 0 and torch.isfinite(stats["loss_sum"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_run_falls_and_resumes(dataset, tmp_path):
+    gpu = dict(device="cuda", precision="bf16", max_steps=30, warmup_steps=3, eval_every=30, batch_size=16,
+               seq_len=64, hidden_size=64, lr=1e-2)
+    whole, summary = run(small_config(dataset, tmp_path / "whole", **gpu))
+    assert summary["last_eval"]["loss"] < summary["first_eval"]["loss"] - 0.5
+    run(small_config(dataset, tmp_path / "split", stop_at=15, **gpu))
+    run(small_config(dataset, tmp_path / "split", **gpu))
+    a, b = train_losses(tmp_path / "whole"), train_losses(tmp_path / "split")
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 31))
+    assert [x for _, x in b] == pytest.approx([x for _, x in a], rel=1e-2)
