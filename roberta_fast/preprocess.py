@@ -4,7 +4,7 @@
     roberta_fast.preprocess.preprocess(inputs, tokenizer, out)    # the same from Python
 
 Inputs are `.txt` files (documents separated by blank lines, or one document per file
-with --doc-per-file), `.jsonl` files (one JSON object per line, the text under
+with --doc-per-file; `\r\n` line ends read as `\n`), `.jsonl` files (one JSON object per line, the text under
 --text-field) and directories of them (searched recursively for .txt/.text/.md/.rst and
 .jsonl/.ndjson). The dataset directory holds:
 
@@ -35,7 +35,7 @@ renames, then its chunks/ marker. A rerun with the same inputs and options skips
 finished chunks; different inputs or options are refused unless --overwrite.
 
 Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced by
-U+FFFD and counted, empty files and empty documents are skipped and counted, files with
+U+FFFD and counted (as are lone surrogates escaped in JSON), empty files and empty documents are skipped and counted, files with
 NUL bytes (binary) are refused by name, undecodable JSONL lines are counted with their
 byte offsets; the final report prints every count and the manifest keeps them.
 """
@@ -46,6 +46,7 @@ import codecs
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -107,14 +108,16 @@ def _cut(text: str) -> int:
 
 def _split_long(text: str, stats: dict) -> Iterator[str]:
     """Yield `text` in pieces of about PIECE_CHARS whose tokenizations concatenate to its own."""
-    while len(text) > PIECE_CHARS:
-        i = _cut(text[: PIECE_CHARS + 1])
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        window = text[start: start + PIECE_CHARS + 1]
+        i = _cut(window)
         if i < 0:
             i = PIECE_CHARS
             stats["hard_splits"] += 1
-        yield text[:i]
-        text = text[i:]
-    yield text
+        yield window[:i]
+        start += i
+    yield text[start:]
 
 
 def _text_pieces(f, start: int, end: int, doc_per_file: bool, stats: dict):
@@ -189,9 +192,15 @@ def _jsonl_pieces(f, start: int, end: int, field: str, name: str, stats: dict):
         if not text.strip():
             _note(stats, "empty_documents", f"{name}@byte{at}")
             continue
+        if not text.isascii() and _SURROGATE.search(text):  # "\ud800" escapes: not encodable text
+            text, n = _SURROGATE.subn("\ufffd", text)
+            stats["lone_surrogates_replaced"] += n
         pieces = list(_split_long(text, stats)) if len(text) > PIECE_CHARS else [text]
         for k, piece in enumerate(pieces):
             yield piece, k == 0, k == len(pieces) - 1
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _note(stats: dict, key: str, example: str) -> None:
@@ -233,12 +242,12 @@ class _ShardWriter:
 
 def _new_stats() -> dict:
     keys = ["bytes", "documents", "tokens", "pieces", "hard_splits", "invalid_utf8_replaced",
-            "empty_documents", "blank_files", "bad_json_lines", "records_without_text", "blank_jsonl_lines"]
+            "lone_surrogates_replaced", "empty_documents", "blank_files", "bad_json_lines", "records_without_text", "blank_jsonl_lines"]
     return {**{k: 0 for k in keys}, "examples": {}}
 
 
 def _valid_doc(text: str, fraction: float) -> bool:
-    return zlib.crc32(text[:PIECE_CHARS].encode("utf-8", "surrogatepass")) < fraction * 2**32
+    return zlib.crc32(text[:PIECE_CHARS].encode("utf-8")) < fraction * 2**32
 
 
 # worker globals (set once per process by _init_worker)

@@ -141,7 +141,8 @@ def test_bad_input_is_counted_never_lost(tok, hf, tmp_path):
     (d / "blank.txt").write_bytes(b"\n   \n\t\n")
     (d / "records.jsonl").write_text(
         json.dumps({"text": "good record"}) + "\n" + "{not json\n" + json.dumps({"title": "no text"}) + "\n"
-        + json.dumps({"text": "   "}) + "\n" + json.dumps(["a list"]) + "\n\n" + json.dumps({"text": "last"}))
+        + json.dumps({"text": "   "}) + "\n" + json.dumps(["a list"]) + "\n\n" + '{"text": "lone \\ud800 half"}\n'
+        + json.dumps({"text": "last"}))
     (d / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # skipped: not a text type
     (d / "dangling.txt").symlink_to(tmp_path / "gone.txt")
     binary = tmp_path / "data.txt"
@@ -152,9 +153,9 @@ def test_bad_input_is_counted_never_lost(tok, hf, tmp_path):
     assert (c["empty_files"], c["blank_files"], c["binary_files"], c["unsupported_files"]) == (1, 1, 1, 1)
     assert c["unreadable_files"] == 1 and "skipping unreadable file" in log
     assert (c["bad_json_lines"], c["records_without_text"], c["empty_documents"], c["blank_jsonl_lines"]) == (1, 2, 1, 1)
-    assert c["documents"] == 4
-    assert shard_docs(tmp_path / "out", "train") == [
-        direct(hf, t) for t in ["caf\ufffd ok\ufffd\ufffd end", "second \ufffd doc", "good record", "last"]]
+    assert c["documents"] == 5 and c["lone_surrogates_replaced"] == 1
+    assert shard_docs(tmp_path / "out", "train") == [direct(hf, t) for t in [
+        "caf\ufffd ok\ufffd\ufffd end", "second \ufffd doc", "good record", "lone \ufffd half", "last"]]
     assert str(binary) in m["refused"]["binary_files"] and "refusing binary file" in log and str(binary) in log
     for key, value in c.items():
         assert f"{key}: {value}" in log  # the report prints every count
