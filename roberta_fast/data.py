@@ -1,13 +1,20 @@
 """Training samples and batches from a preprocessed dataset directory (roberta_fast.preprocess).
 
     ds = PretrainingDataset(path, split="train", seq_len=512, mode="full")  # or "doc"
-    ds[i]                   # (seq_len,) int64 ids, O(1); rows shorter than seq_len end in <pad>
+    ds[i]                   # (seq_len,) int64 ids; rows shorter than seq_len end in <pad>
+    ds.sample(i)            # numpy dict: input_ids, attention_mask[, word_starts, position_ids, cu_seqlens]
     ds.manifest             # vocab_size, tokenizer_hash, bos/pad/eos/unk/mask_id, counts, ...
     ds.tokenizer_path       # the tokenizer directory the ids belong to
     check_dataset(path, vocab_size=cfg.vocab_size, tokenizer=tok)  # ValueError on mismatch
     loader = BatchLoader(ds, batch_size=16, seed=0, rank=r, world_size=w)
     for batch in loader: ...  # {"input_ids", "attention_mask"[, "word_starts"]}: (B, S) tensors
-    loader.state_dict() / loader.load_state_dict(sd)  # resume at the next batch, in O(1)
+    loader.forever()          # the same across epochs, without end
+    loader.state_dict() / loader.load_state_dict(sd)  # {epoch, step, samples_seen, ...}: O(1) resume
+
+Access cost: a "full" sample is a slice of the memory-mapped shards (a binary search
+over the handful of shard offsets); a "doc" sample adds a binary search over the
+document index, which the dataset loads once (8 bytes per document); pack=True also
+plans the packing once at construction (a pass over the documents).
 
 Sample layouts (the RoBERTa paper's input formats; S = seq_len):
 - mode="full" (FULL-SENTENCES, the default): the split's token stream (every document's
@@ -19,7 +26,9 @@ Sample layouts (the RoBERTa paper's input formats; S = seq_len):
   run is a row, padded; with pack=True runs are packed in order into rows of S (next
   fit), and `sample(i)` adds `position_ids` that restart at every run (RoBERTa's
   convention: pad_id + 1 + offset, pad_id on padding) and `cu_seqlens`, the run
-  boundaries inside the row, so attention can be kept inside each document.
+  boundaries inside the row, so attention can be kept inside each document. Batches of
+  packed rows carry `position_ids` (B, S), `cu_seqlens` over the flattened B*S tokens
+  (each run one segment, each row's padding tail another) and `max_seqlen`.
 
 Word starts (`word_starts=True`): the rule of RobertaTokenizer.word_starts, applied to
 each row (the first token after `<s>` counts as a word start even mid-word in "full" mode).
