@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -38,56 +40,56 @@ class TrainConfig:
     """One training run. `global_batch_size = batch_size * grad_accum * world_size` sequences."""
 
     # what to train
-    model: str = "tiny"  # RobertaConfig preset: tiny | base | large
-    hidden_size: int | None = None  # model overrides of the preset (None: the preset's)
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    intermediate_size: int | None = None
+    model: str = "tiny"  # model size (RobertaConfig preset): tiny | base | large
+    hidden_size: int | None = None  # hidden width, overriding the model preset's
+    num_hidden_layers: int | None = None  # encoder layers (None: the preset's)
+    num_attention_heads: int | None = None  # attention heads (None: the preset's)
+    intermediate_size: int | None = None  # feed-forward width (None: the preset's)
     dropout: float | None = None  # hidden and attention dropout (None: the preset's 0.1)
     backend: str = "auto"  # model backend: auto | fused | reference
     init_from: str | None = None  # an HF model directory to start from instead of random weights
     # data
     data: str | None = None  # dataset directory (roberta_fast.preprocess); None: the embedded corpus
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per sequence (<s> included)
     mode: str = "full"  # full (FULL-SENTENCES) | doc (DOC-SENTENCES)
     masking: str = "token"  # token | whole_word | span
-    mlm_probability: float = 0.15
-    mask_replace_prob: float = 0.8
-    random_replace_prob: float = 0.1
+    mlm_probability: float = 0.15  # share of tokens predicted
+    mask_replace_prob: float = 0.8  # of those, replaced by <mask>
+    random_replace_prob: float = 0.1  # of those, replaced by a random token
     # batch
     batch_size: int = 16  # sequences per micro-step per process
     grad_accum: int | None = None  # micro-steps per optimizer step (None: from global_batch_size)
     global_batch_size: int | None = None  # sequences per optimizer step over all processes
     # optimisation
-    max_steps: int = 300
-    lr: float = 2e-3
-    warmup_steps: int = 30
+    max_steps: int = 300  # optimizer steps of the whole run (the LR reaches min_lr here)
+    lr: float = 2e-3  # peak learning rate
+    warmup_steps: int = 30  # linear warmup to the peak
     min_lr: float = 0.0  # the linear decay ends here at max_steps
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-6
+    weight_decay: float = 0.01  # decoupled (AdamW), not on biases and LayerNorm
+    beta1: float = 0.9  # Adam beta1
+    beta2: float = 0.98  # Adam beta2
+    eps: float = 1e-6  # Adam epsilon
     clip_grad_norm: float = 1.0  # 0: no clipping (the paper's choice)
     precision: str = "auto"  # auto (bf16 on a bf16 GPU, else fp32) | fp32 | fp16 | bf16
     init_loss_scale: float = 2.0 ** 16  # fp16 dynamic loss scaling
     loss_scale_window: int = 1000  # finite steps before the scale doubles
     max_bad_steps: int = 25  # consecutive non-finite steps that stop the run
-    seed: int = 0
+    seed: int = 0  # data order, masks, initial weights, dropout
     # where and how often
-    out: str | None = None  # output directory (None: runs/<preset>)
+    out: str | None = None  # output directory (None: runs/<model>)
     resume: str = "auto"  # auto (latest checkpoint in out, if any) | never | a checkpoint path
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    eval_every: int = 100
-    eval_batches: int = 8
-    log_every: int = 10
-    save_every: int = 100
-    keep_checkpoints: int = 2
+    eval_every: int = 100  # steps between validation runs
+    eval_batches: int = 8  # validation batches (of batch_size sequences) per evaluation
+    log_every: int = 10  # steps between metrics.jsonl lines
+    save_every: int = 100  # steps between checkpoints
+    keep_checkpoints: int = 2  # checkpoints kept (the newest)
     stop_at: int | None = None  # checkpoint and exit after this step (time-sliced jobs)
     prefetch: int = 4  # batches prepared ahead of the GPU
-    progress: bool = True
-    tensorboard: bool = True
-    plot: bool = True
-    export: bool = True
+    progress: bool = True  # tqdm progress bar
+    tensorboard: bool = True  # TensorBoard scalars (if installed)
+    plot: bool = True  # loss.png at the end (if matplotlib is installed)
+    export: bool = True  # save <out>/final in Hugging Face format at the end
 
     # ------------------------------------------------------------------ derived
     @property
@@ -305,25 +307,33 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return data
 
 
+def _field_help() -> dict[str, str]:
+    """field name -> its comment in the TrainConfig source (the CLI help); {} without source."""
+    try:
+        source = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):
+        return {}
+    return dict(re.findall(r"^    (\w+): [^\n#]*#\s*(.+)$", source, flags=re.M))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI: --config, --preset and one flag per TrainConfig field (default: not given)."""
     p = argparse.ArgumentParser(
         prog="python -m roberta_fast.train",
         description="Pretrain RoBERTa (MLM). With no arguments: the tiny preset on the embedded corpus.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--config", help="YAML or JSON file of config fields (flags override it)")
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), help="recipe preset (default: tiny)")
-    defaults = TrainConfig()
+    defaults, helps = TrainConfig(), _field_help()
     for name, (base, optional) in _field_types().items():
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         if base is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"(default {default})")
+                           help=f"{helps.get(name, '')} (default {default})")
         else:
             p.add_argument(flag, dest=name, default=None, metavar=base.__name__.upper(),
-                           help=f"(default {default})")
+                           help=f"{helps.get(name, '')} (default {default})")
     return p
 
 

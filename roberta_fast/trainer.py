@@ -179,8 +179,6 @@ class Trainer:
         self.precision = resolve_precision(cfg.precision, self.device)
         self.grad_accum, self.global_batch = cfg.resolve_batch(self.dist.world_size)
         self.out = cfg.out_dir
-        if self.dist.is_main:
-            check_writable(self.out)
 
         # data: the dataset is checked against the model before any weight is made
         data_path = Path(cfg.data) if cfg.data else self._default_dataset()
@@ -195,6 +193,8 @@ class Trainer:
                                   world_size=self.dist.world_size, prefetch=cfg.prefetch,
                                   pin_memory=self.device.type == "cuda")
         self.eval_batches = self._eval_batches()
+        if self.dist.is_main:
+            check_writable(self.out)
 
         # model, optimizer and the state that checkpoints carry
         seed_everything(cfg.seed)
