@@ -118,13 +118,10 @@ def linear_gelu(x, weight, bias, backend: str):
 def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float, backend: str):
     """LayerNorm(dropout(x) + residual): the post-LN sublayer ending. residual may be None.
 
-    With mixed dtypes (autocast: x half, residual fp32) both are promoted, as PyTorch's
-    `x + residual` would, so the fused and reference paths agree.
+    With mixed dtypes (autocast: x half, residual fp32) the output takes the dtype of
+    `x + residual`, as PyTorch's would, in both paths.
     """
     if backend == "fused":
-        if residual is not None and residual.dtype != x.dtype:
-            dtype = torch.promote_types(x.dtype, residual.dtype)
-            x, residual = x.to(dtype), residual.to(dtype)
         return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
     x = F.dropout(x, p=dropout_p, training=dropout_p > 0)
     if residual is not None:
