@@ -34,6 +34,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import uuid
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -121,14 +122,14 @@ def build_corpus(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> Path:
     """Write the corpus documents to `path` as JSONL ({"text": ...} per line), atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             for doc in iter_documents(max_bytes):
                 f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 

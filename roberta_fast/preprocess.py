@@ -49,7 +49,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -60,14 +60,13 @@ _BYTE_LEVEL_WHITESPACE = frozenset(_bytes_to_unicode()[b] for b in b" \t\n\r\x0b
 
 def _write_atomic(path: Path, text: str) -> None:
     """Write text to path via a temporary file and a rename, so no reader sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:  # (mkstemp would make it private: mode 0600)
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 
