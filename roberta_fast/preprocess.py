@@ -373,6 +373,10 @@ def _collect(inputs: Sequence[str | os.PathLike], log: Callable) -> tuple[list[t
         p = Path(item)
         if p.is_dir():
             for root, dirs, names in os.walk(p):
+                if (Path(root) / "plan.json").is_file():  # a dataset directory: never read as input
+                    log(f"skipping {root}: it is a preprocess output")
+                    dirs[:] = []
+                    continue
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for n in sorted(names):
                     if not n.startswith("."):

@@ -123,6 +123,14 @@ def test_resume_skips_finished_chunks(tok, tmp_path):
     assert shard_docs(out, "train") == before and len(before) + len(shard_docs(out, "valid")) == len(docs)
 
 
+def test_output_inside_the_input_is_not_read(tok, tmp_path):
+    write_corpus(tmp_path, DOCS)
+    run([tmp_path / "in"], tok, tmp_path / "in" / "out")  # its tokenizer/merges.txt is a .txt file
+    m, log = run([tmp_path / "in"], tok, tmp_path / "in" / "out")
+    assert "it is a preprocess output" in log and m["counts"]["documents"] == len(DOCS)
+    assert m["counts"]["unsupported_files"] == 0
+
+
 def test_refuses_other_inputs_in_the_same_out(tok, tmp_path):
     write_corpus(tmp_path, DOCS)
     out = tmp_path / "out"
