@@ -90,10 +90,10 @@ class MetricsLogger:
         """Keep only the records up to `step` (atomic rewrite)."""
         if not self.path.is_file():
             return
+        from .tokenizer import _write_atomic
+
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        _write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict) -> None:
         """Append one record (needs "kind" and "step") to the JSONL file and TensorBoard."""

@@ -202,10 +202,9 @@ class TrainConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as JSON via a temporary file and a rename."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        from .tokenizer import _write_atomic
+
+        _write_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 # Recipe presets: training fields only; model sizes come from RobertaConfig.preset(model).
