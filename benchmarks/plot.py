@@ -32,7 +32,8 @@ def _series(report: dict):
 
 
 def _title(report: dict) -> str:
-    return f"RoBERTa training throughput - {report['device']['name']} - {report['date'][:10]}"
+    env = report["environment"]
+    return f"RoBERTa training throughput - {env['device']['name']} - {env['date'][:10]}"
 
 
 def _png(report: dict, path: Path) -> None:
@@ -84,8 +85,10 @@ def _svg(report: dict) -> str:
     return "\n".join(out)
 
 
-def _atomic(path: Path, write) -> None:
-    """Call write(tmp_path), then rename onto path: no reader ever sees half a chart."""
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp_path) on a temporary file beside `path`, then rename it onto `path`,
+    so that no reader ever sees half a file (the temporary is removed on failure)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
     os.close(fd)
@@ -105,9 +108,9 @@ def throughput_chart(report: dict, path) -> str:
         import matplotlib  # noqa: F401
     except ImportError:
         svg = path.with_suffix(".svg")
-        _atomic(svg, lambda p: p.write_text(_svg(report)))
+        atomic_write(svg, lambda p: p.write_text(_svg(report)))
         return f"PNG chart skipped: matplotlib is not installed (`pip install matplotlib`); wrote {svg}"
-    _atomic(path, lambda p: _png(report, p))
+    atomic_write(path, lambda p: _png(report, p))
     return f"wrote {path}"
 
 

@@ -13,20 +13,22 @@ init, dropout 0.1), batch, sequence length, precision (fp32 master weights + aut
 fp16 adds dynamic loss scaling) and masking rate (15%: 80/10/10) on the same
 FULL-SENTENCES-like batches (no padding):
 
-  rf-fused      roberta_fast, backend="fused" (Triton kernels), FusedAdam, masking on the device
-  rf-reference  roberta_fast, backend="reference" (plain PyTorch), torch AdamW, masking on the device
+  rf-fused      roberta_fast's trainer step (below) with backend="fused" (Triton kernels)
+  rf-reference  the same step with backend="reference" (the model in plain PyTorch)
   hf-eager      transformers RobertaForMaskedLM (SDPA attention), torch AdamW(fused=True on CUDA,
                 foreach on CPU), torch.autocast (+ GradScaler for fp16), batches masked on the
                 host by DataCollatorForLanguageModeling from tokenizer-style examples with
                 `special_tokens_mask`, as transformers' run_mlm.py does -- what users run today
   hf-compile    the same under torch.compile(model)
 
-The roberta_fast step is built here from the trainer's parts (roberta_fast.precision,
-masking, optim; the model's masked_only head with a summed loss over the predicted
-count) because roberta_fast.train exposes no reusable step function yet; it does what
-the trainer's inner loop does minus logging and checkpoints. A contender that cannot
-run (no GPU, a missing package, an unfinished part raising NotImplementedError) is
-reported as skipped with the reason, never dropped.
+roberta_fast's step is `roberta_fast.trainer.Trainer.train_step`'s for one micro-batch on
+one process, rebuilt from the trainer's own parts (mask_tokens on the device with the
+trainer's arguments; the MLM head only over predicted tokens with a summed loss scaled
+by loss-scale / predicted count; the trainer's DynamicLossScaler and Optimizer, i.e.
+FusedAdam reading the gradient norm once per step), because train_step is a method of
+a Trainer that must own a preprocessed dataset. A contender that cannot run (no GPU, a
+missing package, an unfinished part raising NotImplementedError) is reported as
+skipped with the reason, never dropped.
 
 Figures per configuration and contender: ms/step, tokens/s, sequences/s, MFU
 (roberta_fast.model.estimate_mfu: DESIGN.md's PaLM convention, predicted tokens for the
@@ -41,21 +43,16 @@ Measured on: nothing yet (no GPU run recorded; see benchmarks/results/README.md)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as dt
 import gc
 import json
 import math
-import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,10 +60,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS_DIR = HERE / "results"
-if str(HERE) not in sys.path:  # plot.py sits beside this file
+if str(HERE) not in sys.path:  # _common.py and plot.py sit beside this file
     sys.path.insert(0, str(HERE))
-if not torch.cuda.is_available():  # Triton kernels can only run in the interpreter on a CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import _common as bc  # noqa: E402
+from plot import atomic_write, throughput_chart  # noqa: E402
+
+bc.use_interpreter_without_gpu()  # before triton is imported (only --interpret uses it)
 
 SCHEMA = "roberta_fast.throughput/1"
 CONTENDERS = ("rf-fused", "rf-reference", "hf-eager", "hf-compile")
@@ -169,67 +168,75 @@ class Run:
     close: callable = lambda: None
 
 
-def _adamw(params, device, fused_ok=True):
-    """torch AdamW with RoBERTa's hyperparameters: fused on CUDA, foreach on the CPU."""
-    kind = {"fused": True} if device.type == "cuda" and fused_ok else {"foreach": True}
-    return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, **kind)
-
-
-def _autocast(dtype: str, device):
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
-
-
 def _scaler(dtype: str, device):
     """torch's dynamic loss scaler, enabled for fp16 only (a pass-through otherwise)."""
     return torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
 
 
 def build_rf(setting: Setting, device, backend: str, interpret: bool) -> Run:
-    """roberta_fast's training step: on-device masking, masked-only head, summed loss / count."""
+    """roberta_fast's training step, as `roberta_fast.trainer.Trainer.train_step` runs it.
+
+    Built from the trainer's parts (its Optimizer: FusedAdam with the gradient norm read
+    once per step; its DynamicLossScaler, autocast, and mask_tokens called with its
+    arguments) because train_step is a method of a Trainer that must own a preprocessed
+    dataset; this is one micro-batch on one process. The two contenders differ only in
+    the model's backend.
+    """
     if backend == "fused" and device.type != "cuda" and not interpret:
         raise Skip("the fused backend's Triton kernels need a CUDA GPU (on a CPU they run only in "
                    "Triton's interpreter, a correctness tool; pass --interpret to time it anyway)")
     import roberta_fast as rf
+    from roberta_fast.model import IGNORE_INDEX
+    from roberta_fast.precision import DynamicLossScaler, autocast
+    from roberta_fast.train_config import TrainConfig
+    from roberta_fast.trainer import Optimizer
 
     cfg = model_config(setting.model)
+    train_cfg = TrainConfig.preset(setting.model, backend=backend, precision=setting.dtype,
+                                   seq_len=setting.seq_len, batch_size=setting.batch, masking="token",
+                                   mlm_probability=MLM_PROBABILITY)
     try:
         model = rf.RobertaForMaskedLM(cfg, backend=backend).to(device).train()
     except NotImplementedError as err:
         raise Skip(f"backend={backend!r} is unfinished: {err}") from err
-    model.check_inputs = False  # the batches are valid by construction; skip the host sync
+    model.check_inputs = False  # the batches are valid by construction, as the trainer's are
     try:
-        mask_tokens = rf.mask_tokens
-        if backend == "fused":
-            opt = rf.FusedAdam(model.parameters(), lr=6e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
-        else:
-            opt = _adamw(model.parameters(), device)
+        from roberta_fast.masking import mask_tokens
+
+        optimizer = Optimizer(model, train_cfg)
     except (ImportError, AttributeError, NotImplementedError) as err:
         raise Skip(f"a roberta_fast part is missing or unfinished: {type(err).__name__}: {err}") from err
-    scaler = _scaler(setting.dtype, device)
+    scaler = DynamicLossScaler(train_cfg.init_loss_scale, train_cfg.loss_scale_window,
+                               enabled=setting.dtype == "fp16")
     batches = HostBatches(cfg.vocab_size, setting.batch, setting.seq_len, pin=device.type == "cuda")
+    special = [BOS, PAD, EOS, UNK, cfg.vocab_size - 1]
     counter = iter(range(1 << 62))
 
     def step():
         ids = batches.next().to(device, non_blocking=True)
-        inputs, labels = mask_tokens(ids, seed=0, step=next(counter), vocab_size=cfg.vocab_size,
-                                     mask_token_id=cfg.vocab_size - 1)
-        predicted = labels.ne(-100).sum()
-        with _autocast(setting.dtype, device):
-            out = model(inputs, labels=labels, masked_only=True, loss_reduction="sum")
-        loss = out.loss / predicted.clamp(min=1)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return predicted
+        inputs, labels = mask_tokens(
+            ids, seed=train_cfg.seed, step=next(counter), vocab_size=cfg.vocab_size,
+            mask_token_id=cfg.vocab_size - 1, pad_token_id=PAD, special_token_ids=special,
+            mlm_probability=train_cfg.mlm_probability, mask_replace_prob=train_cfg.mask_replace_prob,
+            random_replace_prob=train_cfg.random_replace_prob, strategy="token", word_starts=None,
+            sample_offset=0)
+        count = labels.ne(IGNORE_INDEX).sum().float()
+        factor = scaler.scale / count.clamp_min(1.0)
+        with autocast(setting.dtype, device):
+            out = model(inputs, attention_mask=None, labels=labels, masked_only=True, loss_reduction="sum")
+        (out.loss * factor).backward()
+        _, found_inf = optimizer.step(train_cfg.lr, scaler.scale)
+        optimizer.zero_grad()
+        scaler.update(found_inf)
+        return count
 
-    return Run(step, notes=f"backend={backend}, {type(opt).__name__}")
+    return Run(step, notes=f"backend={backend}, trainer Optimizer ({type(optimizer.opt).__name__})")
 
 
 def build_hf(setting: Setting, device, compile_model: bool) -> Run:
     """transformers' RobertaForMaskedLM step as users run it (see the module docstring)."""
+    from roberta_fast.precision import autocast
+
     try:
         import transformers
     except ImportError as err:
@@ -241,7 +248,8 @@ def build_hf(setting: Setting, device, compile_model: bool) -> Run:
     model = transformers.RobertaForMaskedLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
     collator = transformers.DataCollatorForLanguageModeling(hf_tokenizer(cfg.vocab_size),
                                                             mlm_probability=MLM_PROBABILITY)
-    opt = _adamw(model.parameters(), device)
+    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, **kind)
     scaler = _scaler(setting.dtype, device)
     forward = torch.compile(model) if compile_model else model
     batches = HostBatches(cfg.vocab_size, setting.batch, setting.seq_len)
@@ -250,7 +258,7 @@ def build_hf(setting: Setting, device, compile_model: bool) -> Run:
         batch = collator(batches.examples(batches.next()))  # masks on the host (a fresh copy)
         predicted = int(batch["labels"].ne(-100).sum())
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with _autocast(setting.dtype, device):
+        with autocast(setting.dtype, device):
             loss = forward(**batch).loss
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -287,15 +295,20 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def warm_up(step, device, steps: int) -> None:
+    """Run `steps` untimed steps (compilation, autotuning, allocator growth) and wait for them."""
+    for _ in range(steps):
+        step()
+    synchronize(device)
+
+
 def time_blocks(step, device, warmup: int, steps: int, repeats: int):
     """Seconds per step of each of `repeats` blocks of `steps` steps, after `warmup` steps.
 
     Also returns the mean predicted tokens per step. CUDA events bracket each block on a
     GPU (one synchronisation per block); perf_counter after a synchronisation elsewhere.
     """
-    for _ in range(warmup):
-        step()
-    synchronize(device)
+    warm_up(step, device, warmup)
     per_step, predicted = [], 0
     for _ in range(repeats):
         if device.type == "cuda":
@@ -312,6 +325,12 @@ def time_blocks(step, device, warmup: int, steps: int, repeats: int):
                 predicted = predicted + step()
             per_step.append((time.perf_counter() - t0) / steps)
     return per_step, float(predicted) / (steps * repeats)
+
+
+def is_oom(err: BaseException) -> bool:
+    """Out of device memory, however it surfaced (torch, cuBLAS, a Triton launch)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower() \
+        or "CUBLAS_STATUS_ALLOC_FAILED" in str(err)
 
 
 def _free(device):
@@ -335,9 +354,9 @@ def measure(name: str, setting: Setting, device, args) -> dict:
         per_step, predicted = time_blocks(run.step, device, args.warmup, args.steps, args.repeats)
     except Skip as why:
         return {**row, "status": "skipped", "reason": str(why)}
-    except torch.OutOfMemoryError:
-        return {**row, "status": "failed", "reason": f"out of memory at batch {setting.batch}"}
     except Exception as err:  # a broken contender is reported, and the others still run
+        if is_oom(err):
+            return {**row, "status": "failed", "reason": f"out of memory at batch {setting.batch}"}
         if args.verbose:
             traceback.print_exc()
         return {**row, "status": "failed", "reason": f"{type(err).__name__}: {err}".strip()[:500]}
@@ -366,39 +385,29 @@ def find_batch(model: str, seq_len: int, dtype: str, device, args, names) -> tup
     """
     top = max(1, args.max_tokens // seq_len)
     batch = 1 << (top.bit_length() - 1)
-    probe = argparse.Namespace(**{**vars(args), "warmup": 2, "steps": 0, "repeats": 0})
+    eager = [n for n in names if n != "hf-compile"]
     while batch >= 1:
-        fits = True
-        for name in names:
-            if name == "hf-compile":
-                continue
-            row = measure_probe(name, Setting(model, seq_len, dtype, batch), device, probe)
-            if row == "oom":
-                fits = False
-                break
-        if fits:
+        if not any(probe_oom(n, Setting(model, seq_len, dtype, batch), device, args) for n in eager):
             return batch, "largest power of two that fits every eager contender"
         batch //= 2
     raise RuntimeError(f"not even batch 1 fits for {model} seq {seq_len} {dtype}")
 
 
-def measure_probe(name, setting, device, args):
-    """Run two steps; "oom" if the device ran out of memory, else None (other errors show later)."""
+def probe_oom(name, setting, device, args) -> bool:
+    """Whether two steps of the contender run out of device memory (other errors show later)."""
     run = None
     _free(device)
     try:
         run = build(name, setting, device, args)
-        time_blocks(run.step, device, args.warmup, 0, 0)
-    except torch.OutOfMemoryError:
-        return "oom"
-    except Exception:
-        return None
+        warm_up(run.step, device, 2)
+    except Exception as err:  # skipped or broken: measure() reports it; it does not limit the batch
+        return is_oom(err)
     finally:
         if run is not None:
             run.close()
         del run
         _free(device)
-    return None
+    return False
 
 
 # ------------------------------------------------------------------- results
@@ -447,7 +456,7 @@ def profile_step(setting: Setting, device, args, name="rf-fused", top: int = 15)
 
     run = build(name, setting, device, args)
     try:
-        time_blocks(run.step, device, max(1, args.warmup), 0, 0)
+        warm_up(run.step, device, max(1, args.warmup))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(3):
@@ -472,72 +481,36 @@ def profile_step(setting: Setting, device, args, name="rf-fused", top: int = 15)
             "ops": [{"name": k[:120], "share": t / total, "ms_per_step": t / 1e3 / 3} for k, t in timed[:top]]}
 
 
-# ------------------------------------------------------------- environment
 def device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
+    return bc.device_facts(device)["name"]
 
 
 def environment(device) -> dict:
-    """Device, driver, versions, commit and date: what a recorded figure depends on."""
-    def version(module):
-        try:
-            return __import__(module).__version__
-        except Exception:  # not installed, or broken: say so in the record
-            return None
+    """_common's record of device, commit, date and versions, plus transformers and the driver."""
+    env = bc.environment(device)
+    try:
+        import transformers
 
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=ROOT).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    info = {"type": device.type, "name": device_name(device), "cpu": platform.processor() or platform.machine(),
-            "cpu_threads": torch.get_num_threads()}
+        env["versions"]["transformers"] = transformers.__version__
+    except ImportError:
+        env["versions"]["transformers"] = None
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(capability=f"{props.major}.{props.minor}", memory_gib=props.total_memory / 2 ** 30,
-                    cuda=torch.version.cuda,
-                    driver=run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"))
-    status = run("git", "status", "--porcelain", "--untracked-files=no")
-    return {"device": info,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "triton": version("triton"), "transformers": version("transformers"),
-                         "roberta_fast": version("roberta_fast")},
-            "commit": run("git", "rev-parse", "HEAD"), "dirty": bool(status),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            env["device"]["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["device"]["driver"] = None
+    return env
+
+
+def write_report(path: Path, report: dict) -> None:
+    """The report as JSON, in _common's layout ({"environment", ..., "results"}), atomically."""
+    extra = {k: v for k, v in report.items() if k not in ("environment", "results")}
+    bc.write_json(str(path), report["environment"], report["results"], **extra)
 
 
 # ------------------------------------------------------------------ output
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON via a temporary file and a rename, so no reader sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
@@ -587,8 +560,10 @@ def format_targets(targets: list[dict]) -> str:
 def compare(old: dict, new: dict) -> str:
     """tokens/s of each (setting, contender) in `new` against `old`, with the change."""
     notes = []
-    if old.get("device", {}).get("name") != new["device"]["name"]:
-        notes.append(f"note: devices differ ({old.get('device', {}).get('name')} vs {new['device']['name']}); "
+    old_name = old.get("environment", {}).get("device", {}).get("name")
+    new_name = new["environment"]["device"]["name"]
+    if old_name != new_name:
+        notes.append(f"note: devices differ ({old_name} vs {new_name}); "
                      "ratios across devices mix hardware and software changes")
     before = {(r["model"], r["seq_len"], r["dtype"], r["contender"]): r for r in old.get("results", [])}
     lines = [f"{'setting':<22} {'contender':<13} {'old tok/s':>12} {'new tok/s':>12} {'change':>8}"]
@@ -615,10 +590,11 @@ def record_table(results_dir: Path) -> str:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if data.get("schema") != SCHEMA or data.get("device", {}).get("type") != "cuda":
+        env = data.get("environment", {})
+        if data.get("schema") != SCHEMA or env.get("device", {}).get("type") != "cuda":
             continue
-        name = data["device"]["name"]
-        if name not in latest or data["date"] > latest[name][0]["date"]:
+        name = env["device"]["name"]
+        if name not in latest or env["date"] > latest[name][0]["environment"]["date"]:
             latest[name] = (data, path.name)
     if not latest:
         return "No GPU run recorded yet."
@@ -631,7 +607,8 @@ def record_table(results_dir: Path) -> str:
             else:
                 cells = [f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]),
                          _fmt(r.get("vs_hf_eager"), ".2f"), _fmt(r.get("vs_hf_compile"), ".2f")]
-            lines.append(f"| {name} | {data['date'][:10]} | {(data.get('commit') or '?')[:8]} | "
+            env = data["environment"]
+            lines.append(f"| {name} | {env['date'][:10]} | {env['commit'][:8]} | "
                          f"{r['model']}/seq{r['seq_len']}/{r['dtype']} | {r['batch']} | {r['contender']} | "
                          + " | ".join(cells) + f" | {fname} |")
     return "\n".join(lines)
@@ -645,12 +622,14 @@ def update_record_readme(results_dir: Path) -> None:
         raise ValueError(f"{readme} lacks the markers {TABLE_START} / {TABLE_END} around its table")
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
-    write_text_atomic(readme, f"{head}{TABLE_START}\n{record_table(results_dir)}\n{TABLE_END}{tail}")
+    text = f"{head}{TABLE_START}\n{record_table(results_dir)}\n{TABLE_END}{tail}"
+    atomic_write(readme, lambda tmp: tmp.write_text(text))
 
 
 def record_path(report: dict) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", report["device"]["name"]).strip("-").lower()
-    stamp = report["date"].replace(":", "").replace("-", "")[:15]
+    env = report["environment"]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]["name"]).strip("-").lower()
+    stamp = env["date"].replace(":", "").replace("-", "")[:15]
     return RESULTS_DIR / f"throughput-{slug}-{stamp}.json"
 
 
@@ -722,12 +701,13 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work (the optimizer, losses) as trainers run it
         torch.backends.cudnn.allow_tf32 = True
 
-    report = {"schema": SCHEMA, **environment(device),
+    report = {"schema": SCHEMA, "environment": environment(device),
               "config": {"quick": quick, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
                          "mlm_probability": MLM_PROBABILITY, "contenders": args.contenders,
                          "timing": "median over repeats of (block time / steps); CUDA events on a GPU"},
               "results": [], "batch_choice": {}, "targets": [], "profiles": []}
-    print(f"device: {report['device']['name']}  torch {torch.__version__}  commit {(report['commit'] or '?')[:10]}")
+    env = report["environment"]
+    print(f"device: {env['device']['name']}  torch {torch.__version__}  commit {env['commit'][:12]}")
     for model, seq_len, dtype in settings_from(args, device):
         if batch is None:
             b, why = find_batch(model, seq_len, dtype, device, args, args.contenders)
@@ -768,16 +748,14 @@ def main(argv=None) -> int:
         print(compare(json.loads(args.compare.read_text()), report))
 
     if args.json is not None:
-        write_json_atomic(args.json, report)
+        write_report(args.json, report)
         print(f"\nwrote {args.json}")
     if device.type == "cuda" and not quick and not args.no_record:
         path = record_path(report)
-        write_json_atomic(path, report)
+        write_report(path, report)
         update_record_readme(RESULTS_DIR)
         print(f"recorded {path.relative_to(ROOT)} and updated {RESULTS_DIR.relative_to(ROOT)}/README.md")
     if args.chart is not None:
-        from plot import throughput_chart
-
         print(throughput_chart(report, args.chart))
     return 0
 

@@ -6,10 +6,10 @@ Performance itself is never asserted: the benchmarks measure it, on a GPU.
 """
 import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,8 @@ T = _load_throughput()
 
 
 def _run(args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    """Run a benchmark script from the repository root; one torch thread (two run at once)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -42,11 +43,27 @@ def _run(args, timeout=120):
 
 # ----------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    """One `throughput.py --quick --skip-compile` run (shared by the tests below)."""
-    out = tmp_path_factory.mktemp("throughput")
-    proc = _run(["benchmarks/throughput.py", "--quick", "--skip-compile", "--device", "cpu",
-                 "--json", str(out / "quick.json"), "--chart", str(out / "quick.png")])
+def runs(tmp_path_factory):
+    """Every benchmark's --quick run, two at a time (CI has 2 cores; most of a run is imports).
+
+    Returns (output directory, {name: CompletedProcess}); absent kernel benchmarks are left out.
+    """
+    out = tmp_path_factory.mktemp("benchmarks")
+    jobs = {"throughput": ["benchmarks/throughput.py", "--quick", "--skip-compile", "--device", "cpu",
+                           "--json", str(out / "quick.json"), "--chart", str(out / "quick.png")]}
+    for name in KERNEL_BENCHES:
+        if (BENCH / f"{name}.py").exists():
+            jobs[name] = [f"benchmarks/{name}.py", "--quick"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_run, args) for name, args in jobs.items()}
+        return out, {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def quick_report(runs):
+    """The `throughput.py --quick --skip-compile` run: (directory, stdout, report)."""
+    out, procs = runs
+    proc = procs["throughput"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, proc.stdout, json.loads((out / "quick.json").read_text())
 
@@ -54,8 +71,11 @@ def quick_report(tmp_path_factory):
 def test_quick_run_reports_every_contender(quick_report):
     out, stdout, report = quick_report
     assert report["schema"] == T.SCHEMA
-    for key in ("device", "versions", "commit", "date", "config", "results", "targets"):
+    for key in ("environment", "config", "batch_choice", "results", "targets", "profiles"):
         assert key in report, key
+    env = report["environment"]
+    assert env["device"]["type"] == "cpu" and env["versions"]["torch"] == torch.__version__
+    assert env["commit"] and env["date"] and "transformers" in env["versions"]
     rows = report["results"]
     assert [r["contender"] for r in rows] == list(T.CONTENDERS)
     for r in rows:
@@ -105,16 +125,16 @@ def test_compare_against_a_previous_run(quick_report, tmp_path):
     line = next(li for li in text.splitlines() if "hf-eager" in li)
     assert line.split()[-1] == "-50.0%"
     assert "devices differ" not in text
-    old["device"]["name"] = "NVIDIA H100 80GB HBM3"
+    old["environment"]["device"]["name"] = "NVIDIA H100 80GB HBM3"
     assert "devices differ" in T.compare(old, report)
 
 
 @pytest.mark.parametrize("name", KERNEL_BENCHES)
-def test_kernel_benchmark_quick(name, tmp_path):
-    path = BENCH / f"{name}.py"
-    if not path.exists():
+def test_kernel_benchmark_quick(name, runs):
+    _, procs = runs
+    if name not in procs:
         pytest.skip(f"benchmarks/{name}.py is not written yet")
-    proc = _run([str(path.relative_to(ROOT)), "--quick"], timeout=60)
+    proc = procs[name]
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -161,13 +181,13 @@ def test_record_table_keeps_the_latest_gpu_run_per_device(tmp_path):
     def report(date, device_type, name, tps):
         rows = [_row("rf-fused", tps), _row("hf-eager", 100.0)]
         T.add_ratios(rows)
-        return {"schema": T.SCHEMA, "date": date, "commit": "abcdef123456", "device": {"type": device_type, "name": name},
-                "results": rows}
+        env = {"date": date, "commit": "abcdef123456", "device": {"type": device_type, "name": name}}
+        return {"schema": T.SCHEMA, "environment": env, "results": rows}
 
     for i, (date, kind, name, tps) in enumerate([("2026-01-01T00:00:00+00:00", "cuda", "GPU-A", 150.0),
                                                   ("2026-02-01T00:00:00+00:00", "cuda", "GPU-A", 170.0),
                                                   ("2026-03-01T00:00:00+00:00", "cpu", "x86_64", 5.0)]):
-        T.write_json_atomic(tmp_path / f"throughput-{i}.json", report(date, kind, name, tps))
+        T.write_report(tmp_path / f"throughput-{i}.json", report(date, kind, name, tps))
     T.update_record_readme(tmp_path)
     text = (tmp_path / "README.md").read_text()
     assert text.startswith("# record") and text.rstrip().endswith("tail text") and "old" not in text
@@ -208,9 +228,15 @@ def test_bad_arguments_are_rejected(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_json_is_strict_and_atomic(tmp_path):
-    T.write_json_atomic(tmp_path / "a.json", {"x": 1.5})
-    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1.5}
-    with pytest.raises(ValueError):
-        T.write_json_atomic(tmp_path / "b.json", {"x": math.nan})  # NaN is not JSON: use null
-    assert not (tmp_path / "b.json").exists() and list(tmp_path.iterdir()) == [tmp_path / "a.json"]
+def test_atomic_write_leaves_nothing_behind_on_failure(tmp_path):
+    target = tmp_path / "chart.svg"
+    T.atomic_write(target, lambda tmp: tmp.write_text("<svg/>"))
+    assert target.read_text() == "<svg/>"
+
+    def broken(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        T.atomic_write(target, broken)
+    assert target.read_text() == "<svg/>" and list(tmp_path.iterdir()) == [target]
