@@ -54,6 +54,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -163,9 +164,9 @@ class Run:
     """A built contender: `step()` runs one training step and returns its predicted-token count
     (an int or a device tensor, so that counting never synchronises)."""
 
-    step: callable
-    notes: str = ""
-    close: callable = lambda: None
+    step: Callable[[], object]
+    notes: str = ""  # what exactly ran (optimizer, library version), kept in the report
+    close: Callable[[], None] = lambda: None
 
 
 def _scaler(dtype: str, device):
@@ -351,6 +352,7 @@ def measure(name: str, setting: Setting, device, args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         run = build(name, setting, device, args)
+        row["notes"] = run.notes
         per_step, predicted = time_blocks(run.step, device, args.warmup, args.steps, args.repeats)
     except Skip as why:
         return {**row, "status": "skipped", "reason": str(why)}
@@ -450,6 +452,23 @@ def evaluate_targets(rows: list[dict], device) -> list[dict]:
     return out
 
 
+PROFILED_STEPS = 3
+# Profile entries by kind, first match wins: kernel names on a GPU, aten ops on a CPU.
+OP_CATEGORIES = (
+    ("attention", r"attention|attn|flash|fmha|sdpa"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)\b"),
+    ("layer_norm", r"layer_?norm"),
+    ("gelu", r"gelu"),
+    ("cross_entropy", r"softmax|nll_loss|cross_entropy"),
+    ("optimizer", r"adam|sumsq|multi_tensor|optimizer"),
+    ("masking", r"mask_tokens|philox|bernoulli|masked_fill|masked_scatter"),
+    ("dropout", r"dropout"),
+    ("embedding", r"embedding|index_select|index_add|gather|scatter"),
+    ("copy", r"memcpy|memset|copy_|\bto\b|contiguous|clone"),
+    ("other", r""),
+)
+
+
 def profile_step(setting: Setting, device, args, name="rf-fused", top: int = 15) -> dict:
     """Where one contender's step spends its time: per-op shares of device (or CPU) self time."""
     from torch.profiler import ProfilerActivity, profile
@@ -459,26 +478,34 @@ def profile_step(setting: Setting, device, args, name="rf-fused", top: int = 15)
         warm_up(run.step, device, max(1, args.warmup))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            for _ in range(3):
+            for _ in range(PROFILED_STEPS):
                 run.step()
             synchronize(device)
     finally:
         run.close()
-    events = prof.key_averages()
     on_gpu = device.type == "cuda"
-
-    def self_time(e):
-        if on_gpu:
-            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
-        return e.self_cpu_time_total
-
-    # On a GPU the kernels carry the device time; on a CPU the aten ops carry the CPU time.
-    timed = [(e.key, self_time(e)) for e in events if self_time(e) > 0]
+    timed = [(e.key, _self_time(e, on_gpu)) for e in prof.key_averages()]
+    timed = sorted(((k, t) for k, t in timed if t > 0), key=lambda kv: -kv[1])
     total = sum(t for _, t in timed) or 1.0
-    timed.sort(key=lambda kv: -kv[1])
+    categories = {}
+    for key, t in timed:
+        kind = next(c for c, pattern in OP_CATEGORIES if re.search(pattern, key, re.IGNORECASE))
+        categories[kind] = categories.get(kind, 0.0) + t / total
     return {"contender": name, "setting": setting.key, "clock": "device" if on_gpu else "cpu",
-            "total_ms_per_step": total / 1e3 / 3,
-            "ops": [{"name": k[:120], "share": t / total, "ms_per_step": t / 1e3 / 3} for k, t in timed[:top]]}
+            "total_ms_per_step": total / 1e3 / PROFILED_STEPS,
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "ops": [{"name": k[:120], "share": t / total, "ms_per_step": t / 1e3 / PROFILED_STEPS}
+                    for k, t in timed[:top]]}
+
+
+def _self_time(event, on_gpu: bool) -> float:
+    """Microseconds an event itself took: on a GPU only kernels and copies count (the CPU op
+    that launched a kernel and a GPU annotation around it would count it twice)."""
+    if not on_gpu:
+        return event.self_cpu_time_total
+    if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+        return 0.0
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
 
 def device_name(device) -> str:
@@ -666,6 +693,13 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
     if args.compare is not None and not args.compare.is_file():
         p.error(f"--compare: no such file {args.compare}")
+    if args.device is not None:
+        try:
+            kind = torch.device(args.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     return args
 
 
@@ -741,6 +775,7 @@ def main(argv=None) -> int:
         if "ops" in prof:
             print(f"\nwhere rf-fused's step goes, {prof['setting']} ({prof['clock']} time, "
                   f"{prof['total_ms_per_step']:.1f} ms/step):")
+            print("  by kind: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in prof["categories"].items()))
             for op in prof["ops"]:
                 print(f"  {100 * op['share']:5.1f}%  {op['name']}")
     if args.compare is not None:
@@ -755,6 +790,7 @@ def main(argv=None) -> int:
         write_report(path, report)
         update_record_readme(RESULTS_DIR)
         print(f"recorded {path.relative_to(ROOT)} and updated {RESULTS_DIR.relative_to(ROOT)}/README.md")
+        print(throughput_chart(report, path.with_suffix(".png")))
     if args.chart is not None:
         print(throughput_chart(report, args.chart))
     return 0

@@ -220,7 +220,8 @@ def test_hf_tokenizer_has_roberta_ids():
     assert (len(tok), tok.mask_token_id, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (300, 299, 1, 0, 2)
 
 
-@pytest.mark.parametrize("argv", [["--batch", "0"], ["--steps", "-1"], ["--compare", "/no/such/file.json"]])
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--steps", "-1"], ["--compare", "/no/such/file.json"],
+                                  ["--device", "tpu"], ["--contenders", "deepspeed"]])
 def test_bad_arguments_are_rejected(argv, capsys):
     with pytest.raises(SystemExit) as info:
         T.parse_args(argv)
@@ -240,3 +241,13 @@ def test_atomic_write_leaves_nothing_behind_on_failure(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         T.atomic_write(target, broken)
     assert target.read_text() == "<svg/>" and list(tmp_path.iterdir()) == [target]
+
+
+def test_profile_shares_add_up():
+    args = T.parse_args(["--quick", "--warmup", "1"])
+    prof = T.profile_step(T.Setting("tiny", 16, "fp32", 2), torch.device("cpu"), args, name="rf-reference")
+    assert prof["clock"] == "cpu" and prof["total_ms_per_step"] > 0
+    assert sum(prof["categories"].values()) == pytest.approx(1.0)
+    shares = [op["share"] for op in prof["ops"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert prof["categories"].get("matmul", 0) > 0  # the encoder's linears ran
