@@ -5,6 +5,7 @@ All runs share one small dataset (1 MB of the embedded corpus, vocab 1024) and u
 1-layer, hidden-32 model on 32-token sequences so the whole file stays fast.
 """
 import json
+import math
 import os
 import signal
 import socket
@@ -88,6 +89,9 @@ def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path):
     train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [10, 20, 30, 40]
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in train)
+    assert {"lr", "loss_scale", "skipped_steps", "mfu", "memory_gb", "tokens_seen"} <= set(train[0])
+    assert evals[1]["perplexity"] == pytest.approx(math.exp(evals[1]["loss"]))
+    assert 0.0 <= evals[0]["accuracy"] < evals[1]["accuracy"] <= 1.0
 
     from roberta_fast.model import RobertaForMaskedLM
 
