@@ -75,6 +75,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLM_PROBABILITY = 0.15
 # The issue's targets (H100, roberta-base, seq 512; the ratios also for large and seq 128).
 TARGETS = {"vs_hf_eager": 2.0, "vs_hf_compile": 1.3, "mfu": 0.45}
+TARGET_MODELS, TARGET_DTYPES = ("base", "large"), ("bf16", "fp16")
 MFU_TARGET_SETTINGS = {("base", 512)}
 BOS, PAD, EOS, UNK = 0, 1, 2, 3  # RoBERTa's special ids; <mask> is the last id
 
@@ -430,7 +431,7 @@ def evaluate_targets(rows: list[dict], device) -> list[dict]:
     """
     out = []
     for r in rows:
-        if r["contender"] != "rf-fused" or r["model"] not in ("base", "large"):
+        if r["contender"] != "rf-fused" or r["model"] not in TARGET_MODELS or r["dtype"] not in TARGET_DTYPES:
             continue
         names = ["vs_hf_eager", "vs_hf_compile"]
         if (r["model"], r["seq_len"]) in MFU_TARGET_SETTINGS:
@@ -609,36 +610,53 @@ def compare(old: dict, new: dict) -> str:
 TABLE_START, TABLE_END = "<!-- latest-runs:start -->", "<!-- latest-runs:end -->"
 
 
-def record_table(results_dir: Path) -> str:
-    """Markdown table of the latest throughput run per device found in `results_dir`."""
+def _latest_per_device(paths) -> dict:
+    """{(device name, group): (data, file name)} of the newest GPU report per device and group,
+    where group is the part of the file name before the device (e.g. "throughput", "bench_attention")."""
     latest = {}
-    for path in sorted(results_dir.glob("throughput-*.json")):
+    for path in paths:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        env = data.get("environment", {})
-        if data.get("schema") != SCHEMA or env.get("device", {}).get("type") != "cuda":
+        env = data.get("environment", {}) if isinstance(data, dict) else {}
+        if env.get("device", {}).get("type") != "cuda" or "date" not in env:
             continue
-        name = env["device"]["name"]
-        if name not in latest or env["date"] > latest[name][0]["environment"]["date"]:
-            latest[name] = (data, path.name)
-    if not latest:
+        key = (env["device"]["name"], path.name.split("-")[0])
+        if key not in latest or env["date"] > latest[key][0]["environment"]["date"]:
+            latest[key] = (data, path.name)
+    return latest
+
+
+def record_table(results_dir: Path) -> str:
+    """Markdown tables of the latest GPU run per device in `results_dir`: throughput figures,
+    then the kernel benchmarks' files (`bench_<op>-<device>-<date>.json`)."""
+    runs = _latest_per_device(sorted(results_dir.glob("throughput-*.json")))
+    runs = {k: v for k, v in runs.items() if v[0].get("schema") == SCHEMA}
+    kernels = _latest_per_device(sorted(results_dir.glob("bench_*-*.json")))
+    if not runs and not kernels:
         return "No GPU run recorded yet."
-    lines = ["| device | date | commit | setting | batch | contender | tokens/s | MFU | x hf-eager | x hf-compile | file |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, (data, fname) in sorted(latest.items()):
+    lines = []
+    if runs:
+        lines += ["| device | date | commit | setting | batch | contender | tokens/s | MFU | x hf-eager | x hf-compile | file |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, _), (data, fname) in sorted(runs.items()):
+        env = data["environment"]
         for r in data["results"]:
             if r["status"] != "ok":
                 cells = [r["status"] + ": " + r.get("reason", "")[:60], "", "", ""]
             else:
                 cells = [f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]),
                          _fmt(r.get("vs_hf_eager"), ".2f"), _fmt(r.get("vs_hf_compile"), ".2f")]
-            env = data["environment"]
             lines.append(f"| {name} | {env['date'][:10]} | {env['commit'][:8]} | "
                          f"{r['model']}/seq{r['seq_len']}/{r['dtype']} | {r['batch']} | {r['contender']} | "
                          + " | ".join(cells) + f" | {fname} |")
-    return "\n".join(lines)
+    if kernels:
+        lines += ["", "| kernel benchmark | device | date | commit | file |", "|---|---|---|---|---|"]
+        for (name, bench), (data, fname) in sorted(kernels.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            env = data["environment"]
+            lines.append(f"| {bench} | {name} | {env['date'][:10]} | {env['commit'][:8]} | {fname} |")
+    return "\n".join(lines).strip()
 
 
 def update_record_readme(results_dir: Path) -> None:
@@ -684,6 +702,8 @@ def parse_args(argv=None):
     p.add_argument("--chart", type=Path, default=None, help="bar chart of tokens/s (PNG; SVG without matplotlib)")
     p.add_argument("--compare", type=Path, default=None, help="a previous --json file to compare against")
     p.add_argument("--no-record", action="store_true", help="on a GPU, do not record the run in benchmarks/results/")
+    p.add_argument("--refresh-record", action="store_true",
+                   help="only rebuild the table in benchmarks/results/README.md from the JSON files there")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed contenders")
     args = p.parse_args(argv)
@@ -723,6 +743,10 @@ def settings_from(args, device) -> list[tuple[str, int, str]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.refresh_record:
+        update_record_readme(RESULTS_DIR)
+        print(f"updated {RESULTS_DIR.relative_to(ROOT)}/README.md")
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda needs a CUDA GPU, and torch sees none")

@@ -188,11 +188,14 @@ def test_record_table_keeps_the_latest_gpu_run_per_device(tmp_path):
                                                   ("2026-02-01T00:00:00+00:00", "cuda", "GPU-A", 170.0),
                                                   ("2026-03-01T00:00:00+00:00", "cpu", "x86_64", 5.0)]):
         T.write_report(tmp_path / f"throughput-{i}.json", report(date, kind, name, tps))
+    kernel_env = {"date": "2026-02-02T00:00:00+00:00", "commit": "fedcba987654", "device": {"type": "cuda", "name": "GPU-A"}}
+    T.write_report(tmp_path / "bench_attention-gpu-a-1.json", {"environment": kernel_env, "results": []})
     T.update_record_readme(tmp_path)
     text = (tmp_path / "README.md").read_text()
     assert text.startswith("# record") and text.rstrip().endswith("tail text") and "old" not in text
     assert "2026-02-01" in text and "2026-01-01" not in text and "x86_64" not in text
     assert f"{170 / 100:.2f}" in text and "throughput-1.json" in text
+    assert "| bench_attention | GPU-A | 2026-02-02 | fedcba98 | bench_attention-gpu-a-1.json |" in text
 
 
 def test_record_readme_without_markers_is_an_error(tmp_path):
