@@ -385,8 +385,9 @@ class Trainer:
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.loader.load_state_dict(state["loader"])
-        if hasattr(self, "_batches"):
-            del self._batches
+        batches = self.__dict__.pop("_batches", None)
+        if batches is not None:  # batches prefetched from the old position
+            batches.close()
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         rngs = state["rng"]
         if len(rngs) == self.dist.world_size:
@@ -552,6 +553,10 @@ class Trainer:
         return directory
 
     def close(self) -> None:
+        """Stop the loader's prefetch thread and leave the process group."""
+        batches = self.__dict__.pop("_batches", None)
+        if batches is not None:
+            batches.close()
         self.dist.close()
 
 
