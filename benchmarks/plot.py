@@ -1,4 +1,5 @@
-"""Bar chart of a throughput.py report: tokens/s per setting, one bar per contender.
+"""Bar chart of a throughput.py report: tokens/s per setting, one bar per contender,
+labelled with its ratio to hf-eager.
 
 PNG through matplotlib when it is installed (`pip install matplotlib`); without it the
 same chart is written as a dependency-free SVG beside the requested path, and the
@@ -47,7 +48,12 @@ def _png(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(settings)), 4))
     for j, c in enumerate(contenders):
         xs = [i + (j - (len(contenders) - 1) / 2) * width for i in range(len(settings))]
-        ax.bar(xs, [value.get((s, c), 0.0) for s in settings], width, label=c, color=COLORS.get(c))
+        heights = [value.get((s, c), 0.0) for s in settings]
+        ax.bar(xs, heights, width, label=c, color=COLORS.get(c))
+        for x, s, h in zip(xs, settings, heights):  # the ratio to hf-eager over each bar
+            peer = value.get((s, "hf-eager"))
+            if h and peer:
+                ax.text(x, h, f"{h / peer:.2f}x", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(settings)), settings, rotation=20, ha="right")
     ax.set_ylabel("tokens / s")
     ax.set_title(_title(report), fontsize=9)

@@ -254,3 +254,14 @@ def test_profile_shares_add_up():
     shares = [op["share"] for op in prof["ops"]]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
     assert prof["categories"].get("matmul", 0) > 0  # the encoder's linears ran
+
+
+def test_chart_without_matplotlib_is_svg(quick_report, tmp_path, monkeypatch):
+    _, _, report = quick_report
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    message = T.throughput_chart(report, tmp_path / "chart.png")
+    assert "PNG chart skipped" in message and not (tmp_path / "chart.png").exists()
+    svg = (tmp_path / "chart.svg").read_text()
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    for r in report["results"]:
+        assert r["contender"] in svg  # every contender is named in the legend
