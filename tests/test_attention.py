@@ -25,6 +25,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # each head dim, every padding pattern.
 CASES = [
     (1, 1, 1, 32, "none", None),
+    (1, 130, 3, 64, "none", None),  # whole key blocks (unmasked path) and a ragged tail
     (2, 7, 12, 64, "right", None),
     (3, 130, 1, 128, "left", 0.3),
     (3, 257, 2, 32, "holes", None),
