@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -168,6 +168,7 @@ class Run:
     step: Callable[[], object]
     notes: str = ""  # what exactly ran (optimizer, library version), kept in the report
     close: Callable[[], None] = lambda: None
+    facts: dict = field(default_factory=dict)  # extra figures for the report row
 
 
 def _scaler(dtype: str, device):
@@ -272,8 +273,15 @@ def build_hf(setting: Setting, device, compile_model: bool) -> Run:
         if compile_model:
             torch._dynamo.reset()
 
+    # The host's share, for the reader: collation alone (it overlaps the GPU unless a step syncs).
+    collate_ms = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        collator(batches.examples(batches.next()))
+        collate_ms.append((time.perf_counter() - t0) * 1e3)
     return Run(step, notes=f"transformers {transformers.__version__}, sdpa, "
-                           f"{'torch.compile' if compile_model else 'eager'}", close=close)
+                           f"{'torch.compile' if compile_model else 'eager'}", close=close,
+               facts={"host_collate_ms": statistics.median(collate_ms)})
 
 
 def build(name: str, setting: Setting, device, args) -> Run:
@@ -353,7 +361,7 @@ def measure(name: str, setting: Setting, device, args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         run = build(name, setting, device, args)
-        row["notes"] = run.notes
+        row["notes"], facts = run.notes, run.facts
         per_step, predicted = time_blocks(run.step, device, args.warmup, args.steps, args.repeats)
     except Skip as why:
         return {**row, "status": "skipped", "reason": str(why)}
@@ -373,7 +381,7 @@ def measure(name: str, setting: Setting, device, args) -> dict:
                        setting.seq_len, device_name(device))
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     _free(device)
-    return {**row, "status": "ok", "ms_per_step": seconds * 1e3,
+    return {**row, **facts, "status": "ok", "ms_per_step": seconds * 1e3,
             "ms_per_step_blocks": [s * 1e3 for s in per_step],
             "tokens_per_s": tokens / seconds, "sequences_per_s": setting.batch / seconds,
             "predicted_per_step": predicted, "mfu": None if math.isnan(mfu) else mfu,

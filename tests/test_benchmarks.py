@@ -106,6 +106,7 @@ def test_quick_run_figures_are_consistent(quick_report):
         if hf is not None:
             assert r["vs_hf_eager"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
         assert r["vs_hf_compile"] is None  # the peer was skipped
+        assert (r.get("host_collate_ms", 0) > 0) == r["contender"].startswith("hf-")
     assert all(t["status"] == "not evaluated" for t in report["targets"])
 
 
