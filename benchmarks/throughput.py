@@ -514,7 +514,7 @@ def _self_time(event, on_gpu: bool) -> float:
         return event.self_cpu_time_total
     if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
         return 0.0
-    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+    return event.device_time_total
 
 
 def device_name(device) -> str:
