@@ -219,6 +219,7 @@ class Trainer:
                                         enabled=self.precision == "fp16")
         self.step = 0
         self.tokens_seen = 0
+        self.window = self._new_window()  # sums over the steps since the last log line
         self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------ setup helpers
@@ -365,6 +366,8 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "loader": self.loader.state_dict(),
+            # the log interval in progress, so the first line after a resume averages the same steps
+            "window": {k: self.window[k] for k in ("tokens", "loss", "count")},
             "rng": rngs,
             "world_size": self.dist.world_size,
             "config": self.cfg.to_dict(),
@@ -389,6 +392,9 @@ class Trainer:
         if batches is not None:  # batches prefetched from the old position
             batches.close()
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.window = self._new_window()
+        self.window.update(tokens=state["window"]["tokens"], loss=state["window"]["loss"].to(self.device),
+                           count=state["window"]["count"].to(self.device))
         rngs = state["rng"]
         if len(rngs) == self.dist.world_size:
             set_rng_state(rngs[self.dist.rank], self.device)
@@ -436,16 +442,16 @@ class Trainer:
                 log.log({"kind": "eval", "step": 0, **first_eval})
                 log.write(f"step 0: validation loss {first_eval['loss']:.4f}")
             end = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
-            window = {"tokens": 0, "predicted": 0.0, "t0": time.perf_counter(), "loss": 0.0, "count": 0.0}
+            self.window["t0"] = time.perf_counter()
             with StopSignal() as stop:
                 while self.step < end:
                     stats = self.train_step(self.next_micro_batches())
-                    self._accumulate(window, stats)
+                    self._accumulate(stats)
                     if self.scaler.bad_in_a_row >= cfg.max_bad_steps:
                         self.save_checkpoint()
                         raise RuntimeError(self._nonfinite_message())
                     if self.step % cfg.log_every == 0 or self.step == end:
-                        log.log(self._train_record(window, stats))
+                        log.log(self._train_record(stats))
                     log.advance(self.step)
                     if on_step is not None:
                         on_step(self)
@@ -481,14 +487,19 @@ class Trainer:
         flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
         return bool(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item()) if self.dist.enabled else bool(stop.requested)
 
-    def _accumulate(self, window: dict, stats: dict) -> None:
+    def _new_window(self) -> dict:
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        return {"tokens": 0, "loss": zero, "count": zero.clone(), "t0": time.perf_counter()}
+
+    def _accumulate(self, stats: dict) -> None:
+        window = self.window
         window["tokens"] += stats["tokens"]
         window["loss"] += stats["loss_sum"]
         window["count"] += stats["count"]
 
-    def _train_record(self, window: dict, stats: dict) -> dict:
-        loss_sum = self.dist.all_reduce(window["loss"].clone() if isinstance(window["loss"], torch.Tensor)
-                                        else torch.tensor(window["loss"], device=self.device))
+    def _train_record(self, stats: dict) -> dict:
+        window = self.window
+        loss_sum = self.dist.all_reduce(window["loss"].clone())
         count = float(window["count"])
         elapsed = time.perf_counter() - window["t0"]
         tokens_per_s = window["tokens"] / max(elapsed, 1e-9)
@@ -503,7 +514,7 @@ class Trainer:
                                 device_name),
             "memory_gb": memory_gb(self.device), "tokens_seen": self.tokens_seen,
         }
-        window.update(tokens=0, loss=0.0, count=0.0, t0=time.perf_counter())
+        self.window = self._new_window()
         return record
 
     def _nonfinite_message(self) -> str:
