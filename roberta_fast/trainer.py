@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
 from .config import RobertaConfig
-from .metrics import MetricsLogger, memory_gb, plot_losses
+from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
 from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
@@ -478,8 +478,11 @@ class Trainer:
         if self.dist.is_main and cfg.plot and status == "finished":
             png = plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
             self.print(f"loss plot: {png}" if png else "loss plot skipped: install matplotlib for it")
-        if first_eval and last_eval:
-            self.print(f"validation MLM loss: first {first_eval['loss']:.4f} -> last {last_eval['loss']:.4f}")
+        if self.dist.is_main:  # from the log, so a resumed run reports the whole run
+            evals = [r for r in read_metrics(self.out / "metrics.jsonl") if r["kind"] == "eval"]
+            if len(evals) >= 2:
+                self.print(f"validation MLM loss: first {evals[0]['loss']:.4f} (step {evals[0]['step']}) -> "
+                           f"last {evals[-1]['loss']:.4f} (step {evals[-1]['step']})")
         return {"status": status, "step": self.step, "first_eval": first_eval, "last_eval": last_eval}
 
     def _stop_requested(self, stop: StopSignal) -> bool:

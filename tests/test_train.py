@@ -75,7 +75,7 @@ def test_resume_is_exact(dataset, tmp_path):
     assert resumed.schedule.num_updates == whole.schedule.num_updates == 6
 
 
-def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path):
+def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "run"
     argv = ["--data", dataset, "--out", str(out), "--max-steps", "40", "--warmup-steps", "4", "--lr", "1e-2",
@@ -84,6 +84,8 @@ def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path):
             "--eval-batches", "4", "--log-every", "10", "--device", "cpu", "--no-progress",
             "--no-tensorboard", "--no-plot"]
     assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "effective config:" in printed and "validation MLM loss: first" in printed
     saved = json.loads((out / "train_config.json").read_text())
     assert saved["max_steps"] == 40 and saved["hidden_size"] == 64
     evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"]
