@@ -719,6 +719,8 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value is not None and (value < (0 if name == "warmup" else 1)):
             p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
+    if args.seq_lens is not None and min(args.seq_lens) < 8:
+        p.error(f"--seq-lens must be at least 8 tokens each, got {args.seq_lens}")
     if args.compare is not None and not args.compare.is_file():
         p.error(f"--compare: no such file {args.compare}")
     if args.device is not None:

@@ -225,7 +225,7 @@ def test_hf_tokenizer_has_roberta_ids():
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--steps", "-1"], ["--compare", "/no/such/file.json"],
-                                  ["--device", "tpu"], ["--contenders", "deepspeed"]])
+                                  ["--device", "tpu"], ["--contenders", "deepspeed"], ["--seq-lens", "0"]])
 def test_bad_arguments_are_rejected(argv, capsys):
     with pytest.raises(SystemExit) as info:
         T.parse_args(argv)
