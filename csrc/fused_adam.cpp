@@ -1,8 +1,10 @@
 // Fused AdamW (roberta_fast.FusedAdam): the torch binding, the CPU
-// implementation (OpenMP over chunks of all tensors, vectorisable inner loops)
+// implementation (at::parallel_for, i.e. torch's OpenMP pool, over chunks of all
+// tensors; vectorisable inner loops)
 // and the dispatch to the CUDA launchers. Per-element math: adam_math.h.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -56,6 +58,21 @@ const float* scalar_ptr(const c10::optional<torch::Tensor>& t, const torch::Devi
   return t->data_ptr<float>();
 }
 
+int64_t total_numel(const TensorList& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) n += t.numel();
+  return n;
+}
+
+// Chunks per task of at::parallel_for (torch's OpenMP pool, so torch.set_num_threads
+// applies and small steps stay serial): about 2^18 elements, where a parallel region
+// starts to pay off.
+int64_t grain_size(int64_t jobs, int64_t elements) {
+  const int64_t per_task = int64_t(1) << 18;
+  return std::max<int64_t>(1, (per_task * jobs + std::max<int64_t>(elements, 1) - 1) /
+                                  std::max<int64_t>(elements, 1));
+}
+
 // (tensor, first element, end) work items: every tensor cut into kChunkSize chunks.
 std::vector<std::tuple<int64_t, int64_t, int64_t>> chunks_of(const TensorList& ts) {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> jobs;
@@ -88,19 +105,21 @@ void adam_step_cpu_typed(const TensorList& params, const TensorList& grads,
   std::vector<AdamScalars> scalars;
   for (const auto& st : steps) scalars.push_back(adam_scalars(h, *st.data_ptr<float>() + 1.0));
   const auto jobs = chunks_of(params);
-#pragma omp parallel for schedule(static)
-  for (int64_t k = 0; k < static_cast<int64_t>(jobs.size()); ++k) {
-    const auto [i, begin, end] = jobs[k];
-    P* p = static_cast<P*>(params[i].data_ptr());
-    const G* g = static_cast<const G*>(grads[i].data_ptr());
-    float* m = exp_avgs[i].data_ptr<float>();
-    float* v = exp_avg_sqs[i].data_ptr<float>();
-    if (has_master)
-      adam_chunk<P, G, true>(p, g, m, v, masters[i].data_ptr<float>(), begin, end, factor,
-                             scalars[i]);
-    else
-      adam_chunk<P, G, false>(p, g, m, v, nullptr, begin, end, factor, scalars[i]);
-  }
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
+  at::parallel_for(0, njobs, grain_size(njobs, total_numel(params)), [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const auto [i, begin, end] = jobs[k];
+      P* p = static_cast<P*>(params[i].data_ptr());
+      const G* g = static_cast<const G*>(grads[i].data_ptr());
+      float* m = exp_avgs[i].data_ptr<float>();
+      float* v = exp_avg_sqs[i].data_ptr<float>();
+      if (has_master)
+        adam_chunk<P, G, true>(p, g, m, v, masters[i].data_ptr<float>(), begin, end, factor,
+                               scalars[i]);
+      else
+        adam_chunk<P, G, false>(p, g, m, v, nullptr, begin, end, factor, scalars[i]);
+    }
+  });
 }
 
 template <typename P>
@@ -185,18 +204,20 @@ torch::Tensor grad_sumsq(const TensorList& grads, const c10::optional<torch::Ten
   TORCH_CHECK_VALUE(device.is_cpu(), "grad_sumsq: unsupported device ", device);
   const float inv_scale = scale ? 1.0f / *scale : 1.0f;
   const auto jobs = chunks_of(grads);
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
   std::vector<double> partial(jobs.size(), 0.0);
-#pragma omp parallel for schedule(static)
-  for (int64_t k = 0; k < static_cast<int64_t>(jobs.size()); ++k) {
-    const auto [i, begin, end] = jobs[k];
-    const auto& g = grads[i];
-    if (g.scalar_type() == torch::kFloat)
-      grad_sumsq_chunk(g.data_ptr<float>(), begin, end, inv_scale, &partial[k]);
-    else if (g.scalar_type() == torch::kHalf)
-      grad_sumsq_chunk(g.data_ptr<c10::Half>(), begin, end, inv_scale, &partial[k]);
-    else
-      grad_sumsq_chunk(g.data_ptr<c10::BFloat16>(), begin, end, inv_scale, &partial[k]);
-  }
+  at::parallel_for(0, njobs, grain_size(njobs, total_numel(grads)), [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const auto [i, begin, end] = jobs[k];
+      const auto& g = grads[i];
+      if (g.scalar_type() == torch::kFloat)
+        grad_sumsq_chunk(g.data_ptr<float>(), begin, end, inv_scale, &partial[k]);
+      else if (g.scalar_type() == torch::kHalf)
+        grad_sumsq_chunk(g.data_ptr<c10::Half>(), begin, end, inv_scale, &partial[k]);
+      else
+        grad_sumsq_chunk(g.data_ptr<c10::BFloat16>(), begin, end, inv_scale, &partial[k]);
+    }
+  });
   double total = 0.0;
   for (double x : partial) total += x;
   out.fill_(static_cast<float>(total));

@@ -1,5 +1,5 @@
 // Dynamic MLM masking (roberta_fast.mask_tokens): the torch binding, the CPU
-// implementation (OpenMP over rows) and the dispatch to the CUDA launcher. The
+// implementation (torch's OpenMP pool over rows) and the dispatch to the CUDA launcher. The
 // rule itself lives in mask_math.h, shared with the CUDA build.
 #include <torch/extension.h>
 
@@ -75,12 +75,15 @@ void mask_tokens_cpu(const MaskParams& p, const int64_t* ids, const bool* word_s
   TORCH_CHECK_VALUE(bad < 0, "mask_tokens: input id ", bad < 0 ? 0 : ids[bad], " at flat index ",
                     bad, " is outside the vocabulary [0, ", p.vocab_size,
                     "); pass the tokenizer's vocab_size");
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t off = r * len;
-    mask_row(p, ids + off, word_starts ? word_starts + off : nullptr, len,
-             sample_offset + static_cast<uint32_t>(r), out + off, labels + off);
-  }
+  // torch's OpenMP pool; rows per task so that a task has ~2^15 tokens.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(len, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t off = r * len;
+      mask_row(p, ids + off, word_starts ? word_starts + off : nullptr, len,
+               sample_offset + static_cast<uint32_t>(r), out + off, labels + off);
+    }
+  });
 }
 
 }  // namespace

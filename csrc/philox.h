@@ -13,6 +13,13 @@
 #define RF_HD inline
 #endif
 
+// Loop unrolling hint for the device pass only (host compilers warn on it).
+#if defined(__CUDA_ARCH__)
+#define RF_UNROLL _Pragma("unroll")
+#else
+#define RF_UNROLL
+#endif
+
 namespace roberta_fast {
 
 struct Philox4 {
@@ -32,7 +39,7 @@ RF_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
 RF_HD Philox4 philox4x32_10(Philox4 c, uint32_t k0, uint32_t k1) {
   const uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
   const uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
-#pragma unroll
+  RF_UNROLL
   for (int round = 0; round < 10; ++round) {
     const uint32_t hi0 = mulhi32(M0, c.x), lo0 = M0 * c.x;
     const uint32_t hi1 = mulhi32(M1, c.z), lo1 = M1 * c.z;
