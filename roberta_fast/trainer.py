@@ -210,7 +210,7 @@ class Trainer:
 
             self.ddp = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False, gradient_as_bucket_view=True)
+                gradient_as_bucket_view=True)
         # dropout streams differ per rank; rank 0 keeps the single-process stream
         seed_everything(cfg.seed + 1_000_003 * self.dist.rank)
         self.optimizer = Optimizer(self.model, cfg)
@@ -367,7 +367,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "loader": self.loader.state_dict(),
             # the log interval in progress, so the first line after a resume averages the same steps
-            "window": {k: self.window[k] for k in ("tokens", "loss", "count")},
+            "window": {k: self.window[k] for k in ("loss", "count")},
             "rng": rngs,
             "world_size": self.dist.world_size,
             "config": self.cfg.to_dict(),
@@ -393,7 +393,7 @@ class Trainer:
             batches.close()
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.window = self._new_window()
-        self.window.update(tokens=state["window"]["tokens"], loss=state["window"]["loss"].to(self.device),
+        self.window.update(loss=state["window"]["loss"].to(self.device),  # tokens/s restarts: new clock
                            count=state["window"]["count"].to(self.device))
         rngs = state["rng"]
         if len(rngs) == self.dist.world_size:
