@@ -32,7 +32,7 @@ def _load_throughput():
 T = _load_throughput()
 
 
-def _run(args, timeout=120):
+def _run(args, timeout=300):
     """Run a benchmark script from the repository root; one torch thread (two run at once)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():
