@@ -57,6 +57,8 @@ def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=No
         bool tensor shaped like input_ids, True where a token starts a word.
     Returns int64 tensors on input_ids' device: the masked ids and the labels
     (the original id where a prediction is made, -100 elsewhere). No host sync.
+    Ids outside [0, vocab_size) raise ValueError on the CPU; on CUDA they are not
+    checked (that would need a host sync).
     """
     a = _arguments(input_ids, seed, step, vocab_size, mask_token_id, pad_token_id,
                    special_token_ids, mlm_probability, mask_replace_prob,
