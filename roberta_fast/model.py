@@ -485,7 +485,10 @@ class RobertaForSequenceClassification(_PreTrained):
 
 
 # -------------------------------------------------------------------------- MFU
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "V100": 125e12}  # dense fp16/bf16
+# Datasheet dense fp16/bf16 peaks, matched by substring of the device name, first match wins
+# (so the PCIe and NVL H100s are not taken for the SXM part).
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+              ("A100", 312e12), ("V100", 125e12))
 
 
 def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, seq_len: int) -> float:
@@ -503,5 +506,5 @@ def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, se
 def estimate_mfu(config: RobertaConfig, tokens_per_s: float, predicted_per_s: float, seq_len: int,
                  device_name: str) -> float:
     """Model FLOPs utilisation against the datasheet peak; NaN for an unknown device (a CPU)."""
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in device_name), math.nan)
+    peak = next((v for k, v in PEAK_FLOPS if k in device_name), math.nan)
     return training_flops(config, tokens_per_s, predicted_per_s, seq_len) / peak

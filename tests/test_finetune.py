@@ -1,0 +1,93 @@
+"""python -m roberta_fast.finetune: learns a small synthetic task, resumes, exports for transformers."""
+import csv
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import roberta_fast as rf
+from roberta_fast.finetune import FinetuneConfig, Finetuner, accuracy_and_macro_f1, main
+
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
+
+
+def sentence(rng, label):
+    """Random words with the class word ('sunny' or 'rainy') somewhere inside."""
+    words = rng.choices(WORDS, k=rng.randint(3, 9))
+    words.insert(rng.randint(0, len(words)), "sunny" if label == "pos" else "rainy")
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """A random-init tiny RoBERTa checkpoint with its tokenizer, and train/valid files."""
+    root = tmp_path_factory.mktemp("finetune")
+    rng = random.Random(0)
+    rows = [(sentence(rng, label), label) for label in ["pos", "neg"] * 120]
+    tok = rf.RobertaTokenizer.train_from_iterator([t for t, _ in rows] * 3, vocab_size=600, min_frequency=1)
+    cfg = rf.RobertaConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
+                           intermediate_size=64, max_position_embeddings=34)
+    torch.manual_seed(0)
+    rf.RobertaForMaskedLM(cfg).save_pretrained(root / "model")
+    tok.save(root / "model")
+    with open(root / "train.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sentence", "label"])
+        writer.writerows(rows[:200])
+    with open(root / "valid.jsonl", "w") as f:
+        for text, label in rows[200:]:
+            f.write(json.dumps({"sentence": text, "label": label}) + "\n")
+    return root
+
+
+def config(task, out, **overrides):
+    fields = dict(model=str(task / "model"), train=str(task / "train.csv"), valid=str(task / "valid.jsonl"),
+                  out=str(out), text_field="sentence", max_len=32, epochs=6, batch_size=16, lr=2e-3,
+                  warmup_ratio=0.1, device="cpu", precision="fp32", log_every=1)
+    return FinetuneConfig(**{**fields, **overrides})
+
+
+def test_learns_the_task_and_exports_for_transformers(task, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    result = Finetuner(config(task, tmp_path / "run"), log=lambda *_: None).run()
+    assert result["best"]["accuracy"] >= 0.9, result
+    exported = tmp_path / "run" / "model"
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(exported).eval()
+    assert hf.config.id2label == {0: "neg", 1: "pos"}
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    batch = hf_tok(["sunny river stone", "cloud rainy"], padding=True, return_tensors="pt")
+    ours = rf.RobertaForSequenceClassification.from_pretrained(exported).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                   hf(**batch).logits, rtol=1e-5, atol=1e-6)
+        assert hf(**batch).logits.argmax(-1).tolist() == [1, 0]
+
+
+def test_resume_mid_run_matches_an_uninterrupted_run(task, tmp_path):
+    quiet = dict(log=lambda *_: None)
+    full = Finetuner(config(task, tmp_path / "full", epochs=2), **quiet)
+    full.run()
+    stopped = Finetuner(config(task, tmp_path / "split", epochs=2, stop_after=17), **quiet).run()
+    assert stopped == {"stopped": "--stop-after", "step": 17}  # inside the second epoch (13 steps each)
+    resumed = Finetuner(config(task, tmp_path / "split", epochs=2), **quiet)
+    resumed.run()
+    assert resumed.step == full.step
+    for key, value in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value), key
+
+
+def test_bad_input_names_the_problem(task, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text,label\nhello,pos\n")
+    with pytest.raises(ValueError, match=r"bad.csv:2: missing \['sentence'\]"):
+        Finetuner(config(task, tmp_path / "x", train=str(bad)), log=lambda *_: None)
+    assert main(["--model", str(task / "model"), "--train", str(tmp_path / "none.csv")]) == 2
+
+
+def test_macro_f1():
+    predictions, labels = np.array([0, 0, 1, 2]), np.array([0, 1, 1, 2])
+    accuracy, f1 = accuracy_and_macro_f1(predictions, labels, 3)
+    assert accuracy == 0.75
+    assert f1 == pytest.approx(np.mean([2 / 3, 2 / 3, 1.0]))
