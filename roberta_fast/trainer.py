@@ -59,6 +59,7 @@ class Dist:
         self.enabled = self.world_size > 1
 
     def init(self, device: torch.device) -> None:
+        """Join the process group: NCCL for GPUs, gloo for CPUs."""
         if self.enabled and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend)
@@ -90,6 +91,7 @@ class Dist:
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
+    """The torch.device for --device ("auto": this rank's GPU if there is one, else the CPU)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -144,6 +146,7 @@ class Optimizer:
 
 # ---------------------------------------------------------------------- rng
 def rng_state(device: torch.device) -> dict:
+    """Every RNG this process draws from (dropout: torch's CPU and CUDA generators)."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -151,6 +154,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what rng_state() returned."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -159,6 +163,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
@@ -291,6 +296,7 @@ class Trainer:
         return inputs, attention, labels
 
     def next_micro_batches(self) -> list[dict]:
+        """This rank's `grad_accum` micro-batches of the next step, from the prefetching loader."""
         if not hasattr(self, "_batches"):
             self._batches = self.loader.forever()
         return [next(self._batches) for _ in range(self.grad_accum)]
@@ -455,6 +461,7 @@ class Trainer:
                     log.advance(self.step)
                     if on_step is not None:
                         on_step(self)
+                    paused = time.perf_counter()  # evaluation and saving do not count in tokens/s
                     if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
                         last_eval = self.evaluate()
                         log.log({"kind": "eval", "step": self.step, **last_eval})
@@ -468,6 +475,7 @@ class Trainer:
                             log.write(f"{status} at step {self.step}; checkpoint {path}; "
                                       "rerun the same command to resume")
                             break
+                    self.window["t0"] += time.perf_counter() - paused
             if self.step == cfg.max_steps and status == "finished":
                 if self.dist.is_main and cfg.export:
                     self.export(self.out / "final")
