@@ -241,6 +241,9 @@ class Trainer:
     def _model_config(self, manifest: dict) -> RobertaConfig:
         cfg = self.cfg
         if cfg.init_from:
+            if not (Path(cfg.init_from) / "config.json").is_file():
+                raise ValueError(f"--init-from {cfg.init_from!r} is not a Hugging Face model directory "
+                                 "(no config.json); pass the directory save_pretrained wrote")
             mc = RobertaConfig.from_pretrained(cfg.init_from)
             if cfg.seq_len > mc.max_seq_len:
                 raise ValueError(f"seq_len {cfg.seq_len} exceeds the {mc.max_seq_len} positions of "

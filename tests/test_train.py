@@ -206,6 +206,11 @@ def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys):
         Trainer(small_config(dataset, blocker / "out"))
     with pytest.raises(ValueError, match="global_batch_size 10 is not a multiple"):
         Trainer(small_config(dataset, tmp_path / "o2", global_batch_size=10))
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
+        Trainer(small_config(dataset, tmp_path / "o2", init_from=str(tmp_path)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is available"):
+            Trainer(small_config(dataset, tmp_path / "o2", device="cuda"))
     assert main(["--data", dataset, "--out", str(tmp_path / "o3"), "--lr", "-1", "--warmup-steps", "700"]) == 2
     err = capsys.readouterr().err
     assert "lr must be > 0" in err and "warmup_steps (700) must not exceed max_steps (300)" in err
