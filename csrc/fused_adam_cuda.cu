@@ -17,7 +17,8 @@ namespace roberta_fast {
 namespace {
 
 constexpr int kBlockSize = 512;
-constexpr int kILP = 4;  // elements in flight per thread
+constexpr int kILP = 4;  // elements per thread and access group
+static_assert(kChunkSize % kILP == 0, "vector accesses need chunks of whole groups");
 
 __device__ __forceinline__ float load_float(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_float(const __half* p, int64_t i) {
@@ -34,6 +35,27 @@ __device__ __forceinline__ void store_float(__nv_bfloat16* p, int64_t i, float x
   p[i] = __float2bfloat16_rn(x);
 }
 
+// kILP elements of T in one aligned access (16 bytes for fp32, 8 for fp16/bf16).
+template <typename T>
+struct alignas(sizeof(T) * kILP) Vec {
+  T v[kILP];
+};
+
+template <typename T>
+__device__ __forceinline__ bool is_aligned(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % sizeof(Vec<T>) == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const T* ptr) {
+  return *reinterpret_cast<const Vec<T>*>(ptr);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* ptr, const Vec<T>& x) {
+  *reinterpret_cast<Vec<T>*>(ptr) = x;
+}
+
 // Slots of the Adam argument block.
 enum { kGrad = 0, kParam = 1, kExpAvg = 2, kExpAvgSq = 3, kMaster = 4, kStep = 5, kAdamDepth = 6 };
 using AdamMeta = TensorListMeta<kAdamDepth, 36>;
@@ -48,8 +70,8 @@ struct AdamOp {
   __device__ void operator()(const AdamMeta& meta, int t, int64_t chunk) const {
     if (step_skipped(sumsq)) return;
     const float factor = grad_factor(grad_scale, sumsq, max_norm);
-    const AdamScalars s =
-        adam_scalars(hyper, static_cast<double>(*static_cast<const float*>(meta.addresses[kStep][t])) + 1.0);
+    const float step = *static_cast<const float*>(meta.addresses[kStep][t]);  // steps taken
+    const AdamScalars s = adam_scalars(hyper, static_cast<double>(step) + 1.0);
     const G* g = static_cast<const G*>(meta.addresses[kGrad][t]);
     P* p = static_cast<P*>(meta.addresses[kParam][t]);
     float* m = static_cast<float*>(meta.addresses[kExpAvg][t]);
@@ -57,33 +79,66 @@ struct AdamOp {
     float* w = static_cast<float*>(meta.addresses[kMaster][t]);
     const int64_t begin = chunk * kChunkSize;
     const int64_t end = min(begin + kChunkSize, meta.sizes[t]);
-    for (int64_t base = begin + threadIdx.x; base < end; base += int64_t(blockDim.x) * kILP) {
-      float rp[kILP], rg[kILP], rm[kILP], rv[kILP];
+    const bool vectorised = is_aligned<G>(g) && is_aligned<P>(p) && is_aligned<float>(m) &&
+                            is_aligned<float>(v) && (!kHasMaster || is_aligned<float>(w));
+    if (vectorised) {
+      // kILP consecutive elements per thread, one 16-byte (fp32) or 8-byte (16-bit)
+      // access per operand; chunks start at multiples of kILP.
+      for (int64_t base = begin + int64_t(threadIdx.x) * kILP; base < end;
+           base += int64_t(blockDim.x) * kILP) {
+        if (base + kILP > end) {  // the tensor's ragged tail
+          for (int64_t i = base; i < end; ++i) update_one(p, g, m, v, w, i, factor, s);
+          continue;
+        }
+        const Vec<G> vg = load_vec(g + base);
+        Vec<float> vm = load_vec(m + base), vv = load_vec(v + base), vw;
+        Vec<P> vp;
+        float rp[kILP];
+        if (kHasMaster) {
+          vw = load_vec(w + base);
 #pragma unroll
-      for (int k = 0; k < kILP; ++k) {
-        const int64_t i = base + int64_t(k) * blockDim.x;
-        if (i < end) {
-          rg[k] = load_float(g, i) * factor;
-          rp[k] = kHasMaster ? w[i] : load_float(p, i);
-          rm[k] = m[i];
-          rv[k] = v[i];
+          for (int k = 0; k < kILP; ++k) rp[k] = vw.v[k];
         } else {
-          rg[k] = rp[k] = rm[k] = rv[k] = 0.0f;
-        }
-      }
+          vp = load_vec(p + base);
 #pragma unroll
-      for (int k = 0; k < kILP; ++k) adam_update(rp[k], rg[k], rm[k], rv[k], s);
+          for (int k = 0; k < kILP; ++k) rp[k] = load_float(vp.v, k);
+        }
+#pragma unroll
+        for (int k = 0; k < kILP; ++k)
+          adam_update(rp[k], load_float(vg.v, k) * factor, vm.v[k], vv.v[k], s);
+#pragma unroll
+        for (int k = 0; k < kILP; ++k) {
+          if (kHasMaster) vw.v[k] = rp[k];
+          store_float(vp.v, k, rp[k]);
+        }
+        if (kHasMaster) store_vec(w + base, vw);
+        store_vec(p + base, vp);
+        store_vec(m + base, vm);
+        store_vec(v + base, vv);
+      }
+      return;
+    }
+    // Unaligned tensors (views at odd offsets): kILP strided elements per thread.
+    for (int64_t base = begin + threadIdx.x; base < end; base += int64_t(blockDim.x) * kILP) {
 #pragma unroll
       for (int k = 0; k < kILP; ++k) {
         const int64_t i = base + int64_t(k) * blockDim.x;
-        if (i < end) {
-          if (kHasMaster) w[i] = rp[k];
-          store_float(p, i, rp[k]);
-          m[i] = rm[k];
-          v[i] = rv[k];
-        }
+        if (i < end) update_one(p, g, m, v, w, i, factor, s);
       }
     }
+  }
+
+  // One element, scalar loads and stores.
+  __device__ __forceinline__ void update_one(P* p, const G* g, float* m, float* v, float* w,
+                                             int64_t i, float factor,
+                                             const AdamScalars& s) const {
+    float pi = kHasMaster ? w[i] : load_float(p, i);
+    float mi = m[i], vi = v[i];
+    adam_update(pi, load_float(g, i) * factor, mi, vi, s);
+    if (kHasMaster) w[i] = pi;
+    store_float(p, i, pi);
+    m[i] = mi;
+    v[i] = vi;
   }
 };
 

@@ -275,6 +275,9 @@ def test_many_tensors_and_chunks_on_gpu():
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
     params += [torch.nn.Parameter(torch.randn(n, device="cuda", dtype=torch.bfloat16))
                for n in (5, 70001)]
+    # Views at an odd offset: not 16-byte aligned, so the scalar (unvectorised) path.
+    params += [torch.nn.Parameter(torch.randn(n + 1, device="cuda", dtype=dt)[1:])
+               for n, dt in ((70001, torch.float32), (1027, torch.float16))]
     refs = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
     opt = rf.FusedAdam(params, **HYPER)
     ref = torch.optim.AdamW(refs, **HYPER, weight_decay=0.01)
