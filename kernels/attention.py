@@ -46,12 +46,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton chooses the interpreter when a kernel is decorated, i.e. at import.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Block sizes under the interpreter: small tiles keep the tests quick and still
-# exercise several blocks and ragged tails at seqlen 130 / 257; BLOCK_M != BLOCK_N
-# (both ways round) as in the GPU configs.
-_INTERPRET_BLOCK = 64
-_INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
-                   "dq": {"BLOCK_M": 32, "BLOCK_N": 64}}
+_INTERPRET_BLOCK = 64  # preprocess and dropout-mask kernels under the interpreter
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -128,13 +123,13 @@ def _attn_fwd_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nheads", "seqlen", "seqlen_bucket"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, KeyMask, CuSeqlens, Rng,
     scale_log2, thresh, inv_keep,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh, stride_mb, nheads, seqlen,
+    stride_lb, stride_lh, stride_mb, nheads, seqlen, seqlen_bucket,  # seqlen_bucket: autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -202,14 +197,14 @@ def _attn_bwd_preprocess_kernel(
     tl.store(Delta + b * stride_lb + h * stride_lh + start + offs_m, delta, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nheads", "seqlen", "seqlen_bucket"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DOut, DK, DV, Lse, Delta, KeyMask, CuSeqlens, Rng,
     scale_log2, softmax_scale, thresh, inv_keep,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
     stride_gb, stride_gs, stride_gh,  # dK and dV (same layout)
-    stride_lb, stride_lh, stride_mb, nheads, seqlen,
+    stride_lb, stride_lh, stride_mb, nheads, seqlen, seqlen_bucket,  # seqlen_bucket: autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -269,14 +264,14 @@ def _attn_bwd_dkdv_kernel(
              mask=key_in[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nheads", "seqlen", "seqlen_bucket"])
 def _attn_bwd_dq_kernel(
     Q, K, V, DOut, DQ, Lse, Delta, KeyMask, CuSeqlens, Rng,
     scale_log2, softmax_scale, thresh, inv_keep,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
     stride_gb, stride_gs, stride_gh,  # dQ
-    stride_lb, stride_lh, stride_mb, nheads, seqlen,
+    stride_lb, stride_lh, stride_mb, nheads, seqlen, seqlen_bucket,  # seqlen_bucket: autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -335,41 +330,57 @@ def _dropout_mask_kernel(Mask, Rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M:
 
 
 # ----------------------------------------------------------------------------- autotuning
-_KEY = ["seqlen", "HEAD_DIM", "HAS_MASK", "IS_VARLEN", "HAS_DROPOUT"]
-# Sensible for Ampere and Hopper (no Hopper-only features): BLOCK_M 128 for the
-# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 does; the
-# 8-warp and 64-wide configs are there for head dim 128 and for dropout, where the
-# 4-warp 128-wide tiles spill registers (checked with an sm_90 AOT compile).
+# Keyed on a power-of-two bucket of seqlen, so a new length (varlen's max_seqlen,
+# a differently padded batch) reuses the tuning instead of re-benchmarking.
+_KEY = ["seqlen_bucket", "HEAD_DIM", "HAS_MASK", "IS_VARLEN", "HAS_DROPOUT"]
+
+
 def _configs(rows):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in rows]
 
 
+# Sensible for Ampere and Hopper (no Hopper-only features): BLOCK_M 128 for the
+# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 does; the
+# 8-warp and 64-wide configs are there for head dim 128 and for dropout, where the
+# 4-warp 128-wide tiles spill registers (checked with an sm_90 AOT compile). The
+# first config of each list is the default when autotuning is off.
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3),
                          (64, 64, 4, 3), (64, 64, 8, 3)])
-_DKDV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 3),
+_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3),
                           (64, 64, 8, 3), (32, 64, 4, 4), (32, 64, 8, 3)])
-_DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
                         (64, 64, 8, 3), (64, 32, 4, 4)])
+# Under the interpreter: small tiles keep the tests quick and still exercise several
+# blocks and ragged tails at seqlen 130 / 257, with BLOCK_M != BLOCK_N both ways round.
+_INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
+                   "dq": {"BLOCK_M": 32, "BLOCK_N": 64}}
+_KERNELS = {"fwd": (_attn_fwd_kernel, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),
+            "dq": (_attn_bwd_dq_kernel, _DQ_CONFIGS)}
+_TUNED = {} if _INTERPRET else {name: triton.autotune(configs=configs, key=_KEY)(kernel)
+                                for name, (kernel, configs) in _KERNELS.items()}
 
 
-def _tuned(kernel, configs):
-    """Autotuned on a GPU; under the interpreter a fixed small block is passed instead."""
-    return kernel if _INTERPRET else triton.autotune(configs=configs, key=_KEY)(kernel)
+def autotune_enabled():
+    """GPU block sizes are autotuned unless ROBERTA_FAST_AUTOTUNE=0 (then each kernel's first config runs).
+
+    Turning it off saves the one-off tuning (every config is compiled and timed per
+    dtype / head dim / variant), e.g. for test runs; read at every launch.
+    """
+    return os.environ.get("ROBERTA_FAST_AUTOTUNE", "1") != "0"
 
 
-_fwd = _tuned(_attn_fwd_kernel, _FWD_CONFIGS)
-_bwd_dkdv = _tuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS)
-_bwd_dq = _tuned(_attn_bwd_dq_kernel, _DQ_CONFIGS)
-
-
-def _grid(rows_per_program, seqlen, batch_heads):
-    """(row blocks, batch * heads); rows_per_program names the META block that tiles seqlen."""
-    return lambda meta: (triton.cdiv(seqlen, meta[rows_per_program]), batch_heads)
-
-
-def _fixed_meta(kernel):
-    """Block sizes to pass explicitly: the interpreter's; on a GPU the autotuner picks them."""
-    return _INTERPRET_META[kernel] if _INTERPRET else {}
+def _launch(name, grid_block, seqlen, batch_heads, *args, **constexprs):
+    """Launch kernel `name` over (blocks of seqlen along grid_block, batch * heads)."""
+    seqlen_bucket = max(16, triton.next_power_of_2(seqlen))
+    if _INTERPRET:
+        kernel, meta = _KERNELS[name][0], _INTERPRET_META[name]
+    elif autotune_enabled():
+        kernel, meta = _TUNED[name], {}
+    else:
+        kernel, config = _KERNELS[name][0], _KERNELS[name][1][0]
+        meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    grid = lambda m: (triton.cdiv(seqlen, m[grid_block]), batch_heads)  # noqa: E731
+    kernel[grid](*args, seqlen, seqlen_bucket, **constexprs, **meta)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -418,13 +429,10 @@ def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_
     lse, lse_strides = _lse_layout(q, cu_seqlens, batch, nheads, seqlen)
     thresh, inv_keep = _dropout_args(dropout_p)
     with on_device(q.device):
-        _fwd[_grid("BLOCK_M", seqlen, batch * nheads)](
-            q, k, v, out, lse, mask_ptr, cu_ptr, rng_ptr,
-            softmax_scale * LOG2E, thresh, inv_keep,
-            *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
-            *_bsh_strides(out, varlen), *lse_strides, stride_mb, nheads, seqlen,
-            HEAD_DIM=head_dim, **flags, **_fixed_meta("fwd"),
-        )
+        _launch("fwd", "BLOCK_M", seqlen, batch * nheads,
+                q, k, v, out, lse, mask_ptr, cu_ptr, rng_ptr, softmax_scale * LOG2E, thresh, inv_keep,
+                *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
+                *_bsh_strides(out, varlen), *lse_strides, stride_mb, nheads, HEAD_DIM=head_dim, **flags)
     return out, lse
 
 
@@ -441,20 +449,16 @@ def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dr
     common = (lse, delta, mask_ptr, cu_ptr, rng_ptr, softmax_scale * LOG2E, softmax_scale, thresh, inv_keep,
               *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
               *_bsh_strides(dout, varlen))
-    tail = (*lse_strides, stride_mb, nheads, seqlen)
+    tail = (*lse_strides, stride_mb, nheads)
     with on_device(q.device):
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * nheads)](
             out, dout, delta, cu_ptr, *_bsh_strides(out, varlen), *_bsh_strides(dout, varlen), *lse_strides,
             nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen,
         )
-        _bwd_dkdv[_grid("BLOCK_N", seqlen, batch * nheads)](
-            q, k, v, dout, dk, dv, *common, *_bsh_strides(dk, varlen), *tail,
-            HEAD_DIM=head_dim, **flags, **_fixed_meta("dkdv"),
-        )
-        _bwd_dq[_grid("BLOCK_M", seqlen, batch * nheads)](
-            q, k, v, dout, dq, *common, *_bsh_strides(dq, varlen), *tail,
-            HEAD_DIM=head_dim, **flags, **_fixed_meta("dq"),
-        )
+        _launch("dkdv", "BLOCK_N", seqlen, batch * nheads, q, k, v, dout, dk, dv, *common,
+                *_bsh_strides(dk, varlen), *tail, HEAD_DIM=head_dim, **flags)
+        _launch("dq", "BLOCK_M", seqlen, batch * nheads, q, k, v, dout, dq, *common,
+                *_bsh_strides(dq, varlen), *tail, HEAD_DIM=head_dim, **flags)
     return dq, dk, dv
 
 

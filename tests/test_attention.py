@@ -35,6 +35,13 @@ if torch.cuda.is_available():
     CASES += [(4, 512, 12, 64, "right", None), (2, 1023, 3, 128, "holes", None), (3, 509, 16, 32, "none", None)]
 
 
+@pytest.fixture(autouse=True)
+def _default_configs(monkeypatch):
+    """On a GPU run each kernel's default config: autotuning compiles every config per variant
+    (minutes over this file); test_autotuned_matches_reference covers the tuned path."""
+    monkeypatch.setenv("ROBERTA_FAST_AUTOTUNE", "0")
+
+
 def _skip_unless_runnable(device, dtype=torch.float32, size=0):
     if device.type == "cpu" and not _INTERPRET:
         pytest.skip("CPU tensors need Triton's interpreter, which is off because a CUDA GPU is present")
@@ -121,6 +128,20 @@ def test_matches_reference(device, dtype, case):
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         assert all(torch.equal(g[0], torch.zeros_like(g[0])) for g in grads)
     _check_against_ref(leaves, split, mask, dout, out, grads, softmax_scale=scale)
+
+
+def test_autotuned_matches_reference(device, monkeypatch):
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU: Triton's interpreter does not autotune")
+    monkeypatch.setenv("ROBERTA_FAST_AUTOTUNE", "1")
+    batch, seqlen, nheads, headdim, p = 3, 300, 4, 64, 0.1
+    (q, k, v), split = _inputs(batch, seqlen, nheads, headdim, torch.bfloat16, device)
+    mask = _mask("holes", batch, seqlen, device)
+    out = attention(q, k, v, mask, dropout_p=p, dropout_seed=21)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    keep = attention_dropout_mask(batch, nheads, seqlen, seqlen, p, 21, device)
+    _check_against_ref((q, k, v), split, mask, dout, out, grads, dropout_p=p, dropout_mask=keep)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
