@@ -28,8 +28,11 @@ Caveats: on a CPU the kernels run only under Triton's interpreter
 (TRITON_INTERPRET=1 before triton is imported), where small blocks are used and
 bf16 tl.dot is computed wrongly (test bf16 on a GPU). fp32 inputs use IEEE fp32
 dots (exact-ish parity with PyTorch), not TF32. GPU block sizes are autotuned over
-configs sensible for Ampere/Hopper (no Hopper-only features); not yet measured on
-a GPU when this was written (no GPU was available).
+configs sensible for Ampere/Hopper (no Hopper-only features), keyed on a seqlen
+bucket; ROBERTA_FAST_AUTOTUNE=0 runs each kernel's first config instead (no
+one-off tuning). Compiled ahead of time for sm_80/sm_90 to check it builds, but
+not yet run or measured on a GPU when this was written (none was available):
+see benchmarks/bench_attention.py.
 """
 import math
 import os
@@ -411,7 +414,8 @@ def _lse_layout(q, cu_seqlens, batch, nheads, seqlen):
     return lse, (0, lse.stride(0))
 
 
-def _common(q, key_mask, cu_seqlens, rng, dropout_p):
+def _common(q, key_mask, cu_seqlens, rng):
+    """varlen, constexpr flags, (mask, cu_seqlens, rng) pointers, mask batch stride."""
     varlen = cu_seqlens is not None
     flags = dict(HAS_MASK=key_mask is not None, IS_VARLEN=varlen, HAS_DROPOUT=rng is not None,
                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
@@ -424,7 +428,7 @@ def _common(q, key_mask, cu_seqlens, rng, dropout_p):
 
 def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
     batch, seqlen, nheads, head_dim = _dims(q, cu_seqlens, max_seqlen)
-    varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng, dropout_p)
+    varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse, lse_strides = _lse_layout(q, cu_seqlens, batch, nheads, seqlen)
     thresh, inv_keep = _dropout_args(dropout_p)
@@ -438,7 +442,7 @@ def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_
 
 def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
     batch, seqlen, nheads, head_dim = _dims(q, cu_seqlens, max_seqlen)
-    varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng, dropout_p)
+    varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
@@ -629,7 +633,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
                         "e.g. F.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)")
     if cu_seqlens.device != q.device:
         raise ValueError(f"attention_varlen: cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or \
+            (isinstance(max_seqlen, int) and max_seqlen < 1):
         raise ValueError(f"attention_varlen: max_seqlen must be a positive int, got {max_seqlen!r}")
     batch = cu_seqlens.numel() - 1
     dropout_p, softmax_scale = _check_common(q.shape[2], dropout_p, softmax_scale, batch * q.shape[1])
