@@ -130,6 +130,21 @@ def test_matches_reference(device, dtype, case):
     _check_against_ref(leaves, split, mask, dout, out, grads, softmax_scale=scale)
 
 
+def test_reference_matches_sdpa(device):
+    """attention_ref itself, against torch's scaled_dot_product_attention (keys masked, no empty row)."""
+    batch, seqlen, nheads, headdim = 2, 33, 3, 32
+    (q, k, v), _ = _inputs(batch, seqlen, nheads, headdim, torch.float64, device)
+    mask = _mask("holes", batch, seqlen, device)
+    mask[:, 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), attn_mask=mask[:, None, None, :], scale=0.2).transpose(1, 2)
+    torch.testing.assert_close(attention_ref(q, k, v, mask, softmax_scale=0.2), expected)
+    keep = torch.rand(batch, nheads, seqlen, seqlen, device=device) > 0.25
+    probs = torch.softmax(torch.einsum("bshd,bthd->bhst", q, k) / headdim**0.5, dim=-1)
+    torch.testing.assert_close(attention_ref(q, k, v, dropout_p=0.25, dropout_mask=keep),
+                               torch.einsum("bhst,bthd->bshd", probs * keep / 0.75, v))
+
+
 def test_autotuned_matches_reference(device, monkeypatch):
     if device.type != "cuda":
         pytest.skip("needs a CUDA GPU: Triton's interpreter does not autotune")
