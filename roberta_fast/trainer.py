@@ -32,7 +32,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -356,10 +355,9 @@ class Trainer:
             with autocast(self.precision, self.device):
                 out = self.model(inputs, attention_mask=attention, labels=labels, masked_only=True,
                                  loss_reduction="sum")
-            target = labels[labels.ne(IGNORE_INDEX)]
-            totals += torch.stack([out.loss.double(), torch.tensor(float(target.numel()), device=self.device,
-                                                                   dtype=torch.float64),
-                                   out.logits.argmax(-1).eq(target).sum().double()])
+            predicted = labels.ne(IGNORE_INDEX)
+            correct = out.logits.argmax(-1).eq(labels[predicted])  # logits: (num_predicted, vocab)
+            totals += torch.stack([out.loss.double(), predicted.sum().double(), correct.sum().double()])
         self.dist.all_reduce(totals)
         self.model.train()
         loss_sum, count, correct = totals.tolist()
