@@ -225,9 +225,9 @@ def test_resume_refusals(dataset, tmp_path):
         Trainer(small_config(dataset, tmp_path / "o", hidden_size=64)).maybe_resume()
 
 
-@pytest.mark.parametrize("masking, mode", [("whole_word", "doc"), ("span", "full")])
-def test_other_maskings_and_modes_train(dataset, tmp_path, masking, mode):
-    trainer = Trainer(small_config(dataset, tmp_path / "o", masking=masking, mode=mode))
+@pytest.mark.parametrize("masking, mode, precision", [("whole_word", "doc", "fp32"), ("span", "full", "bf16")])
+def test_other_maskings_modes_and_bf16_train(dataset, tmp_path, masking, mode, precision):
+    trainer = Trainer(small_config(dataset, tmp_path / "o", masking=masking, mode=mode, precision=precision))
     stats = trainer.train_step(trainer.next_micro_batches())
     assert not stats["skipped"] and stats["count"] > 0 and torch.isfinite(stats["loss_sum"])
 
