@@ -193,9 +193,11 @@ def _attn_bwd_preprocess_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < length
-    rows = (start + offs_m[:, None])
-    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    rows = start + offs_m[:, None]
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None],
+                 other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_lb + h * stride_lh + start + offs_m, delta, mask=row_ok)
 
