@@ -660,6 +660,8 @@ def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, d
 
     For testing: `attention(..., dropout_p=p, dropout_seed=seed)` equals
     `attention_ref(..., dropout_p=p, dropout_mask=attention_dropout_mask(..., p, seed, ...))`.
+    Entry [b, h, i, j] depends only on (b, h, i, j), not on the shape asked for, so
+    sequence b of a varlen call uses mask[b, :, :len_b, :len_b].
     """
     device = torch.device(device)
     if not 0.0 <= dropout_p < 1.0:

@@ -201,6 +201,7 @@ def test_dropout_seeds_reproduce(device):
     mask_a = attention_dropout_mask(1, 2, 37, 37, 0.3, 5, device)
     assert torch.equal(mask_a, attention_dropout_mask(1, 2, 37, 37, 0.3, 5, device))
     assert not torch.equal(mask_a, attention_dropout_mask(1, 2, 37, 37, 0.3, 5, device, offset=1))
+    assert torch.equal(mask_a[:, :, :20, :9], attention_dropout_mask(1, 2, 20, 9, 0.3, 5, device))  # shape-free
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
