@@ -295,6 +295,8 @@ class RobertaModel(_PreTrained):
                        "so this call runs the reference attention")
         if position_ids is None:
             position_ids = self.embeddings.position_ids(input_ids)
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()  # once here, not a 0/1 check in every layer's kernel
         packing = None
         if (backend == "fused" and self.unpad and attention_mask is not None and not output_attentions
                 and not bool(attention_mask.all())):
