@@ -146,27 +146,31 @@ def _ddp_worker(rank, world, port, dataset, out, batches, result):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    trainer = Trainer(small_config(dataset, out, batch_size=2, dropout=0.0), log=lambda *a: None)
+    trainer = Trainer(small_config(dataset, out, batch_size=1, grad_accum=2, dropout=0.0), log=lambda *a: None)
     try:
         assert trainer.ddp is not None and trainer.global_batch == 4
-        for batch in batches:  # this rank's half of each global batch
-            trainer.train_step([{k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}])
+        norms = []
+        for batch in batches:  # global row of micro-step m on rank r: m * world + r (no_sync on m = 0)
+            stats = trainer.train_step([{k: v[m * world + rank:m * world + rank + 1] for k, v in batch.items()}
+                                        for m in range(2)])
+            norms.append(stats["grad_norm"])
         if rank == 0:
-            torch.save(_params(trainer), result)
+            torch.save({"params": _params(trainer), "norms": norms}, result)
     finally:
         trainer.close()
 
 
-def test_ddp_two_processes_equal_one_with_double_batch(dataset, tmp_path):
+def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
+    """2 gloo processes x 2 accumulated micro-batches of 1 == 1 process with batches of 4."""
     single = Trainer(small_config(dataset, tmp_path / "single", batch_size=4, dropout=0.0))
     batches = [single.next_micro_batches()[0] for _ in range(2)]
-    for batch in batches:
-        single.train_step([batch])
+    norms = [single.train_step([batch])["grad_norm"] for batch in batches]
     result = str(tmp_path / "ddp.pt")
     mp.spawn(_ddp_worker, args=(2, _free_port(), dataset, str(tmp_path / "ddp"), batches, result), nprocs=2)
     ddp = torch.load(result)
+    assert ddp["norms"] == pytest.approx(norms, rel=1e-5)  # the gradients themselves, not just Adam's update
     for name, x in _params(single).items():
-        torch.testing.assert_close(ddp[name], x, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(ddp["params"][name], x, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(dataset, tmp_path):
