@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layer_norm import on_device
+from ._utils import on_device
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (32, 64, 128)

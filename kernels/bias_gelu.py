@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layer_norm import check_tensor, check_triton_device, num_programs, on_device, tile_shape
+from ._utils import check_tensor, check_triton_device, num_programs, on_device, tile_shape
 
 MAX_BLOCK_N = 256  # column tile; divides 768, 1024, 3072 and 4096
 
