@@ -72,3 +72,21 @@ def test_unsupported_head_dim_falls_back_with_a_warning():
     model = rf.RobertaForMaskedLM(cfg, backend="fused").eval()
     with pytest.warns(UserWarning, match="head dims"):
         model(torch.randint(3, 61, (1, 5)))
+
+
+def test_top_level_kernels_import_registers_nothing(monkeypatch):
+    """From the repository root `kernels/` is also a top-level `kernels` (HF's kernel-hub name,
+    which transformers imports to probe for it); that import must not run the kernel files
+    again, which would re-register the roberta_fast:: torch ops and crash the next call."""
+    import importlib
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1]))
+    monkeypatch.delitem(sys.modules, "kernels", raising=False)
+    top_level = importlib.import_module("kernels")
+    assert top_level.__all__ == [] and "kernels.attention" not in sys.modules
+    from roberta_fast.kernels import attention, attention_ref
+
+    q = torch.randn(1, 5, 1, 32)
+    torch.testing.assert_close(attention(q, q, q), attention_ref(q, q, q))
