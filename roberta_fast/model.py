@@ -67,7 +67,7 @@ class SequenceClassifierOutput(_Output):
 
 # ----------------------------------------------------------------- input checks
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
-                 position_ids=None):
+                 position_ids=None, cu_seqlens=None):
     """Raise ValueError naming the problem for inputs that would index out of range.
 
     Runs before any kernel, so a user mistake never becomes a device-side assert. On a
@@ -108,6 +108,9 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
     if attention_mask is not None and attention_mask.dtype.is_complex:
         raise ValueError("attention_mask must be 0/1 (bool, integer or float), got a complex tensor")
 
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids)
+
     ranges = [("input_ids", input_ids, config.vocab_size, "vocab_size")]
     if token_type_ids is not None:
         ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"))
@@ -126,6 +129,34 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
                 f"{name} holds values in [{low}, {high}] but must lie in [0, {limit}) "
                 f"({field}={limit}); check that the tokenizer matches the model"
             )
+
+
+def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
+    """Packed rows: int32 boundaries over the flattened batch·seqlen tokens, positions given."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError("cu_seqlens must be a 1-D int32 tensor of segment boundaries over the "
+                         "flattened batch·seqlen tokens, e.g. [0, 7, 16, 32] for two rows of 16")
+    if cu_seqlens.device != input_ids.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but input_ids is on {input_ids.device}")
+    if attention_mask is not None:
+        raise ValueError("pass either attention_mask or cu_seqlens: with packed rows the segments "
+                         "say what attends to what (a padding tail is a segment of its own)")
+    if position_ids is None:
+        raise ValueError("packed rows need position_ids that restart at every document "
+                         "(the dataset's packed batches carry them)")
+    total, seqlen = input_ids.numel(), input_ids.shape[1]
+    if cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens needs at least two boundaries, 0 and batch·seqlen")
+    row_starts = torch.arange(0, total + 1, seqlen, device=cu_seqlens.device, dtype=torch.int32)
+    first, last, smallest_step, rows_kept = torch.stack([
+        cu_seqlens[0], cu_seqlens[-1], cu_seqlens.diff().min(), torch.isin(row_starts, cu_seqlens).all().int()
+    ]).tolist()
+    if first != 0 or last != total or smallest_step < 0:
+        raise ValueError(f"cu_seqlens must rise from 0 to batch·seqlen = {total}; got first {first}, "
+                         f"last {last}, smallest step {smallest_step}")
+    if not rows_kept:
+        raise ValueError(f"a cu_seqlens segment crosses a row boundary: every multiple of seqlen "
+                         f"({seqlen}) must be a boundary (each row's documents stay in that row)")
 
 
 # ------------------------------------------------------------------------ model
@@ -273,21 +304,26 @@ class RobertaModel(_PreTrained):
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                 output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True):
+                return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
         if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                          output_hidden_states, output_attentions)
+                          output_hidden_states, output_attentions, cu_seqlens, max_seqlen)
         return out if return_dict else out.to_tuple()
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-               output_hidden_states: bool = False, output_attentions: bool = False) -> BaseModelOutput:
+               output_hidden_states: bool = False, output_attentions: bool = False,
+               cu_seqlens=None, max_seqlen: int | None = None) -> BaseModelOutput:
         """forward() without the input checks (for callers that have done them).
 
         With the fused backend a padded batch runs unpadded: masked tokens are dropped
         once before the embeddings, the layers run on the packed tokens with
         variable-length attention, and the outputs are re-padded with zeros at masked
         positions (set `model.unpad = False` to compute those positions as HF does).
+
+        Packed rows (several documents per row, DOC-SENTENCES packing): `cu_seqlens`
+        (int32, flash-attention's convention over the batch·seqlen flattened tokens)
+        keeps attention inside each segment, and `position_ids` restart per document.
         """
         backend = self._backend_for(input_ids)
         if output_attentions and backend == "fused":
@@ -297,10 +333,16 @@ class RobertaModel(_PreTrained):
             position_ids = self.embeddings.position_ids(input_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # once here, not a 0/1 check in every layer's kernel
+        varlen = backend == "fused" and not output_attentions and self.config.head_dim in ops.fused_head_dims()
         packing = None
-        if (backend == "fused" and self.unpad and attention_mask is not None and not output_attentions
-                and not bool(attention_mask.all())):
-            packing = _Packing(attention_mask)
+        if cu_seqlens is not None:
+            if varlen:
+                packing = _Packing(input_ids.shape, cu_seqlens, max_seqlen)
+            else:  # the same attention as a dense (batch, seqlen, seqlen) block-diagonal mask
+                attention_mask = _segment_mask(cu_seqlens, *input_ids.shape)
+        elif varlen and self.unpad and attention_mask is not None and not bool(attention_mask.all()):
+            packing = _Packing.from_mask(attention_mask)
+        if packing is not None:
             input_ids, position_ids, token_type_ids = (
                 packing.pack(t) for t in (input_ids, position_ids, token_type_ids))
         x = self.embeddings(input_ids, token_type_ids, position_ids, backend)
@@ -323,25 +365,44 @@ class RobertaModel(_PreTrained):
 
 
 class _Packing:
-    """Where the attended tokens of a padded (batch, seqlen) batch go when packed into one row."""
+    """How a (batch, seqlen) batch maps to packed tokens for variable-length attention.
 
-    def __init__(self, attention_mask):
-        batch, seqlen = attention_mask.shape
+    indices: the kept positions of the flattened batch·seqlen tokens (None: all of them).
+    """
+
+    def __init__(self, shape, cu_seqlens, max_seqlen: int | None = None, indices=None):
+        self.shape, self.cu_seqlens, self.indices = tuple(shape), cu_seqlens, indices
+        self.max_seqlen = int(cu_seqlens.diff().max()) if max_seqlen is None else int(max_seqlen)
+
+    @classmethod
+    def from_mask(cls, attention_mask):
+        """Keep the attended tokens of each row; each row one sequence."""
         keep = attention_mask.bool()
-        self.shape = (batch, seqlen)
-        self.indices = keep.flatten().nonzero().squeeze(1)  # (total_tokens,) into batch·seqlen
         lengths = keep.sum(dim=1, dtype=torch.int32)
-        self.cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (batch + 1,)
-        self.max_seqlen = int(lengths.max())
+        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (batch + 1,)
+        indices = keep.flatten().nonzero().squeeze(1)  # (total_tokens,) into batch·seqlen
+        return cls(keep.shape, cu_seqlens, int(lengths.max()), indices)
 
     def pack(self, t):
         """(batch, seqlen, ...) -> (total_tokens, ...); None stays None."""
-        return None if t is None else t.flatten(0, 1).index_select(0, self.indices)
+        if t is None:
+            return None
+        t = t.flatten(0, 1)
+        return t if self.indices is None else t.index_select(0, self.indices)
 
     def unpack(self, t):
-        """(total_tokens, ...) -> (batch, seqlen, ...) with zeros at masked positions."""
-        out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[1:])
-        return out.index_copy(0, self.indices, t).view(*self.shape, *t.shape[1:])
+        """(total_tokens, ...) -> (batch, seqlen, ...), zeros at positions not kept."""
+        if self.indices is not None:
+            out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[1:])
+            t = out.index_copy(0, self.indices, t)
+        return t.view(*self.shape, *t.shape[1:])
+
+
+def _segment_mask(cu_seqlens, batch: int, seqlen: int):
+    """(batch, seqlen, seqlen) bool: token i may attend to j when both lie in one segment."""
+    tokens = torch.arange(batch * seqlen, device=cu_seqlens.device)
+    segment = torch.searchsorted(cu_seqlens[1:], tokens, right=True).view(batch, seqlen)
+    return segment[:, :, None] == segment[:, None, :]
 
 
 class RobertaLMHead(nn.Module):
@@ -373,13 +434,16 @@ class RobertaForMaskedLM(_PreTrained):
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_type_ids=None,
                 position_ids=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                masked_only: bool = False, loss_reduction: str = "mean", return_dict: bool = True):
+                masked_only: bool = False, loss_reduction: str = "mean", return_dict: bool = True,
+                cu_seqlens=None, max_seqlen: int | None = None):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
         `logits` is (num_predicted, vocab) in row-major order of those positions.
         loss_reduction: "mean" over predicted tokens (HF's) or "sum" (for callers that
         normalise over several micro-batches or ranks themselves).
+        cu_seqlens / max_seqlen (with position_ids, without attention_mask): packed rows,
+        several documents per row attending only within themselves (RobertaModel.encode).
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -392,9 +456,9 @@ class RobertaForMaskedLM(_PreTrained):
         elif masked_only:
             raise ValueError("masked_only=True needs labels: they say which positions to predict")
         if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions)
+                                      output_hidden_states, output_attentions, cu_seqlens, max_seqlen)
         x = encoded.last_hidden_state
         backend = self._backend_for(input_ids)
         if masked_only:

@@ -54,20 +54,33 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def fused_head_dims() -> tuple[int, ...]:
+    """Head dims the fused attention kernel supports."""
+    return _kernels().ATTENTION_HEAD_DIMS
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str):
     warnings.warn(message, stacklevel=3)
 
 
+def _broadcast_mask(attention_mask):
+    """(batch, seqlen) key mask or (batch, seqlen, seqlen) pair mask -> bool (batch, 1, 1 or seqlen, seqlen)."""
+    mask = attention_mask[:, None, None, :] if attention_mask.dim() == 2 else attention_mask[:, None]
+    return mask.to(torch.bool)
+
+
 def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
     """Softmax attention over keys not masked out; q, k, v: (batch, seqlen, heads, head_dim).
 
-    attention_mask: (batch, seqlen), 1 = attend, or None. Returns (batch, seqlen, heads, head_dim).
-    The reference adds finfo.min to masked scores, as Hugging Face does, so a row with
-    every key masked attends uniformly instead of producing NaN.
+    attention_mask: (batch, seqlen) over keys, or (batch, seqlen, seqlen) over (query, key)
+    pairs, 1 = attend, or None. Returns (batch, seqlen, heads, head_dim). The reference
+    adds finfo.min to masked scores, as Hugging Face does, so a row with every key
+    masked attends uniformly instead of producing NaN.
     """
-    if backend == "fused":
-        supported = _kernels().ATTENTION_HEAD_DIMS
+    key_mask_only = attention_mask is None or attention_mask.dim() == 2
+    if backend == "fused" and key_mask_only:
+        supported = fused_head_dims()
         if q.shape[-1] in supported:
             return _kernels().attention(q, k, v, attention_mask, dropout_p)
         _warn_once(f"fused attention supports head dims {supported}, not {q.shape[-1]}: "
@@ -75,8 +88,7 @@ def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
     additive = None
     if attention_mask is not None:
-        # (batch, seqlen) -> (batch, 1, 1, seqlen), 0 where attended, finfo.min where masked
-        keep = attention_mask[:, None, None, :].to(torch.bool)
+        keep = _broadcast_mask(attention_mask)
         additive = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
         additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p)
@@ -100,7 +112,7 @@ def attention_with_probs(q, k, v, attention_mask, dropout_p: float):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
     if attention_mask is not None:
-        keep = attention_mask[:, None, None, :].to(torch.bool)  # (batch, 1, 1, seqlen)
+        keep = _broadcast_mask(attention_mask)
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     probs = scores.softmax(dim=-1)
     out = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v
