@@ -330,6 +330,27 @@ def permute(positions, n: int, seed: int, epoch: int, rounds: int = 4) -> np.nda
 
 
 # --------------------------------------------------------------------------- loader
+def collate(samples: list[dict], seq_len: int) -> dict:
+    """Samples (dataset.sample(i)) -> a batch of (B, S) tensors.
+
+    Packed samples' cu_seqlens become offsets into the flattened B*S tokens (each row's
+    padding tail a segment of its own), with max_seqlen beside them.
+    """
+    out = {}
+    for key in samples[0]:
+        if key == "cu_seqlens":
+            cu = [0]
+            for b, s in enumerate(samples):
+                cu += (b * seq_len + s["cu_seqlens"][1:]).tolist()
+                if cu[-1] != (b + 1) * seq_len:
+                    cu.append((b + 1) * seq_len)
+            out[key] = torch.tensor(cu, dtype=torch.int32)
+            out["max_seqlen"] = int(np.diff(cu).max())
+        else:
+            out[key] = torch.from_numpy(np.stack([s[key] for s in samples]))
+    return out
+
+
 class BatchLoader:
     """Deterministic, resumable, rank-sharded batches of a PretrainingDataset (see the module docstring)."""
 
@@ -371,19 +392,7 @@ class BatchLoader:
 
     def batch(self, epoch: int, step: int) -> dict:
         """This rank's batch `step` of `epoch` as (B, S) tensors (pinned if pin_memory)."""
-        samples = [self.dataset.sample(int(i)) for i in self.indices(epoch, step)]
-        out = {}
-        for key in samples[0]:
-            if key == "cu_seqlens":  # offsets into the flattened (B*S) tokens; each pad tail a segment
-                S, cu = self.dataset.seq_len, [0]
-                for b, s in enumerate(samples):
-                    cu += (b * S + s["cu_seqlens"][1:]).tolist()
-                    if cu[-1] != (b + 1) * S:
-                        cu.append((b + 1) * S)
-                out[key] = torch.tensor(cu, dtype=torch.int32)
-                out["max_seqlen"] = int(np.diff(cu).max())
-            else:
-                out[key] = torch.from_numpy(np.stack([s[key] for s in samples]))
+        out = collate([self.dataset.sample(int(i)) for i in self.indices(epoch, step)], self.dataset.seq_len)
         if self.pin_memory:
             out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
         return out

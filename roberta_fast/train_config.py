@@ -52,6 +52,7 @@ class TrainConfig:
     data: str | None = None  # dataset directory (roberta_fast.preprocess); None: the embedded corpus
     seq_len: int = 128  # tokens per sequence (<s> included)
     mode: str = "full"  # full (FULL-SENTENCES) | doc (DOC-SENTENCES)
+    pack: bool = False  # doc mode: pack several documents per row, attention kept inside each
     masking: str = "token"  # token | whole_word | span
     mlm_probability: float = 0.15  # share of tokens predicted
     mask_replace_prob: float = 0.8  # of those, replaced by <mask>
@@ -148,6 +149,7 @@ class TrainConfig:
         check(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         check(self.masking in MASKINGS, f"masking must be one of {MASKINGS}, got {self.masking!r}")
         check(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        check(not self.pack or self.mode == "doc", "pack packs whole documents into rows: use it with --mode doc")
         check(0.0 < self.mlm_probability < 1.0, f"mlm_probability must be in (0, 1), got {self.mlm_probability!r}")
         check(0.0 <= self.mask_replace_prob and 0.0 <= self.random_replace_prob
               and self.mask_replace_prob + self.random_replace_prob <= 1.0,

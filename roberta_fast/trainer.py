@@ -191,8 +191,9 @@ class Trainer:
         # data: the dataset is checked against the model before any weight is made
         data_path = Path(cfg.data) if cfg.data else self._default_dataset()
         word_starts = cfg.masking != "token"
-        self.train_data = PretrainingDataset(data_path, "train", cfg.seq_len, cfg.mode, word_starts=word_starts)
-        self.valid_data = PretrainingDataset(data_path, "valid", cfg.seq_len, cfg.mode, word_starts=word_starts)
+        self.train_data, self.valid_data = (
+            PretrainingDataset(data_path, split, cfg.seq_len, cfg.mode, pack=cfg.pack, word_starts=word_starts)
+            for split in ("train", "valid"))
         manifest = self.manifest = self.train_data.manifest
         self.model_config = self._model_config(manifest)
         check_dataset(manifest, vocab_size=self.model_config.vocab_size)
@@ -268,6 +269,8 @@ class Trainer:
 
     def _eval_batches(self) -> list[dict]:
         """The validation set's first samples (at most eval_batches x batch_size, split over ranks)."""
+        from .data import collate
+
         n = min(len(self.valid_data), self.cfg.eval_batches * self.cfg.batch_size)
         if n == 0:
             raise ValueError(f"the dataset's valid split holds no sequence of {self.cfg.seq_len} tokens; "
@@ -277,19 +280,29 @@ class Trainer:
         batches = []
         for start in range(lo, hi, self.cfg.batch_size):
             rows = [self.valid_data.sample(i) for i in range(start, min(hi, start + self.cfg.batch_size))]
-            batch = {k: torch.from_numpy(np.stack([s[k] for s in rows])) for k in rows[0]}
+            batch = collate(rows, self.cfg.seq_len)
             batch["sample_offset"] = start
             batches.append(batch)
         return batches
 
     # ------------------------------------------------------------------ the step
     def mask(self, batch: dict, step: int, sample_offset: int, seed: int):
-        """(inputs, attention_mask or None, labels) on the device for one micro-batch."""
+        """(inputs, labels, the model's other inputs) on the device for one micro-batch.
+
+        The other inputs: attention_mask where there is padding, or, for packed rows,
+        position_ids, cu_seqlens and max_seqlen (attention kept inside each document).
+        """
         from .masking import mask_tokens
 
         ids = batch["input_ids"].to(self.device, non_blocking=True)
-        attention = batch["attention_mask"]
-        attention = None if bool(attention.all()) else attention.to(self.device, non_blocking=True)
+        if "cu_seqlens" in batch:
+            extra = {"position_ids": batch["position_ids"].to(self.device, non_blocking=True),
+                     "cu_seqlens": batch["cu_seqlens"].to(self.device, non_blocking=True),
+                     "max_seqlen": batch["max_seqlen"]}
+        elif bool(batch["attention_mask"].all()):
+            extra = {}
+        else:
+            extra = {"attention_mask": batch["attention_mask"].to(self.device, non_blocking=True)}
         word_starts = batch.get("word_starts")
         if word_starts is not None:
             word_starts = word_starts.to(self.device, non_blocking=True)
@@ -299,7 +312,7 @@ class Trainer:
             pad_token_id=m["pad_id"], special_token_ids=self.special_ids, mlm_probability=c.mlm_probability,
             mask_replace_prob=c.mask_replace_prob, random_replace_prob=c.random_replace_prob,
             strategy=c.masking, word_starts=word_starts, sample_offset=sample_offset)
-        return inputs, attention, labels
+        return inputs, labels, extra
 
     def next_micro_batches(self) -> list[dict]:
         """This rank's `grad_accum` micro-batches of the next step, from the prefetching loader."""
@@ -317,20 +330,19 @@ class Trainer:
         tokens = 0
         for m, batch in enumerate(micro_batches):
             offset = m * per_micro + self.dist.rank * batch["input_ids"].shape[0]  # global row index
-            inputs, attention, labels = self.mask(batch, self.step, offset, cfg.seed)
+            inputs, labels, extra = self.mask(batch, self.step, offset, cfg.seed)
             count += labels.ne(IGNORE_INDEX).sum()
             tokens += int(batch["attention_mask"].sum())
-            masked.append((inputs, attention, labels))
+            masked.append((inputs, labels, extra))
         self.dist.all_reduce(count)  # predicted tokens of the whole step, all ranks
         factor = (w * self.scaler.scale) / count.clamp_min(1.0)  # DDP averages: x world_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for m, (inputs, attention, labels) in enumerate(masked):
+        for m, (inputs, labels, extra) in enumerate(masked):
             last = m == len(masked) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
                 with autocast(self.precision, self.device):
-                    out = model(inputs, attention_mask=attention, labels=labels, masked_only=True,
-                                loss_reduction="sum")
+                    out = model(inputs, labels=labels, masked_only=True, loss_reduction="sum", **extra)
                 (out.loss * factor).backward()
             loss_sum += out.loss.detach().float()
         lr = self.schedule.lr()
@@ -351,10 +363,9 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct
         for batch in self.eval_batches:
-            inputs, attention, labels = self.mask(batch, 0, batch["sample_offset"], EVAL_MASK_SEED)
+            inputs, labels, extra = self.mask(batch, 0, batch["sample_offset"], EVAL_MASK_SEED)
             with autocast(self.precision, self.device):
-                out = self.model(inputs, attention_mask=attention, labels=labels, masked_only=True,
-                                 loss_reduction="sum")
+                out = self.model(inputs, labels=labels, masked_only=True, loss_reduction="sum", **extra)
             predicted = labels.ne(IGNORE_INDEX)
             correct = out.logits.argmax(-1).eq(labels[predicted])  # logits: (num_predicted, vocab)
             totals += torch.stack([out.loss.double(), predicted.sum().double(), correct.sum().double()])

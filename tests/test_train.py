@@ -247,3 +247,15 @@ def test_cuda_bf16_run_falls_and_resumes(dataset, tmp_path):
     a, b = train_losses(tmp_path / "whole"), train_losses(tmp_path / "split")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 31))
     assert [x for _, x in b] == pytest.approx([x for _, x in a], rel=1e-2)
+
+
+def test_packed_doc_sentences_train_and_evaluate(dataset, tmp_path):
+    """--mode doc --pack: rows hold several documents; the step and the evaluation run on them."""
+    trainer = Trainer(small_config(dataset, tmp_path / "o", mode="doc", pack=True), log=lambda *a: None)
+    batch = trainer.next_micro_batches()[0]
+    assert {"cu_seqlens", "position_ids", "max_seqlen"} <= set(batch)  # tests/test_packed.py checks the model
+    stats = trainer.train_step([batch])
+    assert not stats["skipped"] and stats["count"] > 0 and torch.isfinite(stats["loss_sum"])
+    assert math.isfinite(trainer.evaluate()["loss"])
+    with pytest.raises(ValueError, match="use it with --mode doc"):
+        small_config(dataset, tmp_path / "p", pack=True).validate()
