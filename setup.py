@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - the message is the point
 
 
 def cuda_available_for_build() -> bool:
-    """CUDA ops need a CUDA torch and nvcc; FORCE_CPU_ONLY=1 skips them."""
+    """CUDA ops need a CUDA torch and nvcc; ROBERTA_FAST_CPU_ONLY=1 skips them."""
     if os.environ.get("ROBERTA_FAST_CPU_ONLY") == "1":
         return False
     if torch.version.cuda is None:
