@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,8 +181,12 @@ class Finetuner:
         self.train_labels = [index[e[2]] for e in train]
         self.valid_labels = [index[e[2]] for e in valid]
 
-        self.model = RobertaForSequenceClassification.from_pretrained(
-            cfg.model, backend=cfg.backend, num_labels=len(self.names))
+        with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
+            warnings.simplefilter("always")
+            self.model = RobertaForSequenceClassification.from_pretrained(
+                cfg.model, backend=cfg.backend, num_labels=len(self.names))
+        for w in caught:
+            log(f"note: {w.message}")
         if self.model.config.max_seq_len < cfg.max_len:
             raise ValueError(f"--max-len {cfg.max_len} exceeds the model's {self.model.config.max_seq_len} positions")
         extra = self.model.config.extra
@@ -232,7 +237,7 @@ class Finetuner:
         self.scaler.update(skipped)
         if not skipped:
             self.schedule.step()
-        return float(loss), norm, skipped
+        return loss.item(), norm, skipped
 
     @torch.no_grad()
     def evaluate(self) -> dict:
