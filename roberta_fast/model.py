@@ -238,7 +238,7 @@ class RobertaLayer(nn.Module):
 
 
 class _PreTrained(nn.Module):
-    """Weight init (as HF's), backend choice, input checks and HF load/save, shared by both models."""
+    """Weight init (as HF's), backend choice, input checks and HF load/save, shared by the models."""
 
     config: RobertaConfig
 
