@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import socket
+import warnings
 
 import pytest
 import torch
@@ -259,3 +260,24 @@ def test_packed_doc_sentences_train_and_evaluate(dataset, tmp_path):
     assert math.isfinite(trainer.evaluate()["loss"])
     with pytest.raises(ValueError, match="use it with --mode doc"):
         small_config(dataset, tmp_path / "p", pack=True).validate()
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["full", "doc-packed"])
+def test_fused_backend_trains_like_the_reference(dataset, tmp_path, pack):
+    """The whole step on backend="fused" (Triton kernels; the interpreter on a CPU) against
+    "reference", dropout off: the same losses over a few optimizer steps."""
+    pytest.importorskip("triton")
+    losses = {}
+    for backend in ("reference", "fused"):
+        cfg = small_config(dataset, tmp_path / backend, backend=backend, dropout=0.0, max_steps=3,
+                           hidden_size=64, num_attention_heads=2, intermediate_size=128,  # head dim 32: fused
+                           mode="doc" if pack else "full", pack=pack)
+        trainer = Trainer(cfg, log=lambda *a: None)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # e.g. a fallback to the reference attention
+                steps = [trainer.train_step(trainer.next_micro_batches()) for _ in range(3)]
+        finally:
+            trainer.close()
+        losses[backend] = torch.tensor([float(s["loss_sum"]) / float(s["count"]) for s in steps])
+    torch.testing.assert_close(losses["fused"], losses["reference"], rtol=1e-4, atol=1e-4)
