@@ -29,11 +29,14 @@ Caveats: on a CPU the kernels run only under Triton's interpreter
 bf16 tl.dot is computed wrongly (test bf16 on a GPU). fp32 inputs use IEEE fp32
 dots (exact-ish parity with PyTorch), not TF32. GPU block sizes are autotuned over
 configs sensible for Ampere/Hopper (no Hopper-only features), keyed on a seqlen
-bucket; ROBERTA_FAST_AUTOTUNE=0 runs each kernel's first config instead (no
-one-off tuning). Compiled ahead of time for sm_80/sm_90 to check it builds, but
-not yet run or measured on a GPU when this was written (none was available):
-see benchmarks/bench_attention.py.
+bucket, with the results cached on disk; ROBERTA_FAST_AUTOTUNE=0 runs each
+kernel's first config instead (no one-off tuning). benchmarks/compile_report.py
+compiles every variant and config for sm_80/sm_90 on any machine and reports
+registers and spills (the tests compile the default configs that way). Not yet run
+or measured on a GPU when this was written (none was available): see
+benchmarks/bench_attention.py.
 """
+import inspect
 import math
 import os
 from typing import Optional, Tuple
@@ -345,23 +348,29 @@ def _configs(rows):
 
 
 # Sensible for Ampere and Hopper (no Hopper-only features): BLOCK_M 128 for the
-# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 does; the
-# 8-warp and 64-wide configs are there for head dim 128 and for dropout, where the
-# 4-warp 128-wide tiles spill registers (checked with an sm_90 AOT compile). The
-# first config of each list is the default when autotuning is off.
-_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3),
-                         (64, 64, 4, 3), (64, 64, 8, 3)])
-_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3),
-                          (64, 64, 8, 3), (32, 64, 4, 4), (32, 64, 8, 3)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
-                        (64, 64, 8, 3), (64, 32, 4, 4)])
+# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 does.
+# Pruned with benchmarks/compile_report.py (sm_80 / sm_90, Triton 3.6 and 3.9): a
+# config is kept only if it compiles without register spills on sm_90 for the
+# training variants (dropout with a mask, varlen or neither) in at least one of the
+# two Triton versions; (128, 64, 4, 3) stays for the forward without dropout (eval),
+# where it does not spill. The first config of each list (the default when
+# autotuning is off) spills in no variant on sm_90.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+                         (64, 64, 8, 3)])
+_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 4),
+                          (32, 64, 8, 3)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3),
+                        (64, 32, 4, 4)])
 # Under the interpreter: small tiles keep the tests quick and still exercise several
 # blocks and ragged tails at seqlen 130 / 257, with BLOCK_M != BLOCK_N both ways round.
 _INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
                    "dq": {"BLOCK_M": 32, "BLOCK_N": 64}}
 _KERNELS = {"fwd": (_attn_fwd_kernel, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),
             "dq": (_attn_bwd_dq_kernel, _DQ_CONFIGS)}
-_TUNED = {} if _INTERPRET else {name: triton.autotune(configs=configs, key=_KEY)(kernel)
+# Tuning results are cached on disk (Triton's cache dir) where this Triton can, so
+# only the first process on a machine pays for tuning a variant.
+_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+_TUNED = {} if _INTERPRET else {name: triton.autotune(configs=configs, key=_KEY, **_CACHE)(kernel)
                                 for name, (kernel, configs) in _KERNELS.items()}
 
 
