@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Everything a GPU run checks and records, in stages that each fit in about ten minutes.
+#
+#   benchmarks/gpu_session.sh STAGE [OUTDIR]
+#
+#   test       build (if needed), then the whole test suite on the GPU (bf16 included)
+#   sanitize   the extension's CUDA tests under compute-sanitizer (memcheck, racecheck)
+#   e2e        throughput.py: roberta-base, seq 512, bf16 and fp16, all four contenders, profiled
+#   e2e-more   throughput.py: roberta-large at 512, and base and large at 128 (bf16)
+#   kernels    every per-kernel benchmark (attention, bias+GELU, LayerNorm, FusedAdam, masking,
+#              preprocessing, inference) and the AOT compile report
+#
+# Logs and JSON files go to OUTDIR (default benchmarks/results/pending) and are also
+# packed into OUTDIR/STAGE.tgz, for machines that hand back only a few files. Nothing
+# is written to benchmarks/results/ itself: copy the JSON files there and run
+# `python benchmarks/throughput.py --refresh-record` to update the record's table.
+# The last lines printed are a summary of the stage.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?usage: benchmarks/gpu_session.sh test|sanitize|e2e|e2e-more|kernels [OUTDIR]}
+out=${2:-benchmarks/results/pending}
+mkdir -p "$out"
+py=${PYTHON:-$(command -v python3 || command -v python)}
+export PYTHONUNBUFFERED=1
+summary=()
+start=$SECONDS
+
+note() { summary+=("$1"); echo "== $1"; }
+
+ensure_built() {
+  if "$py" -c "import torch, roberta_fast._C as C; assert torch.cuda.is_available() and C.built_with_cuda()" \
+      2>/dev/null; then
+    return 0
+  fi
+  local t=$SECONDS
+  if MAX_JOBS=${MAX_JOBS:-16} "$py" -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 &&
+     "$py" -c "import roberta_fast._C as C; assert C.built_with_cuda()"; then
+    note "build: ok ($((SECONDS - t)) s)"
+  else
+    tail -40 "$out/build.log"
+    note "build: FAILED (see build.log)"
+    finish 1
+  fi
+}
+
+run() {  # run NAME CMD...: log to OUTDIR/NAME.log, note the exit status and time
+  local name=$1 t=$SECONDS rc
+  shift
+  "$@" 2>&1 | tee "$out/$name.log"
+  rc=${PIPESTATUS[0]}
+  note "$name: exit $rc ($((SECONDS - t)) s)$( [ "$rc" = 0 ] || echo '  <-- FAILED')"
+  return "$rc"
+}
+
+finish() {
+  "$py" - "$out" >"$out/environment.txt" 2>&1 <<'EOF'
+import subprocess, sys, torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+print(subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
+EOF
+  tar czf "$out/$stage.tgz" --exclude='*.tgz' -C "$out" . 2>/dev/null
+  echo
+  echo "==== $stage summary ($((SECONDS - start)) s) ===="
+  cat "$out/environment.txt"
+  printf '%s\n' "${summary[@]}"
+  exit "${1:-0}"
+}
+
+case $stage in
+  test)
+    ensure_built
+    xdist=()
+    "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+    # Default configs (no autotuning) except where a test turns it on; --durations names the slow ones.
+    ROBERTA_FAST_AUTOTUNE=0 run pytest "$py" -m pytest -q -rs "${xdist[@]}" --durations=15 \
+      --junitxml="$out/pytest.xml"
+    note "pytest: $(grep -E '(passed|failed|error)' "$out/pytest.log" | tail -1)"
+    ;;
+  sanitize)
+    ensure_built
+    for tool in memcheck racecheck; do
+      run "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 "$py" -m pytest -q -x \
+        tests/test_fused_adam.py tests/test_mask_tokens.py -k cuda
+    done
+    ;;
+  e2e)
+    ensure_built
+    run throughput-base512 "$py" benchmarks/throughput.py --models base --seq-lens 512 --dtypes bf16 fp16 \
+      --profile --no-record --json "$out/throughput-base512.json" --chart "$out/throughput-base512.png"
+    ;;
+  e2e-more)
+    ensure_built
+    run throughput-more "$py" benchmarks/throughput.py --models base large --seq-lens 128 512 --dtypes bf16 \
+      --no-record --json "$out/throughput-more.json" --chart "$out/throughput-more.png"
+    ;;
+  kernels)
+    ensure_built
+    for bench in attention bias_gelu layer_norm fused_adam mask_tokens preprocess inference; do
+      run "bench_$bench" "$py" "benchmarks/bench_$bench.py" --json "$out/bench_$bench.json"
+    done
+    run compile_report "$py" benchmarks/compile_report.py --arch 90 --json "$out/compile_report.json"
+    ;;
+  *)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
+finish 0
