@@ -14,9 +14,11 @@ takes packed (total_tokens, nheads, headdim) with `cu_seqlens` like
 flash-attention's varlen API.
 
 Dropout uses counter-based Philox-4x32-10 keyed by a 64-bit seed; the counter is
-(query row, key column // 4, batch * nheads + head, offset), and the 4 outputs of
-one call serve 4 neighbouring key columns. The mask therefore does not depend on
-block sizes or launch order, the backward regenerates it exactly, and
+(query row, key column // 8, batch * nheads + head, offset), and the four 32-bit
+outputs of one call, split into 16-bit halves, serve 8 neighbouring key columns
+(half the Philox work of a word per column; the keep threshold has 1/65536
+resolution, so the drop rate is within 8e-6 of dropout_p). The mask therefore does
+not depend on block sizes or launch order, the backward regenerates it exactly, and
 `attention_dropout_mask` exports it (the same kernel helper) for testing. Without
 an explicit `dropout_seed` the seed/offset come from torch's RNG (torch.randint on
 the device), so torch.manual_seed controls them.
@@ -70,20 +72,23 @@ def _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N: tl.constexpr):
-    """Signed 32-bit Philox randoms for rows offs_m x columns start_n..start_n+BLOCK_N.
+    """16-bit Philox randoms, int32 in [0, 65536), for rows offs_m x columns start_n..start_n+BLOCK_N.
 
-    Counter (row, column // 4, bh, offset), key = the 64-bit seed; the 4 outputs of
-    one call are the 4 columns 4g..4g+3 (start_n must be a multiple of 4). The sign
-    bit is flipped so that signed order equals unsigned order: keep = rand >= thresh.
+    Counter (row, column // 8, bh, offset), key = the 64-bit seed; one call's outputs
+    r0..r3 give the 8 columns 8g..8g+7: column 8g + i <- the low half of r_i, column
+    8g + 4 + i <- its high half (start_n must be a multiple of 8). keep = rand >= thresh.
     """
     seed = tl.load(Rng)
     offset = tl.load(Rng + 1).to(tl.int32)
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    zero = tl.zeros([offs_m.shape[0], BLOCK_N // 4], dtype=tl.int32)
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    zero = tl.zeros([offs_m.shape[0], BLOCK_N // 8], dtype=tl.int32)
     r0, r1, r2, r3 = tl.philox(seed, zero + offs_m[:, None], zero + groups[None, :], zero + bh, zero + offset)
-    # (BLOCK_M, BLOCK_N // 4) x 4 -> (BLOCK_M, BLOCK_N): column 4g + i <- r_i[g]
-    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
-    return r.to(tl.int32, bitcast=True) ^ -2147483648
+    lo0, lo1, lo2, lo3 = r0 & 0xFFFF, r1 & 0xFFFF, r2 & 0xFFFF, r3 & 0xFFFF
+    hi0, hi1, hi2, hi3 = r0 >> 16, r1 >> 16, r2 >> 16, r3 >> 16
+    # 8 x (BLOCK_M, BLOCK_N // 8) -> (BLOCK_M, BLOCK_N): each level doubles the column stride it fills
+    r = tl.interleave(tl.interleave(tl.interleave(lo0, hi0), tl.interleave(lo2, hi2)),
+                      tl.interleave(tl.interleave(lo1, hi1), tl.interleave(lo3, hi3)))
+    return r.to(tl.int32)
 
 
 @triton.jit
@@ -411,8 +416,8 @@ def _dims(q, cu_seqlens, max_seqlen):
 
 
 def _dropout_args(dropout_p):
-    """(thresh, inv_keep): keep where the sign-flipped uint32 random >= thresh."""
-    thresh = min(int(round(dropout_p * 2**32)), 2**32 - 1) - 2**31
+    """(thresh, inv_keep): keep where the 16-bit random >= thresh (drop rate thresh / 65536 ~ dropout_p)."""
+    thresh = min(int(round(dropout_p * 65536)), 65535)
     return thresh, 1.0 / (1.0 - dropout_p)
 
 
