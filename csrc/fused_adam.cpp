@@ -13,7 +13,7 @@
 #include "fused_adam_cuda.h"
 
 #ifdef WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that needs the cuBLAS/cuSPARSE dev headers
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -171,7 +171,7 @@ torch::Tensor grad_sumsq(const TensorList& grads, const c10::optional<torch::Ten
   if (device.is_cuda()) {
 #ifdef WITH_CUDA
     const c10::cuda::CUDAGuard guard(device);
-    void* stream = at::cuda::getCurrentCUDAStream().stream();
+    void* stream = c10::cuda::getCurrentCUDAStream().stream();
     int64_t total = 0;
     for (const auto& g : grads) total += num_chunks(g.numel());
     auto partials = torch::zeros({std::max<int64_t>(total, 1)}, out.options());
@@ -260,7 +260,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   if (device.is_cuda()) {
 #ifdef WITH_CUDA
     const c10::cuda::CUDAGuard guard(device);
-    void* stream = at::cuda::getCurrentCUDAStream().stream();
+    void* stream = c10::cuda::getCurrentCUDAStream().stream();
     // Bucket the tensors by (param dtype, grad dtype): one multi-tensor pass each.
     std::map<std::pair<int32_t, int32_t>, std::vector<size_t>> buckets;
     for (size_t i = 0; i < n; ++i)

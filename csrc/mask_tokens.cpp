@@ -11,7 +11,7 @@
 #include "mask_tokens_cuda.h"
 
 #ifdef WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that needs the cuBLAS/cuSPARSE dev headers
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -130,7 +130,7 @@ std::vector<torch::Tensor> mask_tokens(const torch::Tensor& ids,
     const char* err = mask_tokens_cuda(p, ids.data_ptr<int64_t>(), starts, rows, len,
                                        static_cast<uint32_t>(sample_offset),
                                        out.data_ptr<int64_t>(), labels.data_ptr<int64_t>(),
-                                       at::cuda::getCurrentCUDAStream().stream());
+                                       c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == nullptr, "mask_tokens: CUDA launch failed: ", err);
 #else
     TORCH_CHECK(false, "mask_tokens: ids are on CUDA but roberta_fast._C was built without "
