@@ -5,6 +5,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -70,3 +71,30 @@ def tile_shape(n_cols: int, n_rows: int, device: torch.device, max_cols: int):
     block_m = max(1, min(target // block_n, triton.next_power_of_2(max(n_rows, 1))))
     num_warps = max(1, min(16, block_m * block_n // 512))
     return block_m, block_n, num_warps
+
+
+@triton.jit
+def philox_rand16(seed, rows, start_col, c2, c3, BLOCK_N: tl.constexpr):
+    """16-bit Philox randoms, int32 in [0, 65536), for `rows` x columns start_col..start_col+BLOCK_N.
+
+    One Philox-4x32-10 call (key: the 64-bit seed; counter: row, column // 8, c2, c3)
+    serves 8 columns, two 16-bit halves of each of its 4 words: column 8g + i gets the
+    low half of word i, column 8g + 4 + i its high half (start_col must be a multiple
+    of 8). A quarter of the Philox work of one call per column, a random depending
+    only on (seed, row, column, c2, c3), never on block sizes. Dropout keeps an
+    element where rand >= round(p * 65536), a drop rate within 8e-6 of p.
+    """
+    groups = start_col // 8 + tl.arange(0, BLOCK_N // 8)
+    zero = tl.zeros([rows.shape[0], BLOCK_N // 8], dtype=tl.int32)
+    r0, r1, r2, r3 = tl.philox(seed, zero + rows[:, None], zero + groups[None, :], zero + c2, zero + c3)
+    lo0, lo1, lo2, lo3 = r0 & 0xFFFF, r1 & 0xFFFF, r2 & 0xFFFF, r3 & 0xFFFF
+    hi0, hi1, hi2, hi3 = r0 >> 16, r1 >> 16, r2 >> 16, r3 >> 16
+    # 8 x (rows, BLOCK_N // 8) -> (rows, BLOCK_N): each level doubles the column stride it fills
+    r = tl.interleave(tl.interleave(tl.interleave(lo0, hi0), tl.interleave(lo2, hi2)),
+                      tl.interleave(tl.interleave(lo1, hi1), tl.interleave(lo3, hi3)))
+    return r.to(tl.int32)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The 16-bit keep threshold of philox_rand16 for drop probability p (p = 1 drops all)."""
+    return min(int(round(dropout_p * 65536)), 65536)

@@ -16,8 +16,8 @@ flash-attention's varlen API.
 Dropout uses counter-based Philox-4x32-10 keyed by a 64-bit seed; the counter is
 (query row, key column // 8, batch * nheads + head, offset), and the four 32-bit
 outputs of one call, split into 16-bit halves, serve 8 neighbouring key columns
-(half the Philox work of a word per column; the keep threshold has 1/65536
-resolution, so the drop rate is within 8e-6 of dropout_p). The mask therefore does
+(half the Philox work of one 32-bit word per column; the keep threshold has
+1/65536 resolution, so the drop rate is within 8e-6 of dropout_p). The mask therefore does
 not depend on block sizes or launch order, the backward regenerates it exactly, and
 `attention_dropout_mask` exports it (the same kernel helper) for testing. Without
 an explicit `dropout_seed` the seed/offset come from torch's RNG (torch.randint on
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import on_device
+from ._utils import dropout_threshold, on_device, philox_rand16
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -72,23 +72,8 @@ def _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N: tl.constexpr):
-    """16-bit Philox randoms, int32 in [0, 65536), for rows offs_m x columns start_n..start_n+BLOCK_N.
-
-    Counter (row, column // 8, bh, offset), key = the 64-bit seed; one call's outputs
-    r0..r3 give the 8 columns 8g..8g+7: column 8g + i <- the low half of r_i, column
-    8g + 4 + i <- its high half (start_n must be a multiple of 8). keep = rand >= thresh.
-    """
-    seed = tl.load(Rng)
-    offset = tl.load(Rng + 1).to(tl.int32)
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    zero = tl.zeros([offs_m.shape[0], BLOCK_N // 8], dtype=tl.int32)
-    r0, r1, r2, r3 = tl.philox(seed, zero + offs_m[:, None], zero + groups[None, :], zero + bh, zero + offset)
-    lo0, lo1, lo2, lo3 = r0 & 0xFFFF, r1 & 0xFFFF, r2 & 0xFFFF, r3 & 0xFFFF
-    hi0, hi1, hi2, hi3 = r0 >> 16, r1 >> 16, r2 >> 16, r3 >> 16
-    # 8 x (BLOCK_M, BLOCK_N // 8) -> (BLOCK_M, BLOCK_N): each level doubles the column stride it fills
-    r = tl.interleave(tl.interleave(tl.interleave(lo0, hi0), tl.interleave(lo2, hi2)),
-                      tl.interleave(tl.interleave(lo1, hi1), tl.interleave(lo3, hi3)))
-    return r.to(tl.int32)
+    """16-bit randoms for query rows offs_m x key columns start_n..start_n+BLOCK_N: keep = rand >= thresh."""
+    return philox_rand16(tl.load(Rng), offs_m, start_n, bh, tl.load(Rng + 1).to(tl.int32), BLOCK_N)
 
 
 @triton.jit
@@ -417,8 +402,7 @@ def _dims(q, cu_seqlens, max_seqlen):
 
 def _dropout_args(dropout_p):
     """(thresh, inv_keep): keep where the 16-bit random >= thresh (drop rate thresh / 65536 ~ dropout_p)."""
-    thresh = min(int(round(dropout_p * 65536)), 65535)
-    return thresh, 1.0 / (1.0 - dropout_p)
+    return dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
 def _lse_layout(q, cu_seqlens, batch, nheads, seqlen):

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_tensor, check_triton_device, num_programs, on_device, tile_shape
+from ._utils import (check_tensor, check_triton_device, dropout_threshold, num_programs, on_device,
+                     philox_rand16, tile_shape)
 
 MAX_HIDDEN = 16384  # one row lives in registers; larger rows would spill badly
 
@@ -33,14 +34,14 @@ MAX_HIDDEN = 16384  # one row lives in registers; larger rows would spill badly
 # Kernels
 # ----------------------------------------------------------------------------
 @triton.jit
-def _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
-               HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+def _sum_input(X, R, SEED, offs, rows, mask, thresh, dropout_scale,
+               HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """z = dropout(x) + residual in fp32, and the keep mask (True without dropout)."""
     z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        # Philox stream indexed by the element's flat position (< 2**31, checked).
-        keep = tl.rand(tl.load(SEED), offs.to(tl.int32)) > dropout_p
+        # 16-bit Philox randoms keyed by (seed, row, column): 8 columns per Philox call
+        keep = philox_rand16(tl.load(SEED), rows, 0, 0, 0, BLOCK_N) >= thresh
         z = tl.where(keep, z * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         z += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
@@ -50,7 +51,7 @@ def _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, R, W, B, Y, KEEP, MEAN, RSTD, SEED,
-    M, N, eps, dropout_p, dropout_scale,
+    M, N, eps, thresh, dropout_scale,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -62,8 +63,8 @@ def _layer_norm_fwd_kernel(
     mask = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
 
-    z, keep = _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
-                         HAS_RESIDUAL, HAS_DROPOUT)
+    z, keep = _sum_input(X, R, SEED, offs, rows, mask, thresh, dropout_scale,
+                         HAS_RESIDUAL, HAS_DROPOUT, BLOCK_N)
     if STORE_KEEP:
         tl.store(KEEP + offs, keep, mask=mask)
     mean = tl.sum(z, axis=1) / N  # (BLOCK_M,)
@@ -81,7 +82,7 @@ def _layer_norm_fwd_kernel(
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, R, W, MEAN, RSTD, SEED, DX, DR, DW_PART, DB_PART,
-    M, N, rows_per_program, dropout_p, dropout_scale,
+    M, N, rows_per_program, thresh, dropout_scale,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -104,8 +105,8 @@ def _layer_norm_bwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
 
-        z, keep = _sum_input(X, R, SEED, offs, mask, dropout_p, dropout_scale,
-                             HAS_RESIDUAL, HAS_DROPOUT)
+        z, keep = _sum_input(X, R, SEED, offs, rows, mask, thresh, dropout_scale,
+                             HAS_RESIDUAL, HAS_DROPOUT, BLOCK_N)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
@@ -162,7 +163,7 @@ def _layer_norm_fwd(
     with on_device(x.device):
         _layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
             x, residual, weight, bias, y, keep, mean, rstd, seed,
-            M, N, eps, dropout_p, _dropout_scale(dropout_p),
+            M, N, eps, dropout_threshold(dropout_p), _dropout_scale(dropout_p),
             HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
             STORE_KEEP=store_keep, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
@@ -201,7 +202,7 @@ def _layer_norm_bwd(
         with on_device(x.device):
             _layer_norm_bwd_kernel[(n_programs,)](
                 dy, x, residual, weight, mean, rstd, seed, dx, dr, dw_part, db_part,
-                M, N, rows_per_program, dropout_p, _dropout_scale(dropout_p),
+                M, N, rows_per_program, dropout_threshold(dropout_p), _dropout_scale(dropout_p),
                 HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
                 STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
             )
@@ -285,8 +286,6 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=Non
         raise ValueError(f"{op}: dropout_p must be in [0, 1], got {dropout_p}")
     seed_t = None
     if dropout_p > 0.0:
-        if x.numel() >= 2**31:
-            raise ValueError(f"{op}: fused dropout supports fewer than 2**31 elements; split the batch")
         seed_t = _seed_tensor(seed, x.device)
     y, keep = LayerNormFn.apply(x, weight, bias, residual, float(eps), float(dropout_p), seed_t,
                                 bool(return_dropout_mask))
