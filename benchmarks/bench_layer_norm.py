@@ -2,11 +2,14 @@
 
     python benchmarks/bench_layer_norm.py [--quick] [--json PATH]
 
-Rows of 32 x 512 tokens, hidden 768 and 1024 (RoBERTa base/large), bf16 on a GPU.
-Peer in the same run: eager `F.layer_norm(x + residual)`. Bandwidth counts the bytes
-the op must move: forward reads x and residual and writes y, backward reads dy, x
-and residual and writes dx (= dresidual); it is printed beside the measured
-device-to-device copy bandwidth (target: >= 80% of it on an H100).
+Rows of 32 x 512 tokens, hidden 768 and 1024 (RoBERTa base/large), on a GPU in two
+cases: "plain" (x, residual and weights bf16, no dropout) and "training", what the
+model runs under bf16 autocast (x bf16, residual and weights fp32, output fp32, hidden
+dropout 0.1 fused). Peer in the same run: eager
+`F.layer_norm(F.dropout(x) + residual)`. Bandwidth counts the bytes the op must move:
+forward reads x and residual and writes y, backward reads dy, x and residual and
+writes dx and dresidual (one tensor when they are equal); it is printed beside the
+measured device-to-device copy bandwidth (target: >= 80% of it on an H100).
 --quick: tiny fp32 shapes, on the CPU under the Triton interpreter where there is no GPU.
 """
 import torch
@@ -27,21 +30,35 @@ def main():
     print(f"device: {bc.device_facts(device)['name']}  copy bandwidth: {copy:.1f} GB/s")
 
     results = []
+    cases = [("plain", dtype, dtype, 0.0), ("training", dtype, torch.float32, 0.1)]  # (name, x, residual/weights, p)
     for n in hiddens:
-        x = torch.randn(rows, n, device=device, dtype=dtype, requires_grad=True)
-        r = torch.randn_like(x, requires_grad=True)
-        w = torch.randn(n, device=device, dtype=dtype, requires_grad=True)
-        b = torch.randn(n, device=device, dtype=dtype, requires_grad=True)
-        dy = torch.randn_like(x)
-        times = {
-            "fused": bc.fwd_bwd_ms(lambda x, r, w, b: layer_norm(x, w, b, 1e-5, residual=r), (x, r, w, b), dy, device),
-            "eager": bc.fwd_bwd_ms(lambda x, r, w, b: F.layer_norm(x + r, (n,), w, b, 1e-5), (x, r, w, b), dy, device),
-        }
-        size = x.numel() * x.element_size()
-        nbytes = {"fwd": 3 * size, "bwd": 4 * size, "fwd+bwd": 7 * size}
-        results += bc.bandwidth_rows({"rows": rows, "N": n, "dtype": str(dtype).removeprefix("torch.")},
-                                     times, nbytes, copy)
-    bc.print_rows(results, ["rows", "N", "dtype", "impl", "pass", "ms", "GB/s", "%copy", "x_vs_eager"])
+        for name, x_dtype, r_dtype, p in cases:
+            x = torch.randn(rows, n, device=device, dtype=x_dtype, requires_grad=True)
+            r = torch.randn(rows, n, device=device, dtype=r_dtype, requires_grad=True)
+            w = torch.randn(n, device=device, dtype=r_dtype, requires_grad=True)
+            b = torch.randn(n, device=device, dtype=r_dtype, requires_grad=True)
+            y_size = rows * n * torch.promote_types(x_dtype, r_dtype).itemsize
+            dy = torch.randn(rows, n, device=device, dtype=torch.promote_types(x_dtype, r_dtype))
+
+            def eager(x, r, w, b, p=p, n=n):
+                return F.layer_norm(F.dropout(x, p) + r, (n,), w, b, 1e-5)
+
+            times = {
+                "fused": bc.fwd_bwd_ms(lambda x, r, w, b, p=p: layer_norm(x, w, b, 1e-5, residual=r, dropout_p=p),
+                                       (x, r, w, b), dy, device),
+                "eager": bc.fwd_bwd_ms(eager, (x, r, w, b), dy, device),
+            }
+            x_size, r_size = x.numel() * x.element_size(), r.numel() * r.element_size()
+            # dresidual is a tensor of its own when dropout scales dx or the dtypes differ
+            dr_size = r_size if (p > 0 or x_dtype != r_dtype) else 0
+            fwd = x_size + r_size + y_size
+            bwd = y_size + x_size + r_size + x_size + dr_size  # reads dy, x, residual; writes dx (+ dresidual)
+            nbytes = {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}
+            case = {"case": name, "rows": rows, "N": n, "x": str(x_dtype).removeprefix("torch."),
+                    "residual": str(r_dtype).removeprefix("torch."), "dropout": p}
+            results += bc.bandwidth_rows(case, times, nbytes, copy)
+    bc.print_rows(results, ["case", "N", "x", "residual", "dropout", "impl", "pass", "ms", "GB/s", "%copy",
+                               "x_vs_eager"])
     if args.json:
         bc.write_json(args.json, bc.environment(device), results, copy_bandwidth_gbs=round(copy, 1),
                       benchmark="layer_norm")

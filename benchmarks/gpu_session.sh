@@ -100,6 +100,9 @@ case $stage in
     for bench in attention bias_gelu layer_norm fused_adam mask_tokens preprocess inference; do
       run "bench_$bench" "$py" "benchmarks/bench_$bench.py" --json "$out/bench_$bench.json"
     done
+    # attention as the model trains (dropout 0.1 in every contender)
+    run bench_attention_dropout "$py" benchmarks/bench_attention.py --dropout 0.1 \
+      --json "$out/bench_attention_dropout.json"
     run compile_report "$py" benchmarks/compile_report.py --arch 90 --json "$out/compile_report.json"
     ;;
   *)
