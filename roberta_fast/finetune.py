@@ -261,7 +261,8 @@ class Finetuner:
     def run(self) -> dict:
         latest = self.checkpoints.latest() if self.cfg.resume else None
         if latest is not None:
-            self.load_state_dict(load_checkpoint(latest, map_location=self.device))
+            # onto the CPU: the RNG states must stay CPU tensors; load_state_dict moves the rest
+            self.load_state_dict(load_checkpoint(latest))
             self.log(f"resumed from {latest} at step {self.step}")
         total = self.steps_per_epoch * self.cfg.epochs
         metrics = MetricsLogger(self.out, total, start_step=self.step)

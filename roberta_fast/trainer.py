@@ -157,12 +157,12 @@ def rng_state(device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    """Restore what rng_state() returned."""
-    torch.set_rng_state(state["torch"])
+    """Restore what rng_state() returned (its tensors may have been loaded onto any device)."""
+    torch.set_rng_state(state["torch"].cpu())  # generator states must be CPU ByteTensors
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 def seed_everything(seed: int) -> None:

@@ -78,6 +78,30 @@ def test_resume_mid_run_matches_an_uninterrupted_run(task, tmp_path):
         assert torch.equal(resumed.model.state_dict()[key], value), key
 
 
+def test_resume_reads_the_checkpoint_onto_the_cpu(task, tmp_path, monkeypatch):
+    """On a GPU the checkpoint must still be read onto the CPU: its RNG states must stay
+    CPU ByteTensors (torch.set_rng_state and torch.cuda.set_rng_state refuse others);
+    load_state_dict moves the weights and Adam moments to the model's device."""
+    import roberta_fast.finetune as ft
+
+    Finetuner(config(task, tmp_path / "run", epochs=1, stop_after=2), log=lambda *_: None).run()
+    resumed = Finetuner(config(task, tmp_path / "run", epochs=1), log=lambda *_: None)
+    resumed.device = torch.device("cuda")  # as on a GPU machine: nothing below runs on it
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def spy(path, map_location="cpu"):
+        seen.append(map_location)
+        raise Loaded
+
+    monkeypatch.setattr(ft, "load_checkpoint", spy)
+    with pytest.raises(Loaded):
+        resumed.run()
+    assert len(seen) == 1 and torch.device(seen[0]).type == "cpu", seen
+
+
 def test_bad_input_names_the_problem(task, tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\nhello,pos\n")
