@@ -14,13 +14,24 @@ import contextlib
 import torch
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether the GPU `device` computes in bf16 natively (sm_80+, or ROCm).
+
+    Not torch.cuda.is_bf16_supported(): by default that also says yes where bf16 is
+    only emulated (V100, T4), which is slow and has no Triton bf16 dot.
+    """
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """"auto" -> bf16 on a GPU that supports it, else fp32; checks the others are usable."""
     if precision == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        if device.type == "cuda" and native_bf16(device):
             return "bf16"
         return "fp32"
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if precision == "bf16" and device.type == "cuda" and not native_bf16(device):
         raise ValueError(f"precision bf16 is not supported on {torch.cuda.get_device_name(device)}; use fp16")
     if precision not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"precision must be auto, fp32, fp16 or bf16, got {precision!r}")

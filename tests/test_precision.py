@@ -59,3 +59,22 @@ def test_precision_resolution_and_autocast():
         assert (x @ x).dtype == torch.bfloat16
     with autocast("fp32", cpu):
         assert (x @ x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("capability, auto", [((7, 0), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_auto_picks_bf16_only_where_the_gpu_computes_it(monkeypatch, capability, auto):
+    """torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (V100, T4:
+    slow, and no Triton bf16 dot): "auto" and "bf16" go by native support (sm_80+)."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
+                        including_emulation or capability >= (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU sm_{capability[0]}{capability[1]}")
+    gpu = torch.device("cuda", 0)
+    assert resolve_precision("auto", gpu) == auto
+    assert resolve_precision("fp16", gpu) == "fp16"
+    if auto == "fp32":
+        with pytest.raises(ValueError, match="bf16 is not supported on GPU sm_70; use fp16"):
+            resolve_precision("bf16", gpu)
+    else:
+        assert resolve_precision("bf16", gpu) == "bf16"
