@@ -511,8 +511,10 @@ class Trainer:
 
     def _stop_requested(self, stop: StopSignal) -> bool:
         """Whether any rank got SIGTERM/SIGINT (all ranks must stop at the same step)."""
+        if not self.dist.enabled:  # no device tensor: its copy would sync with the GPU every step
+            return bool(stop.requested)
         flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
-        return bool(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item()) if self.dist.enabled else bool(stop.requested)
+        return bool(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item())
 
     def _new_window(self) -> dict:
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
