@@ -45,3 +45,19 @@ def test_plot(tmp_path):
     log.close()
     png = plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12), ("Tesla V100-SXM2-16GB", 125e12),
+])
+def test_mfu_peak_by_device_name(name, peak):
+    """torch.cuda.get_device_name() strings -> the dense bf16/fp16 datasheet peak; NaN elsewhere."""
+    from roberta_fast.config import RobertaConfig
+    from roberta_fast.model import estimate_mfu, training_flops
+
+    cfg = RobertaConfig.preset("base")
+    flops = training_flops(cfg, 1e5, 1.5e4, 512)
+    assert estimate_mfu(cfg, 1e5, 1.5e4, 512, name) == pytest.approx(flops / peak)
+    assert math.isnan(estimate_mfu(cfg, 1e5, 1.5e4, 512, "cpu"))
