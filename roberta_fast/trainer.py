@@ -60,9 +60,11 @@ class Dist:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.enabled = self.world_size > 1
+        self.device = None
 
     def init(self, device: torch.device) -> None:
         """Join the process group: NCCL for GPUs, gloo for CPUs."""
+        self.device = device
         if self.enabled and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend)
@@ -86,7 +88,12 @@ class Dist:
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier()
+            # NCCL: name this rank's GPU; a barrier before any other collective would
+            # otherwise run on GPU rank % device_count (torch 2.4-2.x), maybe not ours
+            if self.device is not None and self.device.type == "cuda" and dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():

@@ -174,6 +174,30 @@ def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
         torch.testing.assert_close(ddp["params"][name], x, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_nccl_barrier_names_this_ranks_gpu(monkeypatch):
+    """A barrier before any other NCCL collective (the trainer's first one, in
+    _default_dataset) otherwise runs on GPU rank % device_count in torch 2.4-2.x,
+    not this rank's LOCAL_RANK GPU: a wrong GPU, or a hang, when they differ."""
+    import torch.distributed as dist
+
+    from roberta_fast.trainer import Dist
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+    d = Dist()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    d.init(torch.device("cuda", 1))
+    d.barrier()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    d.init(torch.device("cpu"))
+    d.barrier()
+    assert calls == [{"device_ids": [1]}, {}]
+
+
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(dataset, tmp_path):
     trainer = Trainer(small_config(dataset, tmp_path / "fp16", precision="fp16", init_loss_scale=2.0 ** 120,
                                    dropout=0.0))
