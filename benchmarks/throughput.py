@@ -746,7 +746,9 @@ def settings_from(args, device) -> list[tuple[str, int, str]]:
         bad = [s for s in seqs if s > limit]
         if bad:
             raise SystemExit(f"error: --seq-lens {bad} exceed the {model} preset's {limit} positions")
-    if device.type == "cuda" and "bf16" in dtypes and not torch.cuda.is_bf16_supported():
+    from roberta_fast.precision import native_bf16  # not torch.cuda.is_bf16_supported(): true where emulated
+
+    if device.type == "cuda" and "bf16" in dtypes and not native_bf16(device):
         raise SystemExit("error: this GPU has no bf16; pass --dtypes fp16")
     return [(m, s, d) for m in models for s in seqs for d in dtypes]
 
