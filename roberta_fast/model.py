@@ -457,13 +457,17 @@ class RobertaForMaskedLM(_PreTrained):
             raise ValueError("masked_only=True needs labels: they say which positions to predict")
         if self.check_inputs:
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens)
+        if masked_only:
+            # Flat indices of the predicted positions, found before the encoder runs: the one
+            # host sync (for their count) then waits for the masking, not for the encoder.
+            predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, cu_seqlens, max_seqlen)
         x = encoded.last_hidden_state
         backend = self._backend_for(input_ids)
         if masked_only:
-            predicted = labels.ne(IGNORE_INDEX)
-            x, target = x[predicted], labels[predicted]  # (num_predicted, hidden), (num_predicted,)
+            x = x.reshape(-1, x.shape[-1]).index_select(0, predicted)  # (num_predicted, hidden), row-major order
+            target = labels.reshape(-1).index_select(0, predicted)
         else:
             target = labels
         logits = self.lm_head(x, self.roberta.embeddings.word_embeddings.weight, backend)
