@@ -5,7 +5,8 @@
 #
 #   test       build (if needed), then the whole test suite on the GPU (bf16 included)
 #   sanitize   the extension's CUDA tests under compute-sanitizer (memcheck, racecheck)
-#   e2e        throughput.py: roberta-base, seq 512, bf16 and fp16, all four contenders, profiled
+#   e2e        throughput.py: roberta-base, seq 512, bf16, all four contenders, profiled
+#   e2e-fp16   the same in fp16 (with loss scaling)
 #   e2e-more   throughput.py: roberta-large at 512, and base and large at 128 (bf16)
 #   kernels    every per-kernel benchmark (attention, bias+GELU, LayerNorm, FusedAdam, masking,
 #              preprocessing, inference) and the AOT compile report
@@ -17,7 +18,7 @@
 # The last lines printed are a summary of the stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: benchmarks/gpu_session.sh test|sanitize|e2e|e2e-more|kernels [OUTDIR]}
+stage=${1:?usage: benchmarks/gpu_session.sh test|sanitize|e2e|e2e-fp16|e2e-more|kernels [OUTDIR]}
 out=${2:-benchmarks/results/pending}
 mkdir -p "$out"
 py=${PYTHON:-$(command -v python3 || command -v python)}
@@ -85,10 +86,11 @@ case $stage in
         tests/test_fused_adam.py tests/test_mask_tokens.py -k cuda
     done
     ;;
-  e2e)
+  e2e|e2e-fp16)
     ensure_built
-    run throughput-base512 "$py" benchmarks/throughput.py --models base --seq-lens 512 --dtypes bf16 fp16 \
-      --profile --no-record --json "$out/throughput-base512.json" --chart "$out/throughput-base512.png"
+    dtype=$([ "$stage" = e2e ] && echo bf16 || echo fp16)
+    run "throughput-base512-$dtype" "$py" benchmarks/throughput.py --models base --seq-lens 512 --dtypes "$dtype" \
+      --profile --no-record --json "$out/throughput-base512-$dtype.json" --chart "$out/throughput-base512-$dtype.png"
     ;;
   e2e-more)
     ensure_built
