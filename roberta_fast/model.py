@@ -340,7 +340,7 @@ class RobertaModel(_PreTrained):
                 packing = _Packing(input_ids.shape, cu_seqlens, max_seqlen)
             else:  # the same attention as a dense (batch, seqlen, seqlen) block-diagonal mask
                 attention_mask = _segment_mask(cu_seqlens, *input_ids.shape)
-        elif varlen and self.unpad and attention_mask is not None and not bool(attention_mask.all()):
+        elif varlen and self.unpad and attention_mask is not None:
             packing = _Packing.from_mask(attention_mask)
         if packing is not None:
             input_ids, position_ids, token_type_ids = (
@@ -376,12 +376,17 @@ class _Packing:
 
     @classmethod
     def from_mask(cls, attention_mask):
-        """Keep the attended tokens of each row; each row one sequence."""
+        """Keep the attended tokens of each row, each row one sequence; None when none is masked."""
         keep = attention_mask.bool()
         lengths = keep.sum(dim=1, dtype=torch.int32)
+        total, longest = torch.stack([lengths.sum(), lengths.max()]).tolist()  # the one host sync
+        if total == keep.numel():
+            return None
         cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (batch + 1,)
-        indices = keep.flatten().nonzero().squeeze(1)  # (total_tokens,) into batch·seqlen
-        return cls(keep.shape, cu_seqlens, int(lengths.max()), indices)
+        # the kept positions in order, as nonzero() gives them, without its second sync:
+        # a stable sort of "masked" (0 before 1) puts them first
+        indices = torch.argsort(keep.flatten().logical_not().to(torch.uint8), stable=True)[:total]
+        return cls(keep.shape, cu_seqlens, longest, indices)  # indices: (total_tokens,) into batch·seqlen
 
     def pack(self, t):
         """(batch, seqlen, ...) -> (total_tokens, ...); None stays None."""

@@ -61,6 +61,8 @@ def test_encoder_matches_transformers(pattern, backend, unpad):
     actual = ours(ids, attention_mask=mask, output_hidden_states=True)
     valid = mask.bool()
     assert rel_err(actual.last_hidden_state[valid], expected.last_hidden_state[valid]) < 1e-5
+    if not valid.all():  # the unpadded path ran (it re-pads with zeros); the padded one computes them
+        assert (actual.last_hidden_state[~valid] == 0).all() == unpad
     for got, want in zip(actual.hidden_states, expected.hidden_states, strict=True):
         assert rel_err(got[valid], want[valid]) < 1e-5
     if pattern != "left":  # the pooler reads position 0, which left padding masks
