@@ -11,7 +11,7 @@ compile breaks autotuning on the GPU.
 
     python benchmarks/compile_report.py                     # the model's variants, sm_90
     python benchmarks/compile_report.py --arch 80 90 --dtypes fp16 bf16 fp32 --head-dims 32 64 128
-    python benchmarks/compile_report.py --first-config-only --json report.json
+    python benchmarks/compile_report.py --default-configs --json report.json
 
 How: a stand-in Triton driver names the target GPU, and Triton's `jit_cache_hook`
 records each launch's specialisation instead of compiling and launching it; the
@@ -215,25 +215,21 @@ def capture(arch, dtypes, head_dims, hidden_sizes, all_variants=False) -> list[L
     return launches
 
 
-def expand_autotune(launches: list[Launch], first_only: bool) -> list[Launch]:
-    """Each attention launch once per autotune config (block sizes, warps, stages), as autotuning compiles."""
+def config_variants(launch: Launch) -> list[Launch]:
+    """An attention launch once per autotune config, in list order (as autotuning compiles them); others as is."""
     attn = importlib.import_module("roberta_fast.kernels.attention")
-    by_kernel = {kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__: configs
-                 for kernel, configs in attn._KERNELS.values()}
-    out = []
-    for launch in launches:
-        configs = by_kernel.get(launch.kernel)
-        if configs is None or first_only:
-            out.append(launch)
-            continue
-        fn = getattr(attn, launch.kernel)
-        for config in configs:
-            constants = dict(launch.constants)
-            for meta, value in config.kwargs.items():
-                constants[(fn.arg_names.index(meta),)] = value
-            out.append(Launch(launch.module, launch.kernel, launch.case, launch.signature, constants, launch.attrs,
-                              config.num_warps, config.num_stages))
-    return out
+    configs = {kernel.__name__: configs for kernel, configs in attn._KERNELS.values()}.get(launch.kernel)
+    if configs is None:
+        return [launch]
+    fn = getattr(attn, launch.kernel)
+    variants = []
+    for config in configs:
+        constants = dict(launch.constants)
+        for meta, value in config.kwargs.items():
+            constants[(fn.arg_names.index(meta),)] = value
+        variants.append(Launch(launch.module, launch.kernel, launch.case, launch.signature, constants, launch.attrs,
+                               config.num_warps, config.num_stages))
+    return variants
 
 
 # ----------------------------------------------------------------------------- compile
@@ -279,16 +275,31 @@ def compile_one(launch: Launch, arch: int) -> Row:
     return row
 
 
+def default_config(launch: Launch, arch: int) -> Row:
+    """What runs with autotuning off: the first config that compiles and fits the shared memory."""
+    for variant in config_variants(launch):
+        row = compile_one(variant, arch)
+        if row.status == "ok" and not _too_much_shared(row):
+            return row
+    return row  # none fits: the last one, flagged
+
+
 def _compile_job(args):
-    return compile_one(*args)
+    fn, launch, arch = args
+    return fn(launch, arch)
 
 
-def compile_all(launches: list[Launch], archs, jobs: int) -> list[Row]:
-    work = [(launch, arch) for arch in archs for launch in launches]
+def compile_all(launches: list[Launch], archs, jobs: int, default_configs: bool) -> list[Row]:
+    """Every config of every launch for each arch, or only the config that runs without autotuning."""
+    if default_configs:
+        work = [(default_config, launch, arch) for arch in archs for launch in launches]
+    else:
+        work = [(compile_one, variant, arch) for arch in archs for launch in launches
+                for variant in config_variants(launch)]
     if jobs <= 1:
-        return [compile_one(*w) for w in work]
+        return [_compile_job(w) for w in work]
     with ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(_compile_job, work, chunksize=4))
+        return list(pool.map(_compile_job, work, chunksize=2))
 
 
 # ----------------------------------------------------------------------------- report
@@ -328,8 +339,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dims", type=int, nargs="+", default=[64], choices=[32, 64, 128])
     p.add_argument("--hidden-sizes", type=int, nargs="+", default=[768], help="LayerNorm widths (GELU: 4x)")
     p.add_argument("--all-variants", action="store_true", help="also attention with neither mask nor dropout")
-    p.add_argument("--first-config-only", action="store_true",
-                   help="only each attention kernel's default config (what runs with ROBERTA_FAST_AUTOTUNE=0)")
+    p.add_argument("--default-configs", action="store_true",
+                   help="only what runs with ROBERTA_FAST_AUTOTUNE=0: each attention kernel's first config that "
+                        "fits the GPU's shared memory")
     p.add_argument("--kernels", nargs="+", help="only kernels whose name contains one of these strings")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     p.add_argument("--json", metavar="PATH", help="also write every row to this JSON file")
@@ -348,8 +360,7 @@ def main(argv=None) -> int:
     launches = capture(args.arch[0], dtypes, args.head_dims, args.hidden_sizes, args.all_variants)
     if args.kernels:
         launches = [la for la in launches if any(s in la.kernel for s in args.kernels)]
-    launches = expand_autotune(launches, args.first_config_only)
-    rows = compile_all(launches, args.arch, args.jobs)
+    rows = compile_all(launches, args.arch, args.jobs, args.default_configs)
     shown = [r for r in rows if r.status != "ok" or r.spill_bytes or _too_much_shared(r)] if args.errors_only \
         else rows
     print(format_table(shown))

@@ -46,6 +46,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ._utils import dropout_threshold, on_device, philox_rand16
 
@@ -345,12 +346,15 @@ def _configs(rows):
 # two Triton versions; (128, 64, 4, 3) stays for the forward without dropout (eval),
 # where it does not spill. The first config of each list (the default when
 # autotuning is off) spills in no variant on sm_90.
+# The last, (32, 32, 4, 2), is the one that fits the shared memory of an A100 (and for
+# dQ of an H100) with fp32 inputs at head dim 128; with autotuning off the first
+# config that fits runs.
 _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
-                         (64, 64, 8, 3)])
+                         (64, 64, 8, 3), (32, 32, 4, 2)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 4),
-                          (32, 64, 8, 3)])
+                          (32, 64, 8, 3), (32, 32, 4, 2)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3),
-                        (64, 32, 4, 4)])
+                        (64, 32, 4, 4), (32, 32, 4, 2)])
 # Under the interpreter: small tiles keep the tests quick and still exercise several
 # blocks and ragged tails at seqlen 130 / 257, with BLOCK_M != BLOCK_N both ways round.
 _INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
@@ -365,7 +369,7 @@ _TUNED = {} if _INTERPRET else {name: triton.autotune(configs=configs, key=_KEY,
 
 
 def autotune_enabled():
-    """GPU block sizes are autotuned unless ROBERTA_FAST_AUTOTUNE=0 (then each kernel's first config runs).
+    """GPU block sizes are autotuned unless ROBERTA_FAST_AUTOTUNE=0 (then each kernel's first config that fits).
 
     Turning it off saves the one-off tuning (every config is compiled and timed per
     dtype / head dim / variant), e.g. for test runs; read at every launch.
@@ -375,16 +379,33 @@ def autotune_enabled():
 
 def _launch(name, grid_block, seqlen, batch_heads, *args, **constexprs):
     """Launch kernel `name` over (blocks of seqlen along grid_block, batch * heads)."""
-    seqlen_bucket = max(16, triton.next_power_of_2(seqlen))
-    if _INTERPRET:
-        kernel, meta = _KERNELS[name][0], _INTERPRET_META[name]
-    elif autotune_enabled():
-        kernel, meta = _TUNED[name], {}
-    else:
-        kernel, config = _KERNELS[name][0], _KERNELS[name][1][0]
-        meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    args = (*args, seqlen, max(16, triton.next_power_of_2(seqlen)))  # + seqlen_bucket, the autotune key
     grid = lambda m: (triton.cdiv(seqlen, m[grid_block]), batch_heads)  # noqa: E731
-    kernel[grid](*args, seqlen, seqlen_bucket, **constexprs, **meta)
+    kernel, configs = _KERNELS[name]
+    if _INTERPRET:
+        kernel[grid](*args, **constexprs, **_INTERPRET_META[name])
+    elif autotune_enabled():
+        _TUNED[name][grid](*args, **constexprs)  # configs that do not fit the GPU time as infinite
+    else:
+        _launch_first_fitting(name, kernel, configs, grid, args, constexprs)
+
+
+_FIRST_FITTING = {}  # (kernel, GPU, constexprs) -> index of the first config that fits, autotuning off
+
+
+def _launch_first_fitting(name, kernel, configs, grid, args, constexprs):
+    """The first config the GPU can run: fp32 at head dim 128 needs more shared memory than the default's."""
+    key = (name, args[0].device, tuple(sorted(constexprs.items())))  # args[0]: q
+    for i in range(_FIRST_FITTING.get(key, 0), len(configs)):
+        config = configs[i]
+        try:  # OutOfResources is raised before the launch: nothing has run
+            kernel[grid](*args, **constexprs, **config.all_kwargs())
+        except OutOfResources:
+            continue
+        _FIRST_FITTING[key] = i
+        return
+    raise RuntimeError(f"attention: no {name} config fits this GPU's shared memory for {constexprs}; "
+                       "use bf16/fp16 inputs (fp32 at head dim 128 needs the most)")
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -279,7 +279,7 @@ def _run_compiled(args, timeout=600):
 
 def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
     """What the interpreter cannot check: each kernel the model launches builds for A100 and H100."""
-    proc = _run_compiled(["benchmarks/compile_report.py", "--arch", "80", "90", "--first-config-only",
+    proc = _run_compiled(["benchmarks/compile_report.py", "--arch", "80", "90", "--default-configs",
                           "--jobs", "2", "--json", str(tmp_path / "report.json")])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
