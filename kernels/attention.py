@@ -29,10 +29,11 @@ fake implementations) so torch.compile can trace through them (fullgraph).
 Caveats: on a CPU the kernels run only under Triton's interpreter
 (TRITON_INTERPRET=1 before triton is imported), where small blocks are used and
 bf16 tl.dot is computed wrongly (test bf16 on a GPU). fp32 inputs use IEEE fp32
-dots (exact-ish parity with PyTorch), not TF32. GPU block sizes are autotuned over
+dots (exact-ish parity with PyTorch; slow: no tensor cores, registers spill), or TF32
+where torch.set_float32_matmul_precision allows it. GPU block sizes are autotuned over
 configs sensible for Ampere/Hopper (no Hopper-only features), keyed on a seqlen
 bucket, with the results cached on disk; ROBERTA_FAST_AUTOTUNE=0 runs each
-kernel's first config instead (no one-off tuning). benchmarks/compile_report.py
+kernel's first config that fits the GPU instead (no one-off tuning). benchmarks/compile_report.py
 compiles every variant and config for sm_80/sm_90 on any machine and reports
 registers and spills (the tests compile the default configs that way). Not yet run
 or measured on a GPU when this was written (none was available): see
@@ -435,11 +436,20 @@ def _lse_layout(q, cu_seqlens, batch, nheads, seqlen):
     return lse, (0, lse.stride(0))
 
 
+def _dot_precision(dtype):
+    """fp32 dots in IEEE fp32, or in TF32 where the user allows it for matmuls
+    (torch.set_float32_matmul_precision("high")), as PyTorch's own matmuls do; the
+    setting means nothing for fp16/bf16 inputs."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
 def _common(q, key_mask, cu_seqlens, rng):
     """varlen, constexpr flags, (mask, cu_seqlens, rng) pointers, mask batch stride."""
     varlen = cu_seqlens is not None
     flags = dict(HAS_MASK=key_mask is not None, IS_VARLEN=varlen, HAS_DROPOUT=rng is not None,
-                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                 PRECISION=_dot_precision(q.dtype))
     dummy = q  # pointer arguments a constexpr flag switches off are never read
     ptrs = (dummy if key_mask is None else key_mask, dummy if cu_seqlens is None else cu_seqlens,
             dummy if rng is None else rng)

@@ -307,3 +307,17 @@ def test_bad_inputs(device):
         attention_varlen(*packed, torch.tensor([0, 8, 15], device=device, dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="max_seqlen"):
         attention_varlen(*packed, torch.tensor([0, 4, 16], device=device, dtype=torch.int32), 8)
+
+
+def test_fp32_dots_follow_torchs_matmul_precision():
+    """IEEE fp32 by default (parity); TF32 (tensor cores) only where the user allows it for matmuls."""
+    from roberta_fast.kernels.attention import _dot_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _dot_precision(torch.float32) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert _dot_precision(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
