@@ -31,7 +31,7 @@ import os
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -66,7 +66,6 @@ class Row:
     stack_bytes: int | None = None
     shared_bytes: int | None = None
     error: str | None = None
-    info: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- capture
