@@ -11,22 +11,33 @@
 #   kernels    every per-kernel benchmark (attention, bias+GELU, LayerNorm, FusedAdam, masking,
 #              preprocessing, inference) and the AOT compile report
 #
-# Logs and JSON files go to OUTDIR (default benchmarks/results/pending) and are also
-# packed into OUTDIR/STAGE.tgz, for machines that hand back only a few files. Nothing
-# is written to benchmarks/results/ itself: copy the JSON files there and run
-# `python benchmarks/throughput.py --refresh-record` to update the record's table.
-# The last lines printed are a summary of the stage.
+# Logs and JSON files are packed into one file, OUTDIR/STAGE.tgz (default OUTDIR:
+# benchmarks/results/pending), refreshed after every step: a machine that hands back
+# only a few files gets all of them, and a stage cut off at its time limit still
+# hands back what it finished. Nothing is written to benchmarks/results/ itself: copy
+# the JSON files there and run `python benchmarks/throughput.py --refresh-record` to
+# update the record's table. The last lines printed are a summary of the stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: benchmarks/gpu_session.sh test|sanitize|e2e|e2e-fp16|e2e-more|kernels [OUTDIR]}
-out=${2:-benchmarks/results/pending}
-mkdir -p "$out"
+dest=${2:-benchmarks/results/pending}
+out=${TMPDIR:-/tmp}/gpu_session-$stage  # the stage's files, packed into $dest/$stage.tgz
+rm -rf "$out" && mkdir -p "$out" "$dest"
 py=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONUNBUFFERED=1
 summary=()
 start=$SECONDS
 
-note() { summary+=("$1"); echo "== $1"; }
+note() { summary+=("$1"); echo "== $1"; printf '%s\n' "${summary[@]}" >"$out/summary.txt"; pack; }
+pack() { tar czf "$dest/$stage.tgz" -C "$out" . 2>/dev/null; }
+
+"$py" - >"$out/environment.txt" 2>&1 <<'EOF'
+import subprocess, torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+print(subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
+EOF
 
 ensure_built() {
   if "$py" -c "import torch, roberta_fast._C as C; assert torch.cuda.is_available() and C.built_with_cuda()" \
@@ -44,7 +55,7 @@ ensure_built() {
   fi
 }
 
-run() {  # run NAME CMD...: log to OUTDIR/NAME.log, note the exit status and time
+run() {  # run NAME CMD...: log to NAME.log, note the exit status and time
   local name=$1 t=$SECONDS rc
   shift
   "$@" 2>&1 | tee "$out/$name.log"
@@ -54,14 +65,7 @@ run() {  # run NAME CMD...: log to OUTDIR/NAME.log, note the exit status and tim
 }
 
 finish() {
-  "$py" - "$out" >"$out/environment.txt" 2>&1 <<'EOF'
-import subprocess, sys, torch, triton
-print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
-if torch.cuda.is_available():
-    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-print(subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
-EOF
-  tar czf "$out/$stage.tgz" --exclude='*.tgz' -C "$out" . 2>/dev/null
+  pack
   echo
   echo "==== $stage summary ($((SECONDS - start)) s) ===="
   cat "$out/environment.txt"
