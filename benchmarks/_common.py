@@ -153,6 +153,15 @@ def print_rows(rows, columns):
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
+def record_path(args, op, device):
+    """--json, or for a full GPU run the record file results/<op>-<device name>-<date>.json; else None."""
+    if args.json is not None or device.type != "cuda" or args.quick:
+        return args.json
+    stamp = environment(device)["date"].replace(":", "").replace("+0000", "Z")
+    name = device_facts(device)["name"].replace(" ", "_")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{op}-{name}-{stamp}.json")
+
+
 def write_json(path, env, results, **extra):
     """Write {"environment", "results", **extra} to path atomically (temp file + rename)."""
     payload = {"environment": env, **extra, "results": results}

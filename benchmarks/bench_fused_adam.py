@@ -106,12 +106,7 @@ def main():
     print(f"copy bandwidth {bc.sig(copy)} GB/s on {bc.device_facts(device)['name']}")
     bc.print_rows(rows, ["impl", "params", "tensors", "ms", "GB/s", "%copy", "x_vs_torch_fused"])
     targets = {"x_vs_torch_fused": 1.0, "%copy": 85.0}
-    path = args.json
-    if path is None and device.type == "cuda" and not args.quick:
-        stamp = bc.environment(device)["date"].replace(":", "").replace("+0000", "Z")
-        name = bc.device_facts(device)["name"].replace(" ", "_")
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                            f"fused_adam-{name}-{stamp}.json")
+    path = bc.record_path(args, "fused_adam", device)
     if path:
         bc.write_json(path, bc.environment(device), rows, copy_gbs=bc.sig(copy), targets=targets)
         print(f"wrote {path}")

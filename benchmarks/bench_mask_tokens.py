@@ -76,12 +76,7 @@ def main():
               "x_vs_hf_collator": bc.sig(peer / ms) if peer else None}
              for name, ms in times.items()]
     bc.print_rows(table, ["impl", "batch", "ms", "x_vs_hf_collator"])
-    path = args.json
-    if path is None and device.type == "cuda" and not args.quick:
-        stamp = bc.environment(device)["date"].replace(":", "").replace("+0000", "Z")
-        name = bc.device_facts(device)["name"].replace(" ", "_")
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                            f"mask_tokens-{name}-{stamp}.json")
+    path = bc.record_path(args, "mask_tokens", device)
     if path:
         bc.write_json(path, bc.environment(device), table, targets={"x_vs_hf_collator": 100.0})
         print(f"wrote {path}")
