@@ -182,16 +182,19 @@ def _row_kernel_cases(dtypes, hidden_sizes):
                 bias_gelu._bias_gelu_bwd(torch.empty_like(x), x, bias)
             yield f"bias_gelu {name} n{4 * hidden}", gelu
 
-            # (residual, dropout): the sublayer ends (fp32 residual stream) and the embeddings' LN
-            for has_residual, p in ((True, 0.1), (True, 0.0), (False, 0.0)):
-                def ln(dtype=dtype, n=hidden, has_residual=has_residual, p=p):
+            # (residual, dropout, half copy of y): the sublayer ends (fp32 residual stream; under
+            # autocast the model's LayerNorms also write the next matmul's copy) and the embeddings' LN
+            for has_residual, p, copy in ((True, 0.1, True), (True, 0.1, False), (True, 0.0, False),
+                                          (False, 0.0, False)):
+                def ln(dtype=dtype, n=hidden, has_residual=has_residual, p=p, copy=copy):
                     x, w, b = torch.empty(ROWS, n, dtype=dtype), torch.empty(n), torch.empty(n)
                     r = torch.empty(ROWS, n) if has_residual else None
                     seed = torch.zeros(2, dtype=torch.int64) if p else None
-                    layer_norm._layer_norm_fwd(x, w, b, r, seed, 1e-5, p, False)
+                    layer_norm._layer_norm_fwd(x, w, b, r, seed, 1e-5, p, False, dtype if copy else None)
                     stats = torch.empty(ROWS)
-                    layer_norm._layer_norm_bwd(torch.empty(ROWS, n), x, w, r, stats, stats, seed, p)
-                label = ("residual" if has_residual else "") + ("+dropout" if p else "")
+                    dy_copy = torch.empty(ROWS, n, dtype=dtype) if copy else None
+                    layer_norm._layer_norm_bwd(torch.empty(ROWS, n), dy_copy, x, w, r, stats, stats, seed, p)
+                label = ("residual" if has_residual else "") + ("+dropout" if p else "") + ("+copy" if copy else "")
                 yield f"layer_norm {name} n{hidden} {label or 'plain'}", ln
 
 

@@ -10,6 +10,12 @@ from the saved inputs and the dropout mask from its Philox seed: nothing beyond 
 per-row fp32 mean and rstd is stored. dweight/dbias are reduced without atomics
 (partial sums per program, then a sum over programs), so they are deterministic.
 
+Under autocast the residual stream is fp32 (as in Hugging Face's model) and the next
+matmul reads a half copy of it: `cast_dtype` has the kernel write that copy in the
+same pass and the backward add the two grads in the same pass, which saves a cast
+kernel each way and autograd's separate grad sum (about 20 bytes per element moved),
+with bitwise the same results.
+
 Layout follows Liger-Kernel's ops/layer_norm.py and flash-attention's
 ops/triton/layer_norm.py: kernels, launchers (registered as torch.library custom
 ops with fake implementations, so torch.compile traces through them), one
@@ -50,12 +56,12 @@ def _sum_input(X, R, SEED, offs, rows, mask, thresh, dropout_scale,
 
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X, R, W, B, Y, KEEP, MEAN, RSTD, SEED,
+    X, R, W, B, Y, Y_CAST, KEEP, MEAN, RSTD, SEED,
     M, N, eps, thresh, dropout_scale,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program normalises BLOCK_M whole rows (BLOCK_N >= N)."""
+    """One program normalises BLOCK_M whole rows (BLOCK_N >= N); Y_CAST gets y cast again."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < M
@@ -73,21 +79,24 @@ def _layer_norm_fwd_kernel(
 
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = diff * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    y = (diff * rstd[:, None] * w[None, :] + b[None, :]).to(Y.dtype.element_ty)
+    tl.store(Y + offs, y, mask=mask)
+    if HAS_CAST:  # from the stored value: exactly what y.to(cast_dtype) gives
+        tl.store(Y_CAST + offs, y.to(Y_CAST.dtype.element_ty), mask=mask)
     tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    DY, X, R, W, MEAN, RSTD, SEED, DX, DR, DW_PART, DB_PART,
+    DY, DY_CAST, X, R, W, MEAN, RSTD, SEED, DX, DR, DW_PART, DB_PART,
     M, N, rows_per_program, thresh, dropout_scale,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DY_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program walks `rows_per_program` rows in BLOCK_M-row tiles.
 
+    dy is the sum of the grads of y and of its cast copy (one fp32 add, as autograd's).
     dz = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w; dresidual = dz,
     dx = dz through the dropout mask. dw/db partials of this program go to row pid
     of DW_PART/DB_PART (n_programs, N), summed afterwards.
@@ -111,6 +120,8 @@ def _layer_norm_bwd_kernel(
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DY_CAST:
+            dy += tl.load(DY_CAST + offs, mask=mask, other=0.0).to(tl.float32)
         dw_acc += dy * xhat
         db_acc += dy
         g = dy * w[None, :]
@@ -147,45 +158,52 @@ def _separate_dresidual(x, residual, dropout_p) -> bool:
 def _layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     residual: Optional[torch.Tensor], seed: Optional[torch.Tensor],
-    eps: float, dropout_p: float, store_keep: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual: (M, N) -> y (M, N), keep mask (M, N) or (0,), mean (M,), rstd (M,)."""
+    eps: float, dropout_p: float, store_keep: bool, cast_dtype: Optional[torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: (M, N) -> y (M, N), y in cast_dtype (M, N) or (0,), keep mask (M, N) or (0,),
+    mean (M,), rstd (M,)."""
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     residual = residual.contiguous() if residual is not None else None
     M, N = x.shape
     y = torch.empty_like(x, dtype=_out_dtype(x, residual))
+    y_cast = torch.empty((M, N) if cast_dtype is not None else (0,), dtype=cast_dtype or y.dtype,
+                         device=x.device)
     keep = torch.empty((M, N) if store_keep else (0,), dtype=torch.bool, device=x.device)
     mean = torch.empty((M,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
-        return y, keep, mean, rstd
+        return y, y_cast, keep, mean, rstd
     block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
     with on_device(x.device):
         _layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x, residual, weight, bias, y, keep, mean, rstd, seed,
+            x, residual, weight, bias, y, y_cast, keep, mean, rstd, seed,
             M, N, eps, dropout_threshold(dropout_p), _dropout_scale(dropout_p),
-            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
-            STORE_KEEP=store_keep, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_KEEP=store_keep,
+            HAS_CAST=cast_dtype is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
-    return y, keep, mean, rstd
+    return y, y_cast, keep, mean, rstd
 
 
 @_layer_norm_fwd.register_fake
-def _(x, weight, bias, residual, seed, eps, dropout_p, store_keep):
+def _(x, weight, bias, residual, seed, eps, dropout_p, store_keep, cast_dtype):
     M, N = x.shape
+    y = torch.empty_like(x, dtype=_out_dtype(x, residual))
+    y_cast = x.new_empty((M, N) if cast_dtype is not None else (0,), dtype=cast_dtype or y.dtype)
     keep = x.new_empty((M, N) if store_keep else (0,), dtype=torch.bool)
     stats = x.new_empty((M,), dtype=torch.float32)
-    return torch.empty_like(x, dtype=_out_dtype(x, residual)), keep, stats, torch.empty_like(stats)
+    return y, y_cast, keep, stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("roberta_fast::layer_norm_bwd", mutates_args=())
 def _layer_norm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+    dy: torch.Tensor, dy_cast: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
     residual: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
     seed: Optional[torch.Tensor], dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dx (M, N), dresidual (M, N) or (0,) when it equals dx, dweight (N,) fp32, dbias (N,) fp32."""
+    """dy, and dy_cast (the grad of y's cast copy) or None
+    -> dx (M, N), dresidual (M, N) or (0,) when it equals dx, dweight (N,) fp32, dbias (N,) fp32."""
     dy, x, weight = dy.contiguous(), x.contiguous(), weight.contiguous()
+    dy_cast = dy_cast.contiguous() if dy_cast is not None else None
     residual = residual.contiguous() if residual is not None else None
     M, N = x.shape
     store_dr = _separate_dresidual(x, residual, dropout_p)
@@ -201,16 +219,16 @@ def _layer_norm_bwd(
     if M:
         with on_device(x.device):
             _layer_norm_bwd_kernel[(n_programs,)](
-                dy, x, residual, weight, mean, rstd, seed, dx, dr, dw_part, db_part,
+                dy, dy_cast, x, residual, weight, mean, rstd, seed, dx, dr, dw_part, db_part,
                 M, N, rows_per_program, dropout_threshold(dropout_p), _dropout_scale(dropout_p),
-                HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0,
-                STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_DR=store_dr,
+                HAS_DY_CAST=dy_cast is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
             )
     return dx, dr, dw_part.sum(0), db_part.sum(0)
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, weight, residual, mean, rstd, seed, dropout_p):
+def _(dy, dy_cast, x, weight, residual, mean, rstd, seed, dropout_p):
     M, N = x.shape
     store_dr = _separate_dresidual(x, residual, dropout_p)
     dr = x.new_empty((M, N) if store_dr else (0,), dtype=residual.dtype if store_dr else x.dtype)
@@ -222,42 +240,57 @@ def _(dy, x, weight, residual, mean, rstd, seed, dropout_p):
 # Autograd and the public function
 # ----------------------------------------------------------------------------
 class LayerNormFn(torch.autograd.Function):
-    """LayerNorm(dropout(x) + residual); grads for x, weight, bias and residual."""
+    """LayerNorm(dropout(x) + residual), and optionally a cast copy of it; grads for x,
+    weight, bias and residual."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, dropout_p, seed, store_keep):
+    def forward(ctx, x, weight, bias, residual, eps, dropout_p, seed, store_keep, cast_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (..., N) -> (M, N)
         r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
-        y, keep, mean, rstd = _layer_norm_fwd(x2, weight, bias, r2, seed, eps, dropout_p, store_keep)
+        y, y_cast, keep, mean, rstd = _layer_norm_fwd(x2, weight, bias, r2, seed, eps, dropout_p,
+                                                      store_keep, cast_dtype)
         ctx.save_for_backward(x2, weight, r2, mean, rstd, seed)
         ctx.mark_non_differentiable(keep)
+        ctx.set_materialize_grads(False)  # an unused output's grad stays None: nothing to read
         ctx.shape, ctx.bias_dtype = shape, bias.dtype
         ctx.dropout_p, ctx.separate_dr = dropout_p, _separate_dresidual(x, residual, dropout_p)
-        return y.view(shape), keep.view(shape) if store_keep else keep
+        ctx.has_cast = cast_dtype is not None
+        return (y.view(shape), y_cast.view(shape) if cast_dtype is not None else y_cast,
+                keep.view(shape) if store_keep else keep)
 
     @staticmethod
-    def backward(ctx, dy, _dkeep):
+    def backward(ctx, dy, dy_cast, _dkeep):
         x2, weight, r2, mean, rstd, seed = ctx.saved_tensors
+        if dy is None:  # only the cast copy was used
+            dy = x2.new_zeros(x2.shape, dtype=_out_dtype(x2, r2))
         dy2 = dy.reshape(x2.shape)  # (..., N) -> (M, N)
-        dx, dr, dw, db = _layer_norm_bwd(dy2, x2, weight, r2, mean, rstd, seed, ctx.dropout_p)
+        # (torch.compile may hand a zero grad for the (0,) placeholder of an absent copy)
+        dy_cast2 = dy_cast.reshape(x2.shape) if ctx.has_cast and dy_cast is not None else None
+        dx, dr, dw, db = _layer_norm_bwd(dy2, dy_cast2, x2, weight, r2, mean, rstd, seed, ctx.dropout_p)
         dres = None
         if r2 is not None:
             dres = (dr if ctx.separate_dr else dx).view(ctx.shape)
         return (dx.view(ctx.shape), dw.to(weight.dtype), db.to(ctx.bias_dtype), dres,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=None,
-               return_dropout_mask=False):
+               return_dropout_mask=False, cast_dtype=None):
     """LayerNorm(dropout(x) + residual) over the last dim of x (..., N), fp32 statistics.
 
     weight, bias: (N,), any float dtype (grads come back in their dtype); residual: x's
-    shape, any float dtype (an fp32 residual stream with bf16 x is fine), or None. dropout_p > 0 applies inverted dropout to x before the add,
-    with a Philox stream keyed by `seed` (an int; None draws one from torch's generator,
-    so torch.manual_seed reproduces it). With return_dropout_mask=True returns
-    (y, keep) where keep is the bool mask of kept elements of x. Output in the dtype
-    of `x + residual` (x's dtype when they match or without a residual).
+    shape, any float dtype (an fp32 residual stream with bf16 x is fine), or None.
+    dropout_p > 0 applies inverted dropout to x before the add, with a Philox stream
+    keyed by `seed` (an int; None draws one from torch's generator, so torch.manual_seed
+    reproduces it). Output in the dtype of `x + residual` (x's dtype when they match or
+    without a residual).
+
+    cast_dtype (e.g. torch.bfloat16): also return y.to(cast_dtype), written by the same
+    pass. Under autocast the fp32 output feeds the residual and its half copy the next
+    matmul, which then needs no cast of its own; the backward sums the two grads, as
+    autograd would. Returns y, then y's copy with cast_dtype, then with
+    return_dropout_mask=True the bool mask of kept elements of x.
     """
     op = "layer_norm"
     if not isinstance(x, torch.Tensor):
@@ -284,14 +317,18 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=Non
         raise ValueError(f"{op}: eps must be a positive float, got {eps}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1], got {dropout_p}")
+    if cast_dtype is not None and cast_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{op}: cast_dtype must be torch.float16, torch.bfloat16, torch.float32 or None, "
+                         f"got {cast_dtype}")
     seed_t = None
     if dropout_p > 0.0:
         seed_t = _seed_tensor(seed, x.device)
-    y, keep = LayerNormFn.apply(x, weight, bias, residual, float(eps), float(dropout_p), seed_t,
-                                bool(return_dropout_mask))
+    y, y_cast, keep = LayerNormFn.apply(x, weight, bias, residual, float(eps), float(dropout_p), seed_t,
+                                        bool(return_dropout_mask), cast_dtype)
+    out = (y,) if cast_dtype is None else (y, y_cast)
     if return_dropout_mask:
-        return y, keep if dropout_p > 0.0 else torch.ones_like(x, dtype=torch.bool)
-    return y
+        out += (keep if dropout_p > 0.0 else torch.ones_like(x, dtype=torch.bool),)
+    return out[0] if len(out) == 1 else out
 
 
 def _seed_tensor(seed, device):
@@ -303,12 +340,13 @@ def _seed_tensor(seed, device):
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, dropout_mask=None):
+def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, dropout_mask=None,
+                   cast_dtype=None):
     """Plain-PyTorch LayerNorm(dropout(x) + residual), computed in fp32 (fp64 inputs stay
     fp64, for gold values in tests), output in the dtype of `x + residual`.
 
     dropout_mask (bool, x's shape) gives the kept elements; without it torch's own
-    dropout draws one when dropout_p > 0.
+    dropout draws one when dropout_p > 0. cast_dtype: return (y, y.to(cast_dtype)).
     """
     out_dtype = _out_dtype(x, residual)
     acc = torch.promote_types(out_dtype, torch.float32)
@@ -319,5 +357,5 @@ def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, drop
         z = torch.nn.functional.dropout(z, dropout_p)
     if residual is not None:
         z = z + residual.to(acc)
-    y = torch.nn.functional.layer_norm(z, (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
-    return y.to(out_dtype)
+    y = torch.nn.functional.layer_norm(z, (x.shape[-1],), weight.to(acc), bias.to(acc), eps).to(out_dtype)
+    return y if cast_dtype is None else (y, y.to(cast_dtype))

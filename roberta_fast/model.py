@@ -208,16 +208,22 @@ class RobertaLayer(nn.Module):
         self.hidden_dropout_p = config.hidden_dropout_prob
         self.attention_dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x, attention_mask=None, backend="reference", packed=None, output_attentions=False):
+    def forward(self, x, attention_mask=None, backend="reference", packed=None, output_attentions=False,
+                x_cast=None, cast_dtype=None):
         """x: (batch, seqlen, hidden), or (total_tokens, hidden) when `packed` = (cu_seqlens, max_seqlen).
 
-        Returns the new x, or (x, attention probabilities) with output_attentions.
+        Under autocast the residual stream x stays fp32 (as HF's) and each matmul reads a
+        half copy. x_cast: that copy of x, written by the previous fused LayerNorm, read by
+        the QKV projection instead of autocast casting x again; cast_dtype: have the last
+        LayerNorm write such a copy of the output too (ops.autocast_copy_dtype).
+        Returns (x, x's copy in cast_dtype or None, attention probabilities or None).
         """
         hidden = x.shape[-1]
         hidden_p = self.hidden_dropout_p if self.training else 0.0
         attention_p = self.attention_dropout_p if self.training else 0.0
 
-        qkv = self.qkv(x).view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
+        qkv = self.qkv(x if x_cast is None else x_cast)
+        qkv = qkv.view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
         q, k, v = qkv.unbind(dim=-3)  # each (batch, seqlen, heads, head_dim) or (tokens, heads, head_dim)
         probs = None
         if packed is not None:
@@ -227,14 +233,17 @@ class RobertaLayer(nn.Module):
         else:
             a = ops.attention(q, k, v, attention_mask, attention_p, backend)
         a = self.attn_out(a.reshape(*x.shape[:-1], hidden))
-        x = ops.dropout_add_layer_norm(a, x, self.attn_norm.weight, self.attn_norm.bias,
-                                       self.attn_norm.eps, hidden_p, backend)
+        ffn_cast_dtype = ops.autocast_copy_dtype(x, backend)
+        out = ops.dropout_add_layer_norm(a, x, self.attn_norm.weight, self.attn_norm.bias,
+                                         self.attn_norm.eps, hidden_p, backend, ffn_cast_dtype)
+        x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
-        f = ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias, backend)
+        f = ops.linear_gelu(x_ffn, self.ffn_in.weight, self.ffn_in.bias, backend)
         f = self.ffn_out(f)
-        x = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
-                                       self.ffn_norm.eps, hidden_p, backend)
-        return (x, probs) if output_attentions else x
+        out = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
+                                         self.ffn_norm.eps, hidden_p, backend, cast_dtype)
+        x, x_cast = out if cast_dtype is not None else (out, None)
+        return x, x_cast, probs
 
 
 class _PreTrained(nn.Module):
@@ -346,16 +355,16 @@ class RobertaModel(_PreTrained):
             input_ids, position_ids, token_type_ids = (
                 packing.pack(t) for t in (input_ids, position_ids, token_type_ids))
         x = self.embeddings(input_ids, token_type_ids, position_ids, backend)
-        states, attentions = [x], []
-        for layer in self.layers:
-            if packing is not None:
-                x = layer(x, backend=backend, packed=(packing.cu_seqlens, packing.max_seqlen))
-            elif output_attentions:
-                x, probs = layer(x, attention_mask, backend, output_attentions=True)
-                attentions.append(probs)
-            else:
-                x = layer(x, attention_mask, backend)
+        packed = (packing.cu_seqlens, packing.max_seqlen) if packing is not None else None
+        cast_dtype = ops.autocast_copy_dtype(x, backend)  # None unless fused under autocast
+        states, attentions, x_cast = [x], [], None
+        for i, layer in enumerate(self.layers):
+            last = i == len(self.layers) - 1  # the head casts its own (fewer) rows
+            x, x_cast, probs = layer(x, attention_mask, backend, packed, output_attentions, x_cast,
+                                     None if last else cast_dtype)
             states.append(x)
+            if output_attentions:
+                attentions.append(probs)
         if packing is not None:
             x = packing.unpack(x)
             states = [packing.unpack(h) for h in states] if output_hidden_states else states

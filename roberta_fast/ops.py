@@ -127,15 +127,31 @@ def linear_gelu(x, weight, bias, backend: str):
     return F.gelu(F.linear(x, weight, bias))
 
 
-def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float, backend: str):
+def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float, backend: str,
+                           cast_dtype=None):
     """LayerNorm(dropout(x) + residual): the post-LN sublayer ending. residual may be None.
 
     With mixed dtypes (autocast: x half, residual fp32) the output takes the dtype of
-    `x + residual`, as PyTorch's would, in both paths.
+    `x + residual`, as PyTorch's would, in both paths. cast_dtype: return (y,
+    y.to(cast_dtype)), the copy the next matmul reads under autocast; the fused kernel
+    writes both in one pass (and sums their grads in one), so no cast kernel runs.
     """
     if backend == "fused":
-        return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
+        return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p,
+                                     cast_dtype=cast_dtype)
     x = F.dropout(x, p=dropout_p, training=dropout_p > 0)
     if residual is not None:
         x = x + residual
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return y if cast_dtype is None else (y, y.to(cast_dtype))
+
+
+def autocast_copy_dtype(x, backend: str):
+    """The dtype the next matmul would cast x to under autocast, when the fused LayerNorm
+    should write that copy itself; None outside autocast, when x has it already, or on
+    the reference backend (which leaves the casting to autocast, as HF does)."""
+    device = x.device.type
+    if backend != "fused" or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return dtype if dtype != x.dtype else None

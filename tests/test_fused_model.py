@@ -90,3 +90,59 @@ def test_top_level_kernels_import_registers_nothing(monkeypatch):
 
     q = torch.randn(1, 5, 1, 32)
     torch.testing.assert_close(attention(q, q, q), attention_ref(q, q, q))
+
+
+def _loss_logits_grads(model, ids, mask, labels, autocast_dtype, seed=0):
+    model.zero_grad()
+    torch.manual_seed(seed)  # the same dropout seeds for every model
+    with torch.autocast(ids.device.type, dtype=autocast_dtype):
+        out = model(ids, mask, labels=labels)
+    out.loss.backward()
+    return out.logits.float(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _autocast_dtype(device):
+    """bf16 on a GPU (the trainer's default); fp16 on the CPU (the interpreter's bf16 dots are wrong)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float16
+
+
+def test_fused_model_under_autocast_matches_reference(device):
+    """The trainer's setting: fp32 weights under autocast (the fused LayerNorms then also write
+    the half copies the next matmuls read, ops.autocast_copy_dtype)."""
+    reference, fused = models(device, torch.float32)
+    ids, mask, labels = inputs(device)
+    dtype = _autocast_dtype(device)
+    ref_logits, ref_grads = _loss_logits_grads(reference, ids, mask, labels, dtype)
+    fused_logits, fused_grads = _loss_logits_grads(fused, ids, mask, labels, dtype)
+    valid = mask.bool()
+    tol = {torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
+    scale = ref_logits[valid].abs().max()
+    assert (fused_logits[valid] - ref_logits[valid]).abs().max() <= tol * scale
+    for name, grad in ref_grads.items():
+        assert fused_grads[name].dtype == torch.float32
+        err = (fused_grads[name] - grad).abs().max()
+        assert err <= tol * grad.abs().max() + 1e-6, f"{name}: {err}"
+
+
+def test_layer_norm_cast_copies_change_no_bit(device, monkeypatch):
+    """Training under autocast with dropout: the LayerNorm-written half copies give exactly
+    the logits and grads of letting autocast cast the fp32 residual stream itself."""
+    copy_dtypes = []
+    copy_dtype = ops.autocast_copy_dtype
+
+    def recording(x, backend):
+        copy_dtypes.append(copy_dtype(x, backend))
+        return copy_dtypes[-1]
+
+    _, fused = models(device, torch.float32)
+    fused.train()
+    ids, mask, labels = inputs(device)
+    dtype = _autocast_dtype(device)
+    monkeypatch.setattr(ops, "autocast_copy_dtype", recording)
+    with_copies = _loss_logits_grads(fused, ids, mask, labels, dtype, seed=3)
+    assert dtype in copy_dtypes, "the fused LayerNorms wrote no half copy under autocast"
+    monkeypatch.setattr(ops, "autocast_copy_dtype", lambda x, backend: None)
+    without = _loss_logits_grads(fused, ids, mask, labels, dtype, seed=3)
+    assert torch.equal(with_copies[0], without[0])
+    for name, grad in without[1].items():
+        assert torch.equal(with_copies[1][name], grad), f"grad of {name} differs"

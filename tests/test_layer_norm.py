@@ -197,12 +197,54 @@ def test_weight_grads_are_deterministic(device):
         assert torch.equal(g1, g2)
 
 
-def test_torch_compile_fullgraph(device):
+@pytest.mark.parametrize("cast_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("used", ["both", "copy_only", "y_only"])
+def test_cast_copy_equals_a_separate_cast_bitwise(device, cast_dtype, used):
+    """cast_dtype: y and y.to(cast_dtype) from one pass, the grads summed in one. The autocast
+    residual stream (half x, fp32 residual) must give exactly what LayerNorm, then a cast,
+    then autograd's sum of the two grads gives: the same bits, with dropout too."""
+    triton_or_skip(device, cast_dtype)
+    x, _, w, b = _inputs((3, 41, 96), cast_dtype, device, param_dtype=torch.float32)
+    r = torch.randn(x.shape, device=device).requires_grad_()
+    dy, dy_cast = torch.randn_like(r), torch.randn_like(r).to(cast_dtype)
+
+    def loss(y, y_cast):  # what the model does: y feeds the next residual, y_cast a matmul
+        terms = {"both": [(y, dy), (y_cast, dy_cast)], "copy_only": [(y_cast, dy_cast)],
+                 "y_only": [(y, dy)]}[used]
+        return sum((t.float() * g.float()).sum() for t, g in terms)
+
+    kwargs = dict(residual=r, dropout_p=0.25, seed=5)
+    y, y_cast = layer_norm(x, w, b, cast_dtype=cast_dtype, **kwargs)
+    grads = torch.autograd.grad(loss(y, y_cast), (x, r, w, b))
+    y_sep = layer_norm(x, w, b, **kwargs)
+    grads_sep = torch.autograd.grad(loss(y_sep, y_sep.to(cast_dtype)), (x, r, w, b))
+
+    assert y.dtype == torch.float32 and y_cast.dtype == cast_dtype and y_cast.shape == x.shape
+    assert torch.equal(y, y_sep) and torch.equal(y_cast, y_sep.to(cast_dtype))
+    for name, g, g_sep in zip(["x", "residual", "weight", "bias"], grads, grads_sep):
+        assert torch.equal(g, g_sep), f"grad of {name} differs from LayerNorm + a separate cast"
+    y_ref, y_ref_cast = layer_norm_ref(x, w, b, residual=r, dropout_p=0.25,
+                                       dropout_mask=layer_norm(x, w, b, return_dropout_mask=True,
+                                                               **kwargs)[1], cast_dtype=cast_dtype)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert y_ref_cast.dtype == cast_dtype
+
+
+def test_cast_copy_rejects_a_non_float_dtype(device):
+    triton_or_skip(device)
+    x, r, w, b = _inputs((3, 8), torch.float32, device)
+    with pytest.raises(ValueError, match="cast_dtype must be"):
+        layer_norm(x, w, b, residual=r, cast_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("cast_dtype", [None, torch.float16], ids=["no_copy", "fp16_copy"])
+def test_torch_compile_fullgraph(device, cast_dtype):
     triton_or_skip(device)
     x, r, w, b = _inputs((5, 48), torch.float32, device)
 
     def fn(x, r, w, b):
-        return layer_norm(x, w, b, 1e-5, residual=r, dropout_p=0.2, seed=11)
+        out = layer_norm(x, w, b, 1e-5, residual=r, dropout_p=0.2, seed=11, cast_dtype=cast_dtype)
+        return out if cast_dtype is None else out[0] + 2 * out[1].float()  # both grads reach x
 
     torch._dynamo.reset()
     dy = torch.randn_like(x)
