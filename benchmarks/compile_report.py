@@ -164,9 +164,10 @@ def _attention_cases(dtypes, head_dims, all_variants: bool):
                 def run(q=q, k=k, v=v, mask=mask, cu=cu, rng=rng, p=p, scale=scale, out=out, lse=lse,
                         train=dropout):
                     attn._forward(q, k, v, mask, cu, seqlen, rng, p, scale)
-                    if train:
+                    if train:  # dq, dk, dv: slices of one dqkv, as attention_qkvpacked writes them
+                        dqkv = torch.empty(*lead, 3, nheads, head_dim, dtype=dtype)
                         attn._backward(torch.empty(out.shape, dtype=out.dtype), q, k, v, out, lse, mask, cu,
-                                       seqlen, rng, p, scale)
+                                       seqlen, rng, p, scale, grads=dqkv.unbind(-3))
                 yield case, run
 
 

@@ -13,7 +13,7 @@ first registration's handles dangling (a crash at the next call).
 """
 if __name__ == "roberta_fast.kernels":
     from .attention import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
-    from .attention import attention, attention_dropout_mask, attention_ref, attention_varlen
+    from .attention import attention, attention_dropout_mask, attention_qkvpacked, attention_ref, attention_varlen
     from .bias_gelu import bias_gelu, bias_gelu_ref
     from .layer_norm import layer_norm, layer_norm_ref
 
@@ -21,6 +21,7 @@ if __name__ == "roberta_fast.kernels":
         "ATTENTION_HEAD_DIMS",
         "attention",
         "attention_dropout_mask",
+        "attention_qkvpacked",
         "attention_varlen",
         "attention_ref",
         "bias_gelu",

@@ -471,7 +471,9 @@ def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale,
+              grads=None):
+    """(dq, dk, dv), written into `grads` (three views, dk and dv alike strided) when given."""
     batch, seqlen, nheads, head_dim = _dims(q, cu_seqlens, max_seqlen)
     varlen, flags, (mask_ptr, cu_ptr, rng_ptr), stride_mb = _common(q, key_mask, cu_seqlens, rng)
     if dout.stride(-1) != 1:
@@ -479,7 +481,7 @@ def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dr
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     delta = torch.empty_like(lse)
     pre_block = _INTERPRET_BLOCK if _INTERPRET else 128
-    dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
+    dq, dk, dv = grads or (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
     thresh, inv_keep = _dropout_args(dropout_p)
     common = (lse, delta, mask_ptr, cu_ptr, rng_ptr, softmax_scale * LOG2E, softmax_scale, thresh, inv_keep,
               *_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
@@ -508,13 +510,18 @@ def _attention_fwd_op(
     return _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale)
 
 
-@_attention_fwd_op.register_fake
-def _(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+def _fake_forward(q, cu_seqlens):
+    """(out, lse) of the forward's shapes, for torch.compile's tracing."""
     if cu_seqlens is None:
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     else:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    return _fake_forward(q, cu_seqlens)
 
 
 @torch.library.custom_op("roberta_fast::attention_bwd", mutates_args=())
@@ -548,6 +555,56 @@ def _backward_rule(ctx, dout, _dlse):
 
 
 _attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+@torch.library.custom_op("roberta_fast::attention_qkvpacked_fwd", mutates_args=())
+def _attention_qkvpacked_fwd_op(
+    qkv: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], max_seqlen: int,
+    rng: Optional[torch.Tensor], dropout_p: float, softmax_scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """As attention_fwd on q, k, v = qkv.unbind(-3) (strided views: nothing is copied)."""
+    return _forward(*qkv.unbind(-3), key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale)
+
+
+@_attention_qkvpacked_fwd_op.register_fake
+def _(qkv, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    return _fake_forward(qkv.select(-3, 0), cu_seqlens)
+
+
+@torch.library.custom_op("roberta_fast::attention_qkvpacked_bwd", mutates_args=())
+def _attention_qkvpacked_bwd_op(
+    dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, key_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], max_seqlen: int, rng: Optional[torch.Tensor], dropout_p: float,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """dqkv like qkv: the kernels write dq, dk, dv into its three slices (no stack afterwards)."""
+    dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+    _backward(dout, *qkv.unbind(-3), out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale,
+              grads=dqkv.unbind(-3))
+    return dqkv
+
+
+@_attention_qkvpacked_bwd_op.register_fake
+def _(dout, qkv, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _setup_context_qkvpacked(ctx, inputs, output):
+    qkv, key_mask, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse, key_mask, cu_seqlens, rng)
+    ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale = max_seqlen, dropout_p, softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_rule_qkvpacked(ctx, dout, _dlse):
+    qkv, out, lse, key_mask, cu_seqlens, rng = ctx.saved_tensors
+    dqkv = _attention_qkvpacked_bwd_op(dout, qkv, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, rng,
+                                       ctx.dropout_p, ctx.softmax_scale)
+    return dqkv, None, None, None, None, None, None
+
+
+_attention_qkvpacked_fwd_op.register_autograd(_backward_rule_qkvpacked, setup_context=_setup_context_qkvpacked)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -639,11 +696,8 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, softmax_scale=None, *
     defaults to 1/sqrt(headdim).
     """
     q, k, v = _check_qkv(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
-    dropout_p, softmax_scale = _check_common(q.shape[3], dropout_p, softmax_scale, q.shape[0] * q.shape[2])
-    key_mask = _key_mask(attention_mask, q)
-    rng = _rng_state(dropout_p, dropout_seed, q.device)
-    out, _ = _attention_fwd_op(q, k, v, key_mask, None, q.shape[1], rng, dropout_p, softmax_scale)
-    return out
+    args = _padded_args(q, attention_mask, dropout_p, softmax_scale, dropout_seed)
+    return _attention_fwd_op(q, k, v, *args)[0]
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, *, dropout_seed=None,
@@ -658,6 +712,47 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     GPU); they are also skipped under torch.compile.
     """
     q, k, v = _check_qkv(q, k, v, 3, "(total_tokens, nheads, headdim)")
+    args = _varlen_args(q, cu_seqlens, max_seqlen, dropout_p, softmax_scale, dropout_seed, validate)
+    return _attention_fwd_op(q, k, v, *args)[0]
+
+
+def attention_qkvpacked(qkv, attention_mask=None, dropout_p=0.0, softmax_scale=None, *, cu_seqlens=None,
+                        max_seqlen=None, dropout_seed=None, validate=True):
+    """`attention` (or with cu_seqlens `attention_varlen`) on q, k, v = qkv.unbind(-3).
+
+    qkv: (batch, seqlen, 3, nheads, headdim), or packed (total_tokens, 3, nheads,
+    headdim) with cu_seqlens and max_seqlen: the fused QKV projection's output viewed
+    as is, as flash-attention's *_qkvpacked functions take it. The same results as
+    the separate-tensor functions; the backward writes dq, dk and dv straight into
+    one dqkv, so autograd does not stack three gradients into it (a copy of
+    3 · tokens · hidden values per layer).
+    """
+    varlen = cu_seqlens is not None
+    layout = "(total_tokens, 3, nheads, headdim)" if varlen else "(batch, seqlen, 3, nheads, headdim)"
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 + (not varlen) or qkv.shape[-3] != 3:
+        got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"attention_qkvpacked: qkv must be {layout}" +
+                         ("" if varlen else " (or packed tokens with cu_seqlens)") + f", got {got}")
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q, _, _ = _check_qkv(*qkv.unbind(-3), qkv.dim() - 1, layout)
+    if varlen:
+        args = _varlen_args(q, cu_seqlens, max_seqlen, dropout_p, softmax_scale, dropout_seed, validate)
+    else:
+        args = _padded_args(q, attention_mask, dropout_p, softmax_scale, dropout_seed)
+    return _attention_qkvpacked_fwd_op(qkv, *args)[0]
+
+
+def _padded_args(q, attention_mask, dropout_p, softmax_scale, dropout_seed):
+    """The forward op's arguments after q, k, v for a (batch, seqlen, nheads, headdim) call, checked."""
+    dropout_p, softmax_scale = _check_common(q.shape[3], dropout_p, softmax_scale, q.shape[0] * q.shape[2])
+    key_mask = _key_mask(attention_mask, q)
+    rng = _rng_state(dropout_p, dropout_seed, q.device)
+    return key_mask, None, q.shape[1], rng, dropout_p, softmax_scale
+
+
+def _varlen_args(q, cu_seqlens, max_seqlen, dropout_p, softmax_scale, dropout_seed, validate):
+    """The forward op's arguments after q, k, v for a packed (total_tokens, nheads, headdim) call, checked."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
             or cu_seqlens.numel() < 2:
         raise TypeError("attention_varlen: cu_seqlens must be an int32 tensor (batch + 1,) of cumulative lengths, "
@@ -678,10 +773,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
                              f"first {first}, last {last}, shortest length {shortest}")
         if longest > max_seqlen:
             raise ValueError(f"attention_varlen: max_seqlen = {max_seqlen} but a sequence has {longest} tokens")
-    cu_seqlens = cu_seqlens.contiguous()
     rng = _rng_state(dropout_p, dropout_seed, q.device)
-    out, _ = _attention_fwd_op(q, k, v, None, cu_seqlens, max_seqlen, rng, dropout_p, softmax_scale)
-    return out
+    return None, cu_seqlens.contiguous(), max_seqlen, rng, dropout_p, softmax_scale
 
 
 def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, device, offset=0):

@@ -223,15 +223,15 @@ class RobertaLayer(nn.Module):
         attention_p = self.attention_dropout_p if self.training else 0.0
 
         qkv = self.qkv(x if x_cast is None else x_cast)
+        # (batch, seqlen, 3, heads, head_dim), or (tokens, 3, heads, head_dim) when packed
         qkv = qkv.view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
-        q, k, v = qkv.unbind(dim=-3)  # each (batch, seqlen, heads, head_dim) or (tokens, heads, head_dim)
         probs = None
         if packed is not None:
-            a = ops.attention_varlen(q, k, v, *packed, attention_p)
+            a = ops.attention_varlen(qkv, *packed, attention_p)
         elif output_attentions:
-            a, probs = ops.attention_with_probs(q, k, v, attention_mask, attention_p)
+            a, probs = ops.attention_with_probs(qkv, attention_mask, attention_p)
         else:
-            a = ops.attention(q, k, v, attention_mask, attention_p, backend)
+            a = ops.attention(qkv, attention_mask, attention_p, backend)
         a = self.attn_out(a.reshape(*x.shape[:-1], hidden))
         ffn_cast_dtype = ops.autocast_copy_dtype(x, backend)
         out = ops.dropout_add_layer_norm(a, x, self.attn_norm.weight, self.attn_norm.bias,

@@ -70,8 +70,9 @@ def _broadcast_mask(attention_mask):
     return mask.to(torch.bool)
 
 
-def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
-    """Softmax attention over keys not masked out; q, k, v: (batch, seqlen, heads, head_dim).
+def attention(qkv, attention_mask, dropout_p: float, backend: str):
+    """Softmax attention over keys not masked out; qkv: (batch, seqlen, 3, heads, head_dim),
+    the QKV projection's output as it is (q, k, v = qkv.unbind(2)).
 
     attention_mask: (batch, seqlen) over keys, or (batch, seqlen, seqlen) over (query, key)
     pairs, 1 = attend, or None. Returns (batch, seqlen, heads, head_dim). The reference
@@ -81,11 +82,11 @@ def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
     key_mask_only = attention_mask is None or attention_mask.dim() == 2
     if backend == "fused" and key_mask_only:
         supported = fused_head_dims()
-        if q.shape[-1] in supported:
-            return _kernels().attention(q, k, v, attention_mask, dropout_p)
-        _warn_once(f"fused attention supports head dims {supported}, not {q.shape[-1]}: "
+        if qkv.shape[-1] in supported:
+            return _kernels().attention_qkvpacked(qkv, attention_mask, dropout_p)
+        _warn_once(f"fused attention supports head dims {supported}, not {qkv.shape[-1]}: "
                    "using the reference attention for this model")
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (batch, heads, seqlen, head_dim)
     additive = None
     if attention_mask is not None:
         keep = _broadcast_mask(attention_mask)
@@ -95,21 +96,23 @@ def attention(q, k, v, attention_mask, dropout_p: float, backend: str):
     return out.transpose(1, 2)  # (batch, seqlen, heads, head_dim)
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float):
-    """Fused attention over packed sequences; q, k, v: (total_tokens, heads, head_dim).
+def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float):
+    """Fused attention over packed sequences; qkv: (total_tokens, 3, heads, head_dim).
 
     Sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1] and attends only within itself.
     Fused only: the model packs sequences only when the fused kernels run.
     """
-    return _kernels().attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate=False)
+    return _kernels().attention_qkvpacked(qkv, None, dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                          validate=False)
 
 
-def attention_with_probs(q, k, v, attention_mask, dropout_p: float):
+def attention_with_probs(qkv, attention_mask, dropout_p: float):
     """Reference attention that also returns the probabilities (batch, heads, seqlen, seqlen).
 
     For `output_attentions=True`, which no fused kernel provides (nothing seqlen² is stored).
+    qkv: (batch, seqlen, 3, heads, head_dim).
     """
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, head_dim)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (batch, heads, seqlen, head_dim)
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
     if attention_mask is not None:
         keep = _broadcast_mask(attention_mask)

@@ -15,6 +15,7 @@ from roberta_fast.kernels.attention import (
     _INTERPRET,
     attention,
     attention_dropout_mask,
+    attention_qkvpacked,
     attention_ref,
     attention_varlen,
 )
@@ -227,6 +228,54 @@ def test_varlen_equals_padded(device, dropout_p):
     torch.testing.assert_close(out_v, out[mask], **tol)
     for g_v, g in zip(grads_v, grads):
         torch.testing.assert_close(g_v, g[mask], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_qkvpacked_equals_separate_tensors(device, dtype, varlen):
+    """One (…, 3, H, D) tensor in, one dqkv out: the same bits as q, k, v = qkv.unbind(-3)."""
+    _skip_unless_runnable(device, dtype)
+    batch, seqlen, nheads, headdim = 3, 37, 2, 32
+    mask = _mask("right", batch, seqlen, device)
+    qkv = torch.randn(batch, seqlen, 3, nheads, headdim, device=device, dtype=dtype)
+    kwargs = dict(dropout_p=0.2, dropout_seed=5)
+    if varlen:  # the kept tokens of each row, packed: (total_tokens, 3, H, D)
+        lengths = mask.sum(1)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        qkv = qkv[mask]
+        kwargs.update(cu_seqlens=cu_seqlens, max_seqlen=seqlen)
+    qkv.requires_grad_()
+    out = attention_qkvpacked(qkv, None if varlen else mask, **kwargs)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    if varlen:
+        cu, longest = kwargs.pop("cu_seqlens"), kwargs.pop("max_seqlen")
+        out_sep = attention_varlen(*qkv.unbind(1), cu, longest, **kwargs)
+    else:
+        out_sep = attention(*qkv.unbind(2), mask, **kwargs)
+    (dqkv_sep,) = torch.autograd.grad(out_sep, qkv, dout)
+    assert torch.equal(out, out_sep) and torch.equal(dqkv, dqkv_sep)
+
+
+def test_qkvpacked_torch_compile_and_bad_inputs(device):
+    _skip_unless_runnable(device)
+    qkv = torch.randn(2, 20, 3, 2, 32, device=device, requires_grad=True)
+    mask = _mask("right", 2, 20, device)
+
+    def loss(qkv, mask):
+        return (attention_qkvpacked(qkv, mask, dropout_p=0.1, dropout_seed=4) * 2.0).square().sum()
+
+    value_c = torch.compile(loss, backend="aot_eager", fullgraph=True)(qkv, mask)
+    value = loss(qkv, mask)
+    torch.testing.assert_close(value_c, value)
+    torch.testing.assert_close(torch.autograd.grad(value_c, qkv)[0], torch.autograd.grad(value, qkv)[0])
+    torch.library.opcheck(torch.ops.roberta_fast.attention_qkvpacked_fwd.default,
+                          (qkv.detach(), mask.view(torch.uint8), None, 20, torch.tensor([3, 0], device=device),
+                           0.1, 0.2))
+    with pytest.raises(ValueError, match=r"qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
+        attention_qkvpacked(qkv[:, :, :2])
+    with pytest.raises(ValueError, match=r"qkv must be \(total_tokens, 3, nheads, headdim\)"):
+        attention_qkvpacked(qkv, cu_seqlens=torch.tensor([0, 40], device=device, dtype=torch.int32), max_seqlen=20)
 
 
 def test_deterministic_backward(device):
