@@ -134,6 +134,10 @@ def _cuda_launch_geometry(sm_count: int):
             module = importlib.import_module(f"roberta_fast.kernels.{name}")
             stack.enter_context(mock.patch.object(module, "tile_shape", tile_shape))
             stack.enter_context(mock.patch.object(module, "num_programs", num_programs))
+        cross_entropy = importlib.import_module("roberta_fast.kernels.cross_entropy")
+        launch_shape = cross_entropy._launch_shape
+        stack.enter_context(mock.patch.object(cross_entropy, "_launch_shape",
+                                              lambda vocab, device: launch_shape(vocab, cuda)))
         yield
 
 
@@ -172,10 +176,18 @@ def _attention_cases(dtypes, head_dims, all_variants: bool):
 
 
 def _row_kernel_cases(dtypes, hidden_sizes):
-    """bias+GELU and residual+LayerNorm as the model calls them under autocast (fp32 weights)."""
+    """bias+GELU, residual+LayerNorm and the MLM loss as the model calls them under autocast
+    (fp32 weights)."""
     bias_gelu = importlib.import_module("roberta_fast.kernels.bias_gelu")
     layer_norm = importlib.import_module("roberta_fast.kernels.layer_norm")
+    cross_entropy = importlib.import_module("roberta_fast.kernels.cross_entropy")
     for name, dtype in dtypes.items():
+        def loss(dtype=dtype, vocab=50265):
+            logits, target = torch.empty(ROWS, vocab, dtype=dtype), torch.zeros(ROWS, dtype=torch.int64)
+            _, lse = cross_entropy._cross_entropy_fwd(logits, target, -100)
+            cross_entropy._cross_entropy_bwd(torch.empty(ROWS), logits, target, lse, -100)
+        yield f"cross_entropy {name} vocab 50265", loss
+
         for hidden in hidden_sizes:
             def gelu(dtype=dtype, n=4 * hidden):
                 x, bias = torch.empty(ROWS, n, dtype=dtype), torch.empty(n)

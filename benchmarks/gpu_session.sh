@@ -103,7 +103,7 @@ case $stage in
     ;;
   kernels)
     ensure_built
-    for bench in attention bias_gelu layer_norm fused_adam mask_tokens preprocess inference; do
+    for bench in attention bias_gelu layer_norm cross_entropy fused_adam mask_tokens preprocess inference; do
       run "bench_$bench" "$py" "benchmarks/bench_$bench.py" --json "$out/bench_$bench.json"
     done
     # attention as the model trains (dropout 0.1 in every contender)

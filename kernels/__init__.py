@@ -15,6 +15,7 @@ if __name__ == "roberta_fast.kernels":
     from .attention import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
     from .attention import attention, attention_dropout_mask, attention_qkvpacked, attention_ref, attention_varlen
     from .bias_gelu import bias_gelu, bias_gelu_ref
+    from .cross_entropy import cross_entropy, cross_entropy_ref
     from .layer_norm import layer_norm, layer_norm_ref
 
     __all__ = [
@@ -26,6 +27,8 @@ if __name__ == "roberta_fast.kernels":
         "attention_ref",
         "bias_gelu",
         "bias_gelu_ref",
+        "cross_entropy",
+        "cross_entropy_ref",
         "layer_norm",
         "layer_norm_ref",
     ]

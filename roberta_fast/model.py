@@ -67,7 +67,7 @@ class SequenceClassifierOutput(_Output):
 
 # ----------------------------------------------------------------- input checks
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
-                 position_ids=None, cu_seqlens=None):
+                 position_ids=None, cu_seqlens=None, labels=None):
     """Raise ValueError naming the problem for inputs that would index out of range.
 
     Runs before any kernel, so a user mistake never becomes a device-side assert. On a
@@ -116,17 +116,23 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
         ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"))
     if position_ids is not None:
         ranges.append(("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings"))
+    if labels is not None:
+        ranges.append(("labels", labels, config.vocab_size, "vocab_size"))
     if input_ids.numel() == 0:
         return
     for name, t, _, _ in ranges[1:]:
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    # One host sync for every range check: [min, max] of each tensor.
-    bounds = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, _, _ in ranges]).tolist()
+    # One host sync for every range check: [min, max] of each tensor (labels: of those predicted).
+    bounds = torch.stack([
+        torch.stack([t.min(), t.max()]).long() if name != "labels" else torch.stack(
+            [t.masked_fill(t == IGNORE_INDEX, 0).min(), t.max()]).long()
+        for name, t, _, _ in ranges]).tolist()
     for (name, _, limit, field), (low, high) in zip(ranges, bounds):
         if low < 0 or high >= limit:
+            ignored = f" (or {IGNORE_INDEX} where nothing is predicted)" if name == "labels" else ""
             raise ValueError(
-                f"{name} holds values in [{low}, {high}] but must lie in [0, {limit}) "
+                f"{name} holds values in [{low}, {high}] but must lie in [0, {limit}){ignored} "
                 f"({field}={limit}); check that the tokenizer matches the model"
             )
 
@@ -470,7 +476,8 @@ class RobertaForMaskedLM(_PreTrained):
         elif masked_only:
             raise ValueError("masked_only=True needs labels: they say which positions to predict")
         if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens)
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens,
+                         labels)
         if masked_only:
             # Flat indices of the predicted positions, found before the encoder runs: the one
             # host sync (for their count) then waits for the masking, not for the encoder.
@@ -487,8 +494,8 @@ class RobertaForMaskedLM(_PreTrained):
         logits = self.lm_head(x, self.roberta.embeddings.word_embeddings.weight, backend)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction=loss_reduction)
+            loss = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), loss_reduction,
+                                     backend)
         out = MaskedLMOutput(loss, logits, encoded.hidden_states, encoded.attentions)
         return out if return_dict else out.to_tuple()
 

@@ -122,6 +122,19 @@ def attention_with_probs(qkv, attention_mask, dropout_p: float):
     return out.transpose(1, 2), probs  # (batch, seqlen, heads, head_dim), probs
 
 
+def cross_entropy(logits, target, reduction: str, backend: str):
+    """The MLM loss: cross-entropy of logits (rows, vocab) against targets (rows,), -100 ignored.
+
+    fp32 math and result in both paths (autocast's choice for cross_entropy); the fused
+    kernel reads half logits as they are, with no fp32 copy or log-softmax stored. The
+    targets are range-checked by the model's check_inputs; the kernel gives an
+    unchecked bad target a NaN loss, never an out-of-bounds read.
+    """
+    if backend == "fused":
+        return _kernels().cross_entropy(logits, target, -100, reduction, validate=False)
+    return F.cross_entropy(logits.float(), target, ignore_index=-100, reduction=reduction)
+
+
 def linear_gelu(x, weight, bias, backend: str):
     """erf GELU(x @ weight.T + bias): the feed-forward's first half."""
     if backend == "fused":

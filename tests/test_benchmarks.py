@@ -17,8 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-KERNEL_BENCHES = ("bench_attention", "bench_bias_gelu", "bench_layer_norm", "bench_fused_adam",
-                  "bench_mask_tokens", "bench_preprocess", "bench_inference")
+KERNEL_BENCHES = ("bench_attention", "bench_bias_gelu", "bench_layer_norm", "bench_cross_entropy",
+                  "bench_fused_adam", "bench_mask_tokens", "bench_preprocess", "bench_inference")
 
 
 def _load_throughput():
@@ -285,7 +285,8 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert {r["kernel"] for r in rows} == {
         "_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-        "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}
+        "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
+        "_cross_entropy_fwd_kernel", "_cross_entropy_bwd_kernel"}
     assert {r["arch"] for r in rows} == {80, 90}
     for r in rows:
         assert r["status"] == "ok" and r["registers"] > 0 and r["shared_bytes"] >= 0, r

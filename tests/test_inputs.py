@@ -43,6 +43,23 @@ def test_labels_of_wrong_shape(model):
         model(ids(), labels=torch.zeros(2, 7, dtype=torch.long))
 
 
+@pytest.mark.parametrize("bad", [50, -1, -99])
+def test_labels_out_of_range(model, bad):
+    """A label the vocabulary lacks would be a device-side assert in PyTorch's loss (or, in the
+    fused loss, a NaN): it is refused up front, in the same host sync as the id checks."""
+    labels = torch.full((2, 8), -100)
+    labels[1, 3] = bad
+    with pytest.raises(ValueError, match=r"labels holds values .* must lie in \[0, 50\) \(or -100"):
+        model(ids(), labels=labels)
+    labels[1, 3] = 49
+    assert torch.isfinite(model(ids(), labels=labels).loss)
+
+
+def test_labels_must_be_integers(model):
+    with pytest.raises(ValueError, match="labels must be an integer tensor"):
+        model(ids(), labels=torch.zeros(2, 8))
+
+
 def test_encoder_checks_too():
     encoder = rf.RobertaModel(rf.RobertaConfig.preset("tiny", vocab_size=50))
     with pytest.raises(ValueError, match="input_ids holds values"):
