@@ -357,6 +357,8 @@ class RobertaModel(_PreTrained):
                 attention_mask = _segment_mask(cu_seqlens, *input_ids.shape)
         elif varlen and self.unpad and attention_mask is not None:
             packing = _Packing.from_mask(attention_mask)
+            if packing is None:  # every token attended: the kernels need no mask either
+                attention_mask = None
         if packing is not None:
             input_ids, position_ids, token_type_ids = (
                 packing.pack(t) for t in (input_ids, position_ids, token_type_ids))
