@@ -94,7 +94,7 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
             f"minus pad_token_id + 1); truncate the input"
         )
     for name, extra in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                        ("position_ids", position_ids)):
+                        ("position_ids", position_ids), ("labels", labels)):
         if extra is None:
             continue
         if not isinstance(extra, torch.Tensor):
@@ -116,18 +116,15 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
         ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"))
     if position_ids is not None:
         ranges.append(("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings"))
-    if labels is not None:
-        ranges.append(("labels", labels, config.vocab_size, "vocab_size"))
+    if labels is not None:  # IGNORE_INDEX (nothing predicted) checks as 0
+        ranges.append(("labels", labels.masked_fill(labels == IGNORE_INDEX, 0), config.vocab_size, "vocab_size"))
     if input_ids.numel() == 0:
         return
     for name, t, _, _ in ranges[1:]:
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    # One host sync for every range check: [min, max] of each tensor (labels: of those predicted).
-    bounds = torch.stack([
-        torch.stack([t.min(), t.max()]).long() if name != "labels" else torch.stack(
-            [t.masked_fill(t == IGNORE_INDEX, 0).min(), t.max()]).long()
-        for name, t, _, _ in ranges]).tolist()
+    # One host sync for every range check: [min, max] of each tensor.
+    bounds = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, _, _ in ranges]).tolist()
     for (name, _, limit, field), (low, high) in zip(ranges, bounds):
         if low < 0 or high >= limit:
             ignored = f" (or {IGNORE_INDEX} where nothing is predicted)" if name == "labels" else ""
