@@ -11,7 +11,9 @@ Inputs are (batch, seqlen, nheads, headdim) in fp16/bf16/fp32, head dims 32/64/1
 any seqlen (tails are masked in the kernel). `attention_mask` (batch, seqlen), 1 =
 attend, masks keys; a row with no key to attend returns zeros. `attention_varlen`
 takes packed (total_tokens, nheads, headdim) with `cu_seqlens` like
-flash-attention's varlen API.
+flash-attention's varlen API. `attention_qkvpacked` takes the QKV projection's output
+(..., 3, nheads, headdim) as it is, padded or packed, and its backward writes one
+dQKV, as flash-attention's *_qkvpacked functions do (the model calls this one).
 
 Dropout uses counter-based Philox-4x32-10 keyed by a 64-bit seed; the counter is
 (query row, key column // 8, batch * nheads + head, offset), and the four 32-bit
@@ -733,6 +735,9 @@ def attention_qkvpacked(qkv, attention_mask=None, dropout_p=0.0, softmax_scale=N
         got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"attention_qkvpacked: qkv must be {layout}" +
                          ("" if varlen else " (or packed tokens with cu_seqlens)") + f", got {got}")
+    if varlen and attention_mask is not None:
+        raise ValueError("attention_qkvpacked: pass attention_mask or cu_seqlens, not both; packed tokens "
+                         "attend within their cu_seqlens segment")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     q, _, _ = _check_qkv(*qkv.unbind(-3), qkv.dim() - 1, layout)

@@ -276,6 +276,9 @@ def test_qkvpacked_torch_compile_and_bad_inputs(device):
         attention_qkvpacked(qkv[:, :, :2])
     with pytest.raises(ValueError, match=r"qkv must be \(total_tokens, 3, nheads, headdim\)"):
         attention_qkvpacked(qkv, cu_seqlens=torch.tensor([0, 40], device=device, dtype=torch.int32), max_seqlen=20)
+    with pytest.raises(ValueError, match="not both"):
+        attention_qkvpacked(qkv.flatten(0, 1), mask, cu_seqlens=torch.tensor([0, 40], device=device,
+                                                                             dtype=torch.int32), max_seqlen=20)
 
 
 def test_deterministic_backward(device):
