@@ -5,7 +5,9 @@
 RoBERTa-base's attention: batch 32, seqlen 512, 12 heads, head dim 64, bf16 on a GPU.
 Peers in the same run: `scaled_dot_product_attention` with the flash, cuDNN and
 memory-efficient backends (torch.nn.attention.sdpa_kernel), given the transposed
-(B, H, S, D) views HF's attention makes. Passes: forward, backward alone (on a kept
+(B, H, S, D) views HF's attention makes. `roberta_fast_qkvpacked` is the same kernel as
+the model calls it: on the fused projection's (B, S, 3, H, D) output, returning one
+dQKV (`roberta_fast` takes and returns three tensors). Passes: forward, backward alone (on a kept
 graph) and forward+backward. FLOPs (non-causal, FlashAttention's convention):
 forward 4·B·H·S²·D, backward 2.5× that (its recomputation is not counted).
 Target: fwd+bwd >= 1.0x the fastest SDPA backend on an H100.
@@ -20,7 +22,7 @@ from torch.nn.functional import scaled_dot_product_attention
 import _common as bc
 
 bc.use_interpreter_without_gpu()
-from roberta_fast.kernels import attention  # noqa: E402  (after the interpreter switch)
+from roberta_fast.kernels import attention, attention_qkvpacked  # noqa: E402  (after the interpreter switch)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -54,13 +56,17 @@ def main():
           f"{dtype} dropout {args.dropout}")
 
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    qkv = torch.randn(b, s, 3, h, d, device=device, dtype=dtype, requires_grad=True)  # the model's layout
     dout = torch.randn_like(q)
-    contenders = {"roberta_fast": lambda q, k, v: attention(q, k, v, dropout_p=args.dropout)}
-    contenders.update({name: sdpa(backend, args.dropout) for name, backend in SDPA_BACKENDS.items()})
+    # (inputs, fn): the peers take three tensors, as HF's separate projections make them;
+    # roberta_fast_qkvpacked takes the fused projection's output and returns one dQKV, as the model runs it
+    contenders = {"roberta_fast": ((q, k, v), lambda q, k, v: attention(q, k, v, dropout_p=args.dropout)),
+                  "roberta_fast_qkvpacked": ((qkv,), lambda qkv: attention_qkvpacked(qkv, dropout_p=args.dropout))}
+    contenders.update({name: ((q, k, v), sdpa(backend, args.dropout)) for name, backend in SDPA_BACKENDS.items()})
     times, skipped = {}, {}
-    for name, fn in contenders.items():
+    for name, (inputs, fn) in contenders.items():
         try:
-            times[name] = bc.fwd_bwd_ms(fn, (q, k, v), dout, device)
+            times[name] = bc.fwd_bwd_ms(fn, inputs, dout, device)
         except RuntimeError as err:  # this SDPA backend does not run on this device / dtype / shape
             skipped[name] = str(err).splitlines()[0][:160]
             print(f"{name}: skipped ({skipped[name]})")
