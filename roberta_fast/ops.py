@@ -18,17 +18,26 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "fused", "reference")
 
 
-@functools.lru_cache(maxsize=None)
+_KERNELS = None
+
+
 def _kernels():
-    """roberta_fast.kernels, imported on first use so CPU-only users never need triton."""
-    try:
-        from roberta_fast import kernels
-    except ImportError as err:
-        raise ImportError(
-            f"backend='fused' needs triton, which failed to import ({err}); install it with "
-            "`pip install triton` (Linux), or use backend='reference'"
-        ) from err
-    return kernels
+    """roberta_fast.kernels, imported on first use so CPU-only users never need triton.
+
+    Kept in a module global, not an lru_cache, which torch.compile would warn about at
+    every fused op it traces.
+    """
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            from roberta_fast import kernels
+        except ImportError as err:
+            raise ImportError(
+                f"backend='fused' needs triton, which failed to import ({err}); install it with "
+                "`pip install triton` (Linux), or use backend='reference'"
+            ) from err
+        _KERNELS = kernels
+    return _KERNELS
 
 
 def _triton_available() -> bool:

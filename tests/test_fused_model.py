@@ -146,3 +146,29 @@ def test_layer_norm_cast_copies_change_no_bit(device, monkeypatch):
     assert torch.equal(with_copies[0], without[0])
     for name, grad in without[1].items():
         assert torch.equal(with_copies[1][name], grad), f"grad of {name} differs"
+
+
+def test_torch_compile_of_the_fused_model(device, recwarn):
+    """torch.compile (aot_eager: the fused ops stay opaque custom ops) gives eager's training
+    step under autocast, with dropout and the masked-only head (a graph break at its nonzero),
+    and without warnings about how the fused ops are reached."""
+    _, fused = models(device, torch.float32)
+    fused.train()
+    fused.check_inputs = False
+    ids, mask, labels = inputs(device)
+    dtype = _autocast_dtype(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, backend="aot_eager")
+    results = []
+    for model in (compiled, fused):
+        model.zero_grad()
+        torch.manual_seed(3)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = model(ids, mask, labels=labels, masked_only=True).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in fused.named_parameters()}))
+    (loss_c, grads_c), (loss_e, grads_e) = results
+    torch.testing.assert_close(loss_c, loss_e)
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_c[name], grad, msg=name)
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)]
