@@ -5,8 +5,10 @@ reference (fp32 math for fp16/bf16 inputs, fp64 for fp32 inputs) must be at most
 twice PyTorch's own error at the input precision plus a small atol derived from
 the dtype's rounding. Every input's gradient is checked. On the CPU the kernels
 run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there
-is no GPU); larger shapes and bf16 run only on a CUDA GPU.
+is no GPU; bf16 there relies on tests/interpreter_bf16.py); larger shapes run only on a
+CUDA GPU.
 """
+import interpreter_bf16
 import pytest
 import torch
 
@@ -46,8 +48,8 @@ def _default_configs(monkeypatch):
 def _skip_unless_runnable(device, dtype=torch.float32, size=0):
     if device.type == "cpu" and not _INTERPRET:
         pytest.skip("CPU tensors need Triton's interpreter, which is off because a CUDA GPU is present")
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("needs a CUDA GPU: Triton's interpreter computes bf16 tl.dot wrongly")
+    if device.type == "cpu" and dtype == torch.bfloat16 and not interpreter_bf16.ACTIVE:
+        pytest.skip(interpreter_bf16.SKIP_REASON)
     if device.type == "cpu" and size > 300:
         pytest.skip("needs a CUDA GPU: this shape is too slow for Triton's interpreter")
 

@@ -3,6 +3,7 @@
 On a CPU the fused kernels run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), so the model is tiny; on a GPU the same test runs on CUDA too.
 """
+import interpreter_bf16
 import pytest
 import torch
 
@@ -41,8 +42,7 @@ def inputs(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_fused_model_matches_reference(device, dtype):
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        pytest.skip("bf16 tl.dot is wrong in Triton's CPU interpreter; bf16 is checked on a CUDA GPU")
+    _skip_unless_runnable(device, dtype)
     reference, fused = models(device, dtype)
     ids, mask, labels = inputs(device)
     outs = []
@@ -101,17 +101,21 @@ def _loss_logits_grads(model, ids, mask, labels, autocast_dtype, seed=0):
     return out.logits.float(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _autocast_dtype(device):
-    """bf16 on a GPU (the trainer's default); fp16 on the CPU (the interpreter's bf16 dots are wrong)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float16
+AUTOCAST_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 
 
-def test_fused_model_under_autocast_matches_reference(device):
+def _skip_unless_runnable(device, dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu" and not interpreter_bf16.ACTIVE:
+        pytest.skip(interpreter_bf16.SKIP_REASON)
+
+
+@AUTOCAST_DTYPES
+def test_fused_model_under_autocast_matches_reference(device, dtype):
     """The trainer's setting: fp32 weights under autocast (the fused LayerNorms then also write
     the half copies the next matmuls read, ops.autocast_copy_dtype)."""
+    _skip_unless_runnable(device, dtype)
     reference, fused = models(device, torch.float32)
     ids, mask, labels = inputs(device)
-    dtype = _autocast_dtype(device)
     ref_logits, ref_grads = _loss_logits_grads(reference, ids, mask, labels, dtype)
     fused_logits, fused_grads = _loss_logits_grads(fused, ids, mask, labels, dtype)
     valid = mask.bool()
@@ -124,9 +128,11 @@ def test_fused_model_under_autocast_matches_reference(device):
         assert err <= tol * grad.abs().max() + 1e-6, f"{name}: {err}"
 
 
-def test_layer_norm_cast_copies_change_no_bit(device, monkeypatch):
+@AUTOCAST_DTYPES
+def test_layer_norm_cast_copies_change_no_bit(device, dtype, monkeypatch):
     """Training under autocast with dropout: the LayerNorm-written half copies give exactly
     the logits and grads of letting autocast cast the fp32 residual stream itself."""
+    _skip_unless_runnable(device, dtype)
     copy_dtypes = []
     copy_dtype = ops.autocast_copy_dtype
 
@@ -137,7 +143,6 @@ def test_layer_norm_cast_copies_change_no_bit(device, monkeypatch):
     _, fused = models(device, torch.float32)
     fused.train()
     ids, mask, labels = inputs(device)
-    dtype = _autocast_dtype(device)
     monkeypatch.setattr(ops, "autocast_copy_dtype", recording)
     with_copies = _loss_logits_grads(fused, ids, mask, labels, dtype, seed=3)
     assert dtype in copy_dtypes, "the fused LayerNorms wrote no half copy under autocast"
@@ -156,7 +161,8 @@ def test_torch_compile_of_the_fused_model(device, recwarn):
     fused.train()
     fused.check_inputs = False
     ids, mask, labels = inputs(device)
-    dtype = _autocast_dtype(device)
+    dtype = torch.bfloat16  # the trainer's default
+    _skip_unless_runnable(device, dtype)
     torch._dynamo.reset()
     compiled = torch.compile(fused, backend="aot_eager")
     results = []

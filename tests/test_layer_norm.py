@@ -9,6 +9,7 @@ On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPR
 import math
 import os
 
+import interpreter_bf16
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,11 @@ if torch.cuda.is_available():  # real model shapes where they are cheap
 
 
 def triton_or_skip(device, dtype=torch.float32):
-    """Skip what this process cannot run: CPU tensors need the interpreter, bf16 a GPU."""
+    """Skip what this process cannot run: CPU tensors need the interpreter (and for bf16 its patch)."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors run Triton only under TRITON_INTERPRET=1; this run targets the CUDA GPU")
-    if dtype == torch.bfloat16 and device.type != "cuda":
-        pytest.skip("bf16 needs a CUDA GPU (Triton's interpreter is not trusted with bf16)")
+    if dtype == torch.bfloat16 and device.type == "cpu" and not interpreter_bf16.ACTIVE:
+        pytest.skip(interpreter_bf16.SKIP_REASON)
 
 
 def assert_fa_close(out, gold, base, what, atol):
