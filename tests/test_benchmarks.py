@@ -306,3 +306,53 @@ def test_compile_report_reports_a_kernel_that_does_not_compile():
     proc = _run_compiled(["-c", script])
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.split()[-2:] == ["error", "None"], proc.stdout
+
+
+# ----------------------------------------------------------------- roofline.py
+def _load_roofline():
+    spec = importlib.util.spec_from_file_location("benchmarks_roofline", BENCH / "roofline.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_roofline_matmul_flops_are_what_the_model_runs():
+    """The roofline's matmul FLOPs (encoder + head, forward and both grads) equal what torch's
+    FLOP counter sees in a real training step of the model, and its model FLOPs equal
+    roberta_fast.model.training_flops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import roberta_fast as rf
+    from roberta_fast.model import training_flops
+
+    R = _load_roofline()
+    cfg = rf.RobertaConfig.preset("tiny")
+    batch, seq_len, predicted = 2, 16, 6
+    model = rf.RobertaForMaskedLM(cfg, backend="reference")
+    ids = torch.randint(5, cfg.vocab_size - 1, (batch, seq_len))
+    labels = torch.full_like(ids, -100)
+    labels.view(-1)[torch.randperm(batch * seq_len)[:predicted]] = 7
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=labels, masked_only=True).loss.backward()
+    counts = counter.get_flop_counts()["Global"]
+    linear = sum(n for op, n in counts.items() if str(op).split(".")[1] in ("mm", "addmm"))
+
+    parts = {p.name: p for p in R.step_parts(cfg, batch, seq_len, predicted / (batch * seq_len))}
+    assert parts["encoder matmuls"].flops + parts["MLM head matmuls"].flops == linear
+    model_flops = sum(p.model_flops for p in parts.values())
+    assert model_flops == training_flops(cfg, batch * seq_len, predicted, seq_len)
+
+
+def test_roofline_report_adds_up(tmp_path):
+    R = _load_roofline()
+    assert R._gemm(2, 3, 4) == (48.0, (8 + 12 + 6) * 2)  # 2mnk FLOPs; A, B read and C written once
+    out = tmp_path / "roofline.json"
+    assert R.main(["--model", "base", "--seq-len", "512", "--batch", "32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["floor_ms"] == pytest.approx(sum(p["floor_ms"] for p in report["parts"]))
+    optimizer = next(p for p in report["parts"] if p["name"].startswith("optimizer"))
+    assert optimizer["bytes"] == 32 * 124_697_433  # roberta-base's parameters, 32 bytes each
+    assert 0 < report["max_mfu"] < 1
+    bf16 = R.report(R.RobertaConfig.preset("base"), 32, 512, 798, 3.0, 989, residual_bytes=2)
+    assert bf16["floor_ms"] < report["floor_ms"]  # a 2-byte residual stream moves fewer bytes
