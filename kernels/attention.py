@@ -30,7 +30,8 @@ fake implementations) so torch.compile can trace through them (fullgraph).
 
 Caveats: on a CPU the kernels run only under Triton's interpreter
 (TRITON_INTERPRET=1 before triton is imported), where small blocks are used and
-bf16 tl.dot is computed wrongly (test bf16 on a GPU). fp32 inputs use IEEE fp32
+bf16 tl.dot is computed wrongly unless patched (the tests patch it:
+tests/interpreter_bf16.py). fp32 inputs use IEEE fp32
 dots (exact-ish parity with PyTorch; slow: no tensor cores, registers spill), or TF32
 where torch.set_float32_matmul_precision allows it. GPU block sizes are autotuned over
 configs sensible for Ampere/Hopper (no Hopper-only features), keyed on a seqlen

@@ -40,6 +40,11 @@ def inputs(device):
     return ids.to(device), mask.to(device), labels.to(device)
 
 
+def _skip_unless_runnable(device, dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu" and not interpreter_bf16.ACTIVE:
+        pytest.skip(interpreter_bf16.SKIP_REASON)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_fused_model_matches_reference(device, dtype):
     _skip_unless_runnable(device, dtype)
@@ -102,11 +107,6 @@ def _loss_logits_grads(model, ids, mask, labels, autocast_dtype, seed=0):
 
 
 AUTOCAST_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-
-
-def _skip_unless_runnable(device, dtype):
-    if dtype == torch.bfloat16 and device.type == "cpu" and not interpreter_bf16.ACTIVE:
-        pytest.skip(interpreter_bf16.SKIP_REASON)
 
 
 @AUTOCAST_DTYPES
