@@ -5,7 +5,7 @@
 #
 #   test       build (if needed), then the whole test suite on the GPU (bf16 included)
 #   sanitize   the extension's CUDA tests under compute-sanitizer (memcheck, racecheck)
-#   e2e        throughput.py: roberta-base, seq 512, bf16, all four contenders, profiled
+#   e2e        throughput.py: roberta-base, seq 512, bf16, all four contenders, profiled; roofline.py's floor
 #   e2e-fp16   the same in fp16 (with loss scaling)
 #   e2e-more   throughput.py: roberta-large at 512, and base and large at 128 (bf16)
 #   kernels    every per-kernel benchmark (attention, bias+GELU, LayerNorm, FusedAdam, masking,
@@ -95,6 +95,9 @@ case $stage in
     dtype=$([ "$stage" = e2e ] && echo bf16 || echo fp16)
     run "throughput-base512-$dtype" "$py" benchmarks/throughput.py --models base --seq-lens 512 --dtypes "$dtype" \
       --profile --no-record --json "$out/throughput-base512-$dtype.json" --chart "$out/throughput-base512-$dtype.png"
+    # the predicted floor of the same step, beside the measured profile (batch 32: the benchmarks' shape)
+    run roofline-base512 "$py" benchmarks/roofline.py --model base --seq-len 512 --batch 32 \
+      --json "$out/roofline-base512.json"
     ;;
   e2e-more)
     ensure_built
