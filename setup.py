@@ -11,9 +11,46 @@ downloaded torch: the extension must be built against the torch it runs with.)
 """
 import glob
 import os
+import re
 import shutil
+import subprocess
 
 from setuptools import setup
+
+
+def point_cuda_home_at_nvcc():
+    """Set CUDA_HOME to nvcc's toolkit where torch's own guess would miss it.
+
+    torch takes CUDA_HOME to be two levels above the first `nvcc` on PATH. Where that
+    nvcc is a wrapper (e.g. /usr/local/bin/nvcc running /usr/local/cuda-13.0/bin/nvcc),
+    the guess (/usr/local) has no CUDA headers and the CUDA build fails on
+    c10/cuda's `#include <cuda_runtime_api.h>`. nvcc itself says where its toolkit is
+    (`TOP=` of --dryrun). Runs before torch.utils.cpp_extension is imported, which
+    reads CUDA_HOME once; an explicit CUDA_HOME or CUDA_PATH is left alone.
+    """
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or \
+            os.environ.get("ROBERTA_FAST_CPU_ONLY") == "1":
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+
+    def has_headers(home):
+        return os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h"))
+
+    if has_headers(os.path.dirname(os.path.dirname(nvcc))):
+        return
+    try:
+        dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    top = re.search(r"^#\$ TOP=(.+)$", dry.stderr + dry.stdout, re.MULTILINE)
+    if top and has_headers(os.path.normpath(top.group(1).strip())):
+        os.environ["CUDA_HOME"] = os.path.normpath(top.group(1).strip())
+
+
+point_cuda_home_at_nvcc()
 
 try:
     import torch
