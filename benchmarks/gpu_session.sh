@@ -46,7 +46,7 @@ ensure_built() {
   fi
   local t=$SECONDS
   if MAX_JOBS=${MAX_JOBS:-16} "$py" -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 &&
-     "$py" -c "import roberta_fast._C as C; assert C.built_with_cuda()"; then
+     "$py" -c "import torch, roberta_fast._C as C; assert C.built_with_cuda()"; then  # torch first: _C links libc10
     note "build: ok ($((SECONDS - t)) s)"
   else
     tail -40 "$out/build.log"
