@@ -349,7 +349,9 @@ def _configs(rows):
 # training variants (dropout with a mask, varlen or neither) in at least one of the
 # two Triton versions; (128, 64, 4, 3) stays for the forward without dropout (eval),
 # where it does not spill. The first config of each list (the default when
-# autotuning is off) spills in no variant on sm_90.
+# autotuning is off) spills in no fp16/bf16 variant on sm_90 at head dim 64 (RoBERTa's);
+# at head dim 128 dK/dV with dropout spills 132-232 bytes and dQ with mask+dropout 8
+# (Triton 3.6), and fp32 spills at every head dim.
 # The last, (32, 32, 4, 2), is the one that fits the shared memory of an A100 (and for
 # dQ of an H100) with fp32 inputs at head dim 128; with autotuning off the first
 # config that fits runs.
