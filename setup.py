@@ -26,10 +26,11 @@ def point_cuda_home_at_nvcc():
     the guess (/usr/local) has no CUDA headers and the CUDA build fails on
     c10/cuda's `#include <cuda_runtime_api.h>`. nvcc itself says where its toolkit is
     (`TOP=` of --dryrun). Runs before torch.utils.cpp_extension is imported, which
-    reads CUDA_HOME once; an explicit CUDA_HOME or CUDA_PATH is left alone.
+    reads CUDA_HOME once; an explicit CUDA_HOME or CUDA_PATH is left alone, and a CPU
+    torch (or ROBERTA_FAST_CPU_ONLY=1) builds no CUDA, so nothing is asked.
     """
     if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or \
-            os.environ.get("ROBERTA_FAST_CPU_ONLY") == "1":
+            os.environ.get("ROBERTA_FAST_CPU_ONLY") == "1" or torch.version.cuda is None:
         return
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -46,14 +47,15 @@ def point_cuda_home_at_nvcc():
     except (OSError, subprocess.SubprocessError):
         return
     top = re.search(r"^#\$ TOP=(.+)$", dry.stderr + dry.stdout, re.MULTILINE)
-    if top and has_headers(os.path.normpath(top.group(1).strip())):
-        os.environ["CUDA_HOME"] = os.path.normpath(top.group(1).strip())
+    home = os.path.normpath(top.group(1).strip()) if top else None
+    if home and has_headers(home):
+        os.environ["CUDA_HOME"] = home
 
-
-point_cuda_home_at_nvcc()
 
 try:
     import torch
+
+    point_cuda_home_at_nvcc()
     from torch.utils import cpp_extension
 except ImportError as err:  # pragma: no cover - the message is the point
     raise SystemExit(

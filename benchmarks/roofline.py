@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from roberta_fast.config import RobertaConfig  # noqa: E402
-from roberta_fast.model import training_flops  # noqa: E402
+from roberta_fast.config import RobertaConfig
+from roberta_fast.model import training_flops
 
 ACT = 2  # bytes of an activation under autocast (bf16 / fp16)
 FP32 = 4
@@ -128,11 +125,11 @@ def report(cfg: RobertaConfig, batch: int, seq_len: int, matmul_tflops: float, c
            peak_tflops: float, mlm_probability: float = 0.15, residual_bytes: int = FP32) -> dict:
     parts = step_parts(cfg, batch, seq_len, mlm_probability, residual_bytes)
     rate, bandwidth = matmul_tflops * 1e12, copy_tbs * 1e12
-    floor = sum(p.floor_s(rate, bandwidth) for p in parts)
-    tokens, predicted = batch * seq_len, round(mlm_probability * batch * seq_len)
-    model_flops = training_flops(cfg, tokens, predicted, seq_len)
     rows = [{**asdict(p), "floor_ms": p.floor_s(rate, bandwidth) * 1e3,
              "bound": "compute" if p.flops / rate >= p.bytes / bandwidth else "memory"} for p in parts]
+    floor = sum(row["floor_ms"] for row in rows) / 1e3
+    tokens, predicted = batch * seq_len, round(mlm_probability * batch * seq_len)
+    model_flops = training_flops(cfg, tokens, predicted, seq_len)
     return {"batch": batch, "seq_len": seq_len, "tokens": tokens, "predicted": predicted,
             "residual_bytes": residual_bytes, "matmul_tflops": matmul_tflops, "copy_tbs": copy_tbs,
             "peak_tflops": peak_tflops, "parts": rows, "floor_ms": floor * 1e3,

@@ -16,10 +16,18 @@ that did some would fail its bf16 tests here rather than pass unnoticed.
 tests/test_interpreter_bf16.py checks the patch against torch.
 """
 import numpy as np
+import pytest
+import torch
 
 ACTIVE = False  # True once install() has patched the interpreter
 SKIP_REASON = ("needs a CUDA GPU: Triton's CPU interpreter computes bf16 tl.dot wrongly, and "
                "tests/interpreter_bf16.py could not patch this Triton version's interpreter")
+
+
+def skip_unless_computed(device, dtype) -> None:
+    """Skip a bf16 test on the CPU when the interpreter is not patched (it would compute garbage)."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not ACTIVE:
+        pytest.skip(SKIP_REASON)
 
 
 def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -48,8 +48,7 @@ def _default_configs(monkeypatch):
 def _skip_unless_runnable(device, dtype=torch.float32, size=0):
     if device.type == "cpu" and not _INTERPRET:
         pytest.skip("CPU tensors need Triton's interpreter, which is off because a CUDA GPU is present")
-    if device.type == "cpu" and dtype == torch.bfloat16 and not interpreter_bf16.ACTIVE:
-        pytest.skip(interpreter_bf16.SKIP_REASON)
+    interpreter_bf16.skip_unless_computed(device, dtype)
     if device.type == "cpu" and size > 300:
         pytest.skip("needs a CUDA GPU: this shape is too slow for Triton's interpreter")
 

@@ -40,14 +40,9 @@ def inputs(device):
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def _skip_unless_runnable(device, dtype):
-    if dtype == torch.bfloat16 and device.type == "cpu" and not interpreter_bf16.ACTIVE:
-        pytest.skip(interpreter_bf16.SKIP_REASON)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_fused_model_matches_reference(device, dtype):
-    _skip_unless_runnable(device, dtype)
+    interpreter_bf16.skip_unless_computed(device, dtype)
     reference, fused = models(device, dtype)
     ids, mask, labels = inputs(device)
     outs = []
@@ -113,7 +108,7 @@ AUTOCAST_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat1
 def test_fused_model_under_autocast_matches_reference(device, dtype):
     """The trainer's setting: fp32 weights under autocast (the fused LayerNorms then also write
     the half copies the next matmuls read, ops.autocast_copy_dtype)."""
-    _skip_unless_runnable(device, dtype)
+    interpreter_bf16.skip_unless_computed(device, dtype)
     reference, fused = models(device, torch.float32)
     ids, mask, labels = inputs(device)
     ref_logits, ref_grads = _loss_logits_grads(reference, ids, mask, labels, dtype)
@@ -132,7 +127,7 @@ def test_fused_model_under_autocast_matches_reference(device, dtype):
 def test_layer_norm_cast_copies_change_no_bit(device, dtype, monkeypatch):
     """Training under autocast with dropout: the LayerNorm-written half copies give exactly
     the logits and grads of letting autocast cast the fp32 residual stream itself."""
-    _skip_unless_runnable(device, dtype)
+    interpreter_bf16.skip_unless_computed(device, dtype)
     copy_dtypes = []
     copy_dtype = ops.autocast_copy_dtype
 
@@ -162,7 +157,7 @@ def test_torch_compile_of_the_fused_model(device, recwarn):
     fused.check_inputs = False
     ids, mask, labels = inputs(device)
     dtype = torch.bfloat16  # the trainer's default
-    _skip_unless_runnable(device, dtype)
+    interpreter_bf16.skip_unless_computed(device, dtype)
     torch._dynamo.reset()
     compiled = torch.compile(fused, backend="aot_eager")
     results = []

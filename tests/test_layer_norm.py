@@ -30,8 +30,7 @@ def triton_or_skip(device, dtype=torch.float32):
     """Skip what this process cannot run: CPU tensors need the interpreter (and for bf16 its patch)."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors run Triton only under TRITON_INTERPRET=1; this run targets the CUDA GPU")
-    if dtype == torch.bfloat16 and device.type == "cpu" and not interpreter_bf16.ACTIVE:
-        pytest.skip(interpreter_bf16.SKIP_REASON)
+    interpreter_bf16.skip_unless_computed(device, dtype)
 
 
 def assert_fa_close(out, gold, base, what, atol):
