@@ -162,9 +162,11 @@ class RobertaConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "RobertaConfig":
-        """Read `config.json` from an HF model directory (or the file itself)."""
-        path = os.fspath(path)
+    def from_pretrained(cls, path: str | os.PathLike, revision: str | None = None) -> "RobertaConfig":
+        """Read `config.json` from an HF model directory, the file itself, or a Hub name."""
+        from .hub import config_dir
+
+        path = config_dir(path, revision)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {path!r}: expected an HF model directory")

@@ -4,7 +4,8 @@ HF's RoBERTa keeps query/key/value as three Linear layers and the MLM decoder as
 (tied) Linear; roberta_fast fuses Q/K/V into one (3·hidden, hidden) projection and
 reads the decoder weight from the word embeddings. `hf_to_native` / `native_to_hf`
 translate state dicts between the two; `load_pretrained` / `save_pretrained` move
-whole checkpoints (config.json + model.safetensors, or pytorch_model.bin).
+whole checkpoints (config.json + model.safetensors, or pytorch_model.bin), from a
+directory or a Hub name (roberta_fast.hub).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import warnings
 
 import torch
 
+from . import hub
 from .config import RobertaConfig
 
 # Native name suffix <-> HF name suffix, per encoder layer ({i} is the layer index).
@@ -102,8 +104,8 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
 
 
 # ------------------------------------------------------------------ checkpoints
-def read_hf_checkpoint(path_or_model) -> tuple[RobertaConfig, dict]:
-    """(config, HF-named state dict) from an HF model directory or a `transformers` model."""
+def read_hf_checkpoint(path_or_model, revision: str | None = None) -> tuple[RobertaConfig, dict]:
+    """(config, HF-named state dict) from an HF model directory, a Hub name or a `transformers` model."""
     if isinstance(path_or_model, torch.nn.Module):
         hf_config = getattr(path_or_model, "config", None)
         if hf_config is None or not hasattr(hf_config, "to_dict"):
@@ -112,11 +114,12 @@ def read_hf_checkpoint(path_or_model) -> tuple[RobertaConfig, dict]:
         state = {k: v.detach() for k, v in path_or_model.state_dict().items()}
         return RobertaConfig.from_dict(hf_config.to_dict()), state
 
-    path = os.fspath(path_or_model)
+    path = hub.model_dir(path_or_model, revision)
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"{path!r} is not a directory: from_pretrained takes an HF model directory (config.json "
-            "plus model.safetensors or pytorch_model.bin) or a transformers model object"
+            "plus model.safetensors or pytorch_model.bin), a Hugging Face Hub name such as "
+            "'FacebookAI/roberta-base', or a transformers model object"
         )
     config = RobertaConfig.from_pretrained(path)
     return config, _read_weights(path)
@@ -151,14 +154,15 @@ def _load_bin(file: str) -> dict:
 
 
 def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtype | None = None,
-                    device: str | torch.device | None = None, **model_kwargs):
-    """Build `cls` (RobertaModel or RobertaForMaskedLM) from an HF checkpoint.
+                    device: str | torch.device | None = None, revision: str | None = None, **model_kwargs):
+    """Build `cls` (RobertaModel or RobertaForMaskedLM) from an HF checkpoint: a directory,
+    a Hub name (`revision` picks a branch, tag or commit) or a `transformers` model.
 
     Encoder weights must all be present; a head absent from the checkpoint (the pooler
     of an MLM checkpoint, the MLM head of a bare encoder) is initialised and reported,
     as transformers does.
     """
-    config, hf_state = read_hf_checkpoint(path_or_model)
+    config, hf_state = read_hf_checkpoint(path_or_model, revision)
     model = cls(config, backend=backend, **model_kwargs)
     prefix = "roberta." if hasattr(model, "roberta") else ""
     hf_state = _align_prefix(hf_state, prefix)

@@ -158,9 +158,12 @@ class RobertaTokenizer:
         return cls(_pipeline(tok))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "RobertaTokenizer":
-        """Load a directory holding `tokenizer.json`, or `vocab.json` + `merges.txt`."""
-        path = Path(path)
+    def from_pretrained(cls, path: str | os.PathLike, revision: str | None = None) -> "RobertaTokenizer":
+        """Load a directory holding `tokenizer.json`, or `vocab.json` + `merges.txt`, or a Hub
+        name ("FacebookAI/roberta-base"; `revision`: a branch, tag or commit)."""
+        from .hub import tokenizer_dir
+
+        path = Path(tokenizer_dir(path, revision))
         if path.is_file() and path.name == "tokenizer.json":
             path = path.parent
         if not path.is_dir():

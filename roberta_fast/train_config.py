@@ -47,7 +47,7 @@ class TrainConfig:
     intermediate_size: int | None = None  # feed-forward width (None: the preset's)
     dropout: float | None = None  # hidden and attention dropout (None: the preset's 0.1)
     backend: str = "auto"  # model backend: auto | fused | reference
-    init_from: str | None = None  # an HF model directory to start from instead of random weights
+    init_from: str | None = None  # an HF model directory or Hub name to start from, not random weights
     # data
     data: str | None = None  # dataset directory (roberta_fast.preprocess); None: the embedded corpus
     seq_len: int = 128  # tokens per sequence (<s> included)

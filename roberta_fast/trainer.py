@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
 from .config import RobertaConfig
+from .hub import model_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
 from .precision import DynamicLossScaler, autocast, resolve_precision
@@ -215,7 +216,7 @@ class Trainer:
         # model, optimizer and the state that checkpoints carry
         seed_everything(cfg.seed)
         if cfg.init_from:
-            self.model = RobertaForMaskedLM.from_pretrained(cfg.init_from, backend=cfg.backend)
+            self.model = RobertaForMaskedLM.from_pretrained(self.init_dir, backend=cfg.backend)
         else:
             self.model = RobertaForMaskedLM(self.model_config, backend=cfg.backend)
         self.model.to(self.device)
@@ -252,10 +253,14 @@ class Trainer:
     def _model_config(self, manifest: dict) -> RobertaConfig:
         cfg = self.cfg
         if cfg.init_from:
-            if not (Path(cfg.init_from) / "config.json").is_file():
+            try:
+                self.init_dir = model_dir(cfg.init_from)  # a Hub name is downloaded here
+            except FileNotFoundError as err:
+                raise ValueError(f"--init-from: {err}") from err
+            if not (Path(self.init_dir) / "config.json").is_file():
                 raise ValueError(f"--init-from {cfg.init_from!r} is not a Hugging Face model directory "
-                                 "(no config.json); pass the directory save_pretrained wrote")
-            mc = RobertaConfig.from_pretrained(cfg.init_from)
+                                 "(no config.json); pass the directory save_pretrained wrote or a Hub name")
+            mc = RobertaConfig.from_pretrained(self.init_dir)
             if cfg.seq_len > mc.max_seq_len:
                 raise ValueError(f"seq_len {cfg.seq_len} exceeds the {mc.max_seq_len} positions of "
                                  f"{cfg.init_from}; use --seq-len {mc.max_seq_len} or less")

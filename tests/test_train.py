@@ -258,7 +258,7 @@ def test_persistent_nonfinite_stops_with_a_checkpoint(dataset, tmp_path):
     assert (tmp_path / "nan" / "checkpoints" / "step_00000002.pt").is_file()
 
 
-def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys):
+def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="not a preprocessed dataset"):
         Trainer(small_config(str(tmp_path / "nowhere"), tmp_path / "o1"))
     blocker = tmp_path / "file"
@@ -269,6 +269,12 @@ def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys):
         Trainer(small_config(dataset, tmp_path / "o2", global_batch_size=10))
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         Trainer(small_config(dataset, tmp_path / "o2", init_from=str(tmp_path)))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="--init-from: 'acme/missing' is neither a local directory"):
+        Trainer(small_config(dataset, tmp_path / "o2", init_from="acme/missing"))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU is available"):
             Trainer(small_config(dataset, tmp_path / "o2", device="cuda"))
