@@ -2,7 +2,9 @@
 
 CPU ops are always built; CUDA ops are added when the installed torch has CUDA
 and `nvcc` is found (TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured by
-torch.utils.cpp_extension). Install with the torch you already have:
+torch.utils.cpp_extension; with neither a visible GPU nor TORCH_CUDA_ARCH_LIST,
+a portable list, sm_70 (sm_75 on CUDA 13) to sm_90 plus PTX, is built). Install
+with the torch you already have:
 
     pip install --no-build-isolation -e .
 
@@ -74,6 +76,35 @@ def cuda_available_for_build() -> bool:
     return cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
 
 
+# Built for when no GPU is visible and TORCH_CUDA_ARCH_LIST is unset: V100, T4, A100,
+# A10/RTX 30xx, L4/RTX 40xx, H100/H200, with PTX of the newest for later GPUs.
+PORTABLE_CUDA_ARCHS = ("7.0", "7.5", "8.0", "8.6", "8.9", "9.0")
+
+
+def default_cuda_arch_list():
+    """Set TORCH_CUDA_ARCH_LIST for a CUDA build that sees no GPU (a Docker build, a login node).
+
+    torch builds for the visible GPUs; with none, recent torch fails inside
+    `_get_cuda_arch_flags` (IndexError) instead of choosing. Here the portable list is
+    cut to what this nvcc can build (CUDA 13 dropped sm_70). An explicit
+    TORCH_CUDA_ARCH_LIST is always honoured.
+    """
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return
+    home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+    try:
+        listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, TypeError):
+        return  # torch reports the missing compiler itself
+    buildable = {f"{m[:-1]}.{m[-1]}" for m in re.findall(r"compute_(\d+)", listed)}
+    archs = [a for a in PORTABLE_CUDA_ARCHS if a in buildable]
+    if archs:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs) + "+PTX"
+        print(f"roberta_fast: no GPU visible, building CUDA ops for TORCH_CUDA_ARCH_LIST="
+              f"{os.environ['TORCH_CUDA_ARCH_LIST']} (set it to choose)")
+
+
 def extension():
     here = os.path.dirname(os.path.abspath(__file__))
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
@@ -81,6 +112,7 @@ def extension():
     cxx = ["-O3", "-std=c++17", "-fopenmp"]
     include = [os.path.join(here, "csrc")]
     if cuda_available_for_build() and cu:
+        default_cuda_arch_list()
         nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
         return cpp_extension.CUDAExtension(
             "roberta_fast._C",
