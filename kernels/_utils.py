@@ -15,6 +15,41 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _fix_interpreter_scalar_index() -> None:
+    """Let Triton <= 3.6's interpreter run these kernels with NumPy >= 2.4.
+
+    That interpreter turns a scalar (a kernel's `range()` bound) into an int with int()
+    of a 1-element array, which NumPy 2.4 refuses (a DeprecationWarning before); Triton
+    3.7+ squeezes the array first. This does the same for older versions, and nothing
+    where the interpreter's internals differ.
+    """
+    try:
+        from triton.runtime import interpreter
+
+        patch_tensor = interpreter._patch_lang_tensor
+    except (ImportError, AttributeError):
+        return
+    if getattr(patch_tensor, "squeezes_scalars", False):
+        return
+
+    def scalar_index(self):
+        return int(self.handle.data.squeeze())
+
+    def patched(tensor, *scope):  # Triton 3.0-3.1: (tensor); 3.2+: (tensor, scope)
+        patch_tensor(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", scalar_index)
+        else:
+            tensor.__index__ = scalar_index
+
+    patched.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_scalar_index()
+
+
 def check_tensor(t, name: str, device: torch.device, op: str) -> None:
     """Raise TypeError/ValueError unless `t` is a float tensor on `device`."""
     if not isinstance(t, torch.Tensor):
