@@ -371,6 +371,11 @@ def main(argv=None) -> int:
         print("compile_report: TRITON_INTERPRET=1 is set, so the kernels are interpreted, not compiled; "
               "run without it", file=sys.stderr)
         return 2
+    import triton
+    if not hasattr(triton, "knobs"):
+        print(f"compile_report: needs Triton >= 3.4 (it hooks the compiler through triton.knobs); this is "
+              f"Triton {triton.__version__}", file=sys.stderr)
+        return 2
     dtypes = {name: DTYPES[name] for name in args.dtypes}
     launches = capture(args.arch[0], dtypes, args.head_dims, args.hidden_sizes, args.all_variants)
     if args.kernels:
@@ -381,7 +386,6 @@ def main(argv=None) -> int:
     print(format_table(shown))
     print(summary(rows))
     if args.json:
-        import triton
         report = {"triton": triton.__version__, "torch": torch.__version__, "argv": sys.argv,
                   "rows": [asdict(r) for r in rows]}
         with open(args.json, "w") as f:

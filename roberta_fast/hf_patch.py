@@ -63,6 +63,15 @@ def _lm_head(self, features, **kwargs):
     return self.decoder(x)
 
 
+def _needs_attention_interface() -> str:
+    import transformers
+
+    return (f"patch() needs transformers >= 5.0, whose RoBERTa runs attention through AttentionInterface; "
+            f"transformers {transformers.__version__} keeps its own attention classes and ignores a "
+            "registered one. Upgrade transformers, or load the weights into roberta_fast's encoder, "
+            "which needs no particular version: rf.RobertaModel.from_pretrained(model)")
+
+
 def patch(model):
     """Swap attention, dense+GELU and dropout+residual+LayerNorm of a transformers RoBERTa
     model (RobertaModel, RobertaForMaskedLM, RobertaForSequenceClassification, ...) for
@@ -76,8 +85,13 @@ def patch(model):
     if getattr(config, "is_decoder", False):
         raise ValueError("patch() speeds up the bidirectional encoder; this model is configured as a decoder")
     ops.check_backend("fused")  # a clear error when triton is missing
-    _register()
+    try:
+        _register()
+    except ImportError as err:
+        raise RuntimeError(_needs_attention_interface()) from err
     model.set_attn_implementation(IMPLEMENTATION)
+    if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:  # nothing patched yet
+        raise RuntimeError(_needs_attention_interface())
     gelu = config.hidden_act == "gelu"  # the fused GELU is the erf form RoBERTa uses
     for module in model.modules():
         kind = type(module).__name__

@@ -160,3 +160,15 @@ def test_patch_keeps_outputs_and_gradients(cls, pattern):
 def test_patch_refuses_other_models():
     with pytest.raises(ValueError, match="RoBERTa"):
         rf.patch(torch.nn.Linear(2, 2))
+
+
+def test_patch_refuses_a_transformers_whose_roberta_ignores_attention_interface(monkeypatch):
+    """transformers 4.x logs and keeps its own attention on set_attn_implementation: patch()
+    must say so and leave the model as it was, not half-patch it silently."""
+    model = hf_model("RobertaModel")
+    forwards = {name: module.forward for name, module in model.named_modules()}
+    monkeypatch.setattr(model, "set_attn_implementation", lambda name: None)  # what 4.x amounts to
+    with pytest.raises(RuntimeError, match="transformers >= 5.0"):
+        rf.patch(model)
+    assert model.config._attn_implementation != "roberta_fast"
+    assert all(module.forward == forwards[name] for name, module in model.named_modules())

@@ -101,11 +101,12 @@ def test_master_weights(device, dtype, grad_dtype):
     params = [torch.nn.Parameter(p.to(dtype)) for p in ref_params]
     ref_params = [torch.nn.Parameter(p.to(dtype).float()) for p in ref_params]
     if grad_dtype != dtype:
-        try:  # torch >= 2.10 lets a parameter hold a gradient of another dtype
-            for p in params:
+        try:  # torch >= 2.10 lets a parameter hold a gradient of another dtype (older ones take the
+            for p in params:  # attribute as a plain Python one and refuse the gradient)
                 p.grad_dtype = grad_dtype
+                p.grad = torch.zeros(p.shape, dtype=grad_dtype, device=device)
         except (AttributeError, TypeError, RuntimeError):
-            pytest.skip("this torch cannot hold gradients of another dtype than the parameter")
+            pytest.skip("this torch cannot hold gradients of another dtype than the parameter (torch >= 2.10)")
     opt = rf.FusedAdam(params, **HYPER)
     ref = torch.optim.AdamW(ref_params, **HYPER, weight_decay=0.01)
     for _ in range(30):
