@@ -1,0 +1,262 @@
+"""Import a fairseq RoBERTa checkpoint, with no fairseq installed.
+
+    python -m roberta_fast.fairseq checkpoint_best.pt --out roberta_hf/ \\
+        [--dict dict.txt --encoder-json encoder.json --vocab-bpe vocab.bpe]
+
+writes an HF model directory (config.json + model.safetensors, and the tokenizer when
+the three tokenizer files are given) that `rf.RobertaForMaskedLM.from_pretrained`,
+`--init-from` and `transformers` load. fairseq's RoBERTa is the same function as HF's
+(post-LN, learned positions offset by padding_idx + 1, erf GELU, tied decoder), so the
+conversion only renames weights, as transformers' own converter does
+(convert_roberta_original_pytorch_checkpoint_to_pytorch.py), but reads the checkpoint
+file directly: newer fairseq names (`encoder.sentence_encoder.layernorm_embedding`)
+and older ones (`decoder.` prefix, `emb_layer_norm`) both work.
+
+The checkpoint is unpickled with a restricted unpickler: tensors and plain containers
+are rebuilt, every other class (fairseq's meters, omegaconf, numpy RNG state) becomes an
+inert stand-in, so no code from the file runs and fairseq/omegaconf need not be
+importable. The head count comes from the checkpoint's `args`/`cfg` (it is not in the
+weight shapes); `--heads` overrides it.
+
+Tokenizer: fairseq's dictionary (dict.txt) lists GPT-2 BPE ids by frequency after
+<s> <pad> </s> <unk>; with GPT-2's encoder.json (token -> GPT-2 id) and vocab.bpe
+(merges), vocab.json maps each token to its fairseq index, as roberta-base's does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import sys
+import types
+
+import torch
+
+from .config import RobertaConfig
+
+_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq Dictionary's first four ids
+_LAYER = {  # fairseq layer module -> HF layer module
+    "self_attn.q_proj": "attention.self.query",
+    "self_attn.k_proj": "attention.self.key",
+    "self_attn.v_proj": "attention.self.value",
+    "self_attn.out_proj": "attention.output.dense",
+    "self_attn_layer_norm": "attention.output.LayerNorm",
+    "fc1": "intermediate.dense",
+    "fc2": "output.dense",
+    "final_layer_norm": "output.LayerNorm",
+}
+
+
+# ------------------------------------------------------------------ reading the file
+class _Inert:
+    """Stand-in for a class the checkpoint names but this process must not import or run."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _is_safe(module: str, name: str) -> bool:
+    """What a checkpoint of tensors and plain containers needs, as torch's weights-only loader allows."""
+    if module == "torch._utils":
+        return name.startswith("_rebuild")
+    if module == "torch":
+        return name in ("Size", "device") or isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in {
+        ("torch._tensor", "_rebuild_from_type_v2"), ("torch.nn.parameter", "Parameter"),
+        ("collections", "OrderedDict"), ("argparse", "Namespace"), ("copyreg", "_reconstructor"),
+        ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "object"),
+        ("_codecs", "encode")}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if _is_safe(module, name):
+            return super().find_class(module, name)
+        return type(name, (_Inert,), {"__module__": "roberta_fast.fairseq.inert." + module})
+
+
+# What torch.load needs of a pickle module (torch subclasses its Unpickler for the storages).
+_restricted_pickle = types.ModuleType("roberta_fast_restricted_pickle")
+_restricted_pickle.Unpickler = _Unpickler
+_restricted_pickle.load = lambda f, **kwargs: _Unpickler(f, **kwargs).load()
+
+
+def read_checkpoint(path) -> dict:
+    """The checkpoint's dict ({"model": state dict, "args" or "cfg": ...}), tensors on the CPU."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no fairseq checkpoint at {str(path)!r}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle)
+    except Exception as err:
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint: {err}") from err
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+        raise ValueError(f"{path} is not a fairseq checkpoint: it has no 'model' state dict")
+    return ckpt
+
+
+def _attention_heads(ckpt: dict) -> int | None:
+    """encoder_attention_heads from `cfg` (fairseq >= 0.10: a plain dict) or `args` (a Namespace)."""
+    cfg = ckpt.get("cfg")
+    if isinstance(cfg, dict) and isinstance(cfg.get("model"), (dict, argparse.Namespace)):
+        model = cfg["model"]
+        heads = model.get("encoder_attention_heads") if isinstance(model, dict) else \
+            getattr(model, "encoder_attention_heads", None)
+        if heads:
+            return int(heads)
+    args = ckpt.get("args")
+    heads = getattr(args, "encoder_attention_heads", None)
+    return int(heads) if heads else None
+
+
+# ------------------------------------------------------------------ the model
+def to_hf(ckpt: dict, heads: int | None = None) -> tuple[RobertaConfig, dict]:
+    """(config, HF-named RobertaForMaskedLM state dict) from a fairseq checkpoint dict."""
+    state = ckpt["model"]
+    prefix = next((p for p in ("encoder.sentence_encoder.", "decoder.sentence_encoder.")
+                   if p + "embed_tokens.weight" in state), None)
+    if prefix is None:
+        raise ValueError("not a fairseq RoBERTa checkpoint: no encoder.sentence_encoder.embed_tokens.weight")
+    head = prefix.replace("sentence_encoder.", "lm_head.")
+    if any(k.startswith(prefix + "layers.") and ".self_attn.in_proj_weight" in k for k in state):
+        raise ValueError("this checkpoint keeps q/k/v as one in_proj_weight (fairseq < 0.9); load and "
+                         "re-save it with fairseq >= 0.9 first")
+    if state.get(prefix + "layernorm_embedding.weight") is None and state.get(prefix + "emb_layer_norm.weight") \
+            is None:
+        raise ValueError("this checkpoint has no embedding LayerNorm: a pre-LN model "
+                         "(roberta_prenorm), which is not RoBERTa's architecture")
+    words, positions = state[prefix + "embed_tokens.weight"], state[prefix + "embed_positions.weight"]
+    layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", k)))
+    hidden = words.shape[1]
+    heads = heads or _attention_heads(ckpt)
+    if heads is None:
+        raise ValueError("the checkpoint does not record encoder_attention_heads; pass it with --heads "
+                         f"(RoBERTa uses head size 64: {hidden // 64} for hidden size {hidden})")
+    config = RobertaConfig(vocab_size=words.shape[0], hidden_size=hidden, num_hidden_layers=layers,
+                           num_attention_heads=heads,
+                           intermediate_size=state[prefix + "layers.0.fc1.weight"].shape[0],
+                           max_position_embeddings=positions.shape[0], type_vocab_size=1,
+                           layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
+    def take(key):
+        if key not in state:
+            raise ValueError(f"the checkpoint lacks {key}")
+        return state[key]
+
+    norm = "layernorm_embedding" if prefix + "layernorm_embedding.weight" in state else "emb_layer_norm"
+    out = {"roberta.embeddings.word_embeddings.weight": words,
+           "roberta.embeddings.position_embeddings.weight": positions,
+           "roberta.embeddings.token_type_embeddings.weight": torch.zeros(1, hidden, dtype=words.dtype),
+           "roberta.embeddings.LayerNorm.weight": take(f"{prefix}{norm}.weight"),
+           "roberta.embeddings.LayerNorm.bias": take(f"{prefix}{norm}.bias")}
+    for i in range(layers):
+        for theirs, ours in _LAYER.items():
+            for kind in ("weight", "bias"):
+                out[f"roberta.encoder.layer.{i}.{ours}.{kind}"] = take(f"{prefix}layers.{i}.{theirs}.{kind}")
+    for theirs, ours in (("dense", "dense"), ("layer_norm", "layer_norm")):
+        for kind in ("weight", "bias"):
+            out[f"lm_head.{ours}.{kind}"] = take(f"{head}{theirs}.{kind}")
+    out["lm_head.bias"] = take(head + "bias")
+    decoder = state.get(head + "weight")
+    if decoder is not None and not torch.equal(decoder, words):
+        raise ValueError("the MLM decoder is not tied to the word embeddings (untie_weights_roberta); "
+                         "RoBERTa ties them and so does this model")
+    return config, out
+
+
+def convert(checkpoint, out_dir, dictionary=None, encoder_json=None, vocab_bpe=None,
+            heads: int | None = None, dtype: torch.dtype | None = None):
+    """Write an HF model directory for a fairseq RoBERTa checkpoint (and its tokenizer when the
+    dictionary and GPT-2 BPE files are given). Returns the loaded RobertaForMaskedLM."""
+    from .hf import hf_to_native
+    from .model import RobertaForMaskedLM
+
+    config, hf_state = to_hf(read_checkpoint(checkpoint), heads)
+    model = RobertaForMaskedLM(config, backend="reference")
+    native, unknown = hf_to_native(hf_state, "roberta.")
+    assert not unknown, unknown
+    model.load_state_dict({k: v.float() for k, v in native.items()}, strict=False)
+    missing = set(model.state_dict()) - set(native)
+    if missing:
+        raise ValueError(f"conversion left weights unset: {sorted(missing)}")
+    if dtype is not None:
+        model.to(dtype)
+    tokenizer_files = (dictionary, encoder_json, vocab_bpe)
+    if any(tokenizer_files) and not all(tokenizer_files):
+        raise ValueError("the tokenizer needs all three of dict.txt, encoder.json and vocab.bpe")
+    os.makedirs(out_dir, exist_ok=True)
+    if all(tokenizer_files):
+        write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, config.vocab_size)
+    model.save_pretrained(out_dir)
+    return model
+
+
+# ------------------------------------------------------------------ the tokenizer
+def fairseq_vocab(dictionary, encoder_json, vocab_size: int) -> dict:
+    """token -> fairseq id: <s> <pad> </s> <unk>, dict.txt's GPT-2 ids in its order, <mask> last."""
+    with open(encoder_json, encoding="utf-8") as f:
+        gpt2_token = {int(i): tok for tok, i in json.load(f).items()}
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
+    with open(dictionary, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            fields = line.rstrip("\n").split(" ")
+            if len(fields) < 2 or not fields[0]:
+                raise ValueError(f"{dictionary}:{line_no}: expected '<symbol> <count>', got {line.strip()!r}")
+            symbol = fields[0]
+            token = gpt2_token.get(int(symbol)) if symbol.isdigit() else symbol  # madeupwordNNNN stay
+            if token is None:
+                raise ValueError(f"{dictionary}:{line_no}: GPT-2 id {symbol} is not in {encoder_json}")
+            vocab.setdefault(token, len(vocab))
+    if "<mask>" not in vocab:
+        vocab["<mask>"] = len(vocab)  # fairseq's masked-LM task appends it
+    if len(vocab) != vocab_size:
+        raise ValueError(f"the dictionary gives {len(vocab)} ids (with <mask>) but the checkpoint's embedding "
+                         f"has {vocab_size} rows; pass the dict.txt the model was trained with")
+    return vocab
+
+
+def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: int):
+    """vocab.json (fairseq ids) + merges.txt (vocab.bpe), then the full tokenizer files via
+    RobertaTokenizer, so the directory loads in roberta_fast and transformers alike."""
+    from .tokenizer import RobertaTokenizer
+
+    vocab = fairseq_vocab(dictionary, encoder_json, vocab_size)
+    staging = os.path.join(out_dir, ".tokenizer-staging")
+    os.makedirs(staging, exist_ok=True)
+    with open(os.path.join(staging, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(vocab_bpe, encoding="utf-8") as src, open(os.path.join(staging, "merges.txt"), "w",
+                                                        encoding="utf-8") as dst:
+        dst.write(src.read())
+    RobertaTokenizer.from_pretrained(staging).save(out_dir)
+    for name in ("vocab.json", "merges.txt"):
+        os.remove(os.path.join(staging, name))
+    os.rmdir(staging)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roberta_fast.fairseq", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="fairseq RoBERTa checkpoint (model.pt, checkpoint_best.pt)")
+    parser.add_argument("--out", required=True, help="directory for the HF model")
+    parser.add_argument("--dict", help="fairseq dict.txt")
+    parser.add_argument("--encoder-json", help="GPT-2 encoder.json")
+    parser.add_argument("--vocab-bpe", help="GPT-2 vocab.bpe")
+    parser.add_argument("--heads", type=int, help="attention heads, when the checkpoint does not record them")
+    args = parser.parse_args(argv)
+    try:
+        model = convert(args.checkpoint, args.out, args.dict, args.encoder_json, args.vocab_bpe, args.heads)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    c = model.config
+    print(f"wrote {args.out}: L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
+          f"vocab={c.vocab_size}" + ("" if args.dict else " (no tokenizer: pass --dict, --encoder-json, --vocab-bpe)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
