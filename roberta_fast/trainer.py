@@ -519,6 +519,9 @@ class Trainer:
             if len(evals) >= 2:
                 self.print(f"validation MLM loss: first {evals[0]['loss']:.4f} (step {evals[0]['step']}) -> "
                            f"last {evals[-1]['loss']:.4f} (step {evals[-1]['step']})")
+        # Every rank waits for rank 0's export: under gloo a rank that leaves the process group
+        # while another still works can die of SIGABRT, and torchrun then fails the whole job.
+        self.dist.barrier()
         return {"status": status, "step": self.step, "first_eval": first_eval, "last_eval": last_eval}
 
     def _stop_requested(self, stop: StopSignal) -> bool:

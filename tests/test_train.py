@@ -189,6 +189,7 @@ def _ddp_worker(rank, world, port, dataset, out, batches, result):
             norms.append(stats["grad_norm"])
         if rank == 0:
             torch.save({"params": _params(trainer), "norms": norms, "grads": grads}, result)
+        trainer.dist.barrier()  # leave the group together: a rank gone early aborts gloo's other rank
     finally:
         trainer.close()
 
