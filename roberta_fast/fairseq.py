@@ -29,7 +29,9 @@ import json
 import os
 import pickle
 import re
+import shutil
 import sys
+import tempfile
 import types
 
 import torch
@@ -157,9 +159,9 @@ def to_hf(ckpt: dict, heads: int | None = None) -> tuple[RobertaConfig, dict]:
         for theirs, ours in _LAYER.items():
             for kind in ("weight", "bias"):
                 out[f"roberta.encoder.layer.{i}.{ours}.{kind}"] = take(f"{prefix}layers.{i}.{theirs}.{kind}")
-    for theirs, ours in (("dense", "dense"), ("layer_norm", "layer_norm")):
+    for name in ("dense", "layer_norm"):
         for kind in ("weight", "bias"):
-            out[f"lm_head.{ours}.{kind}"] = take(f"{head}{theirs}.{kind}")
+            out[f"lm_head.{name}.{kind}"] = take(f"{head}{name}.{kind}")
     out["lm_head.bias"] = take(head + "bias")
     decoder = state.get(head + "weight")
     if decoder is not None and not torch.equal(decoder, words):
@@ -169,7 +171,7 @@ def to_hf(ckpt: dict, heads: int | None = None) -> tuple[RobertaConfig, dict]:
 
 
 def convert(checkpoint, out_dir, dictionary=None, encoder_json=None, vocab_bpe=None,
-            heads: int | None = None, dtype: torch.dtype | None = None):
+            heads: int | None = None):
     """Write an HF model directory for a fairseq RoBERTa checkpoint (and its tokenizer when the
     dictionary and GPT-2 BPE files are given). Returns the loaded RobertaForMaskedLM."""
     from .hf import hf_to_native
@@ -183,8 +185,6 @@ def convert(checkpoint, out_dir, dictionary=None, encoder_json=None, vocab_bpe=N
     missing = set(model.state_dict()) - set(native)
     if missing:
         raise ValueError(f"conversion left weights unset: {sorted(missing)}")
-    if dtype is not None:
-        model.to(dtype)
     tokenizer_files = (dictionary, encoder_json, vocab_bpe)
     if any(tokenizer_files) and not all(tokenizer_files):
         raise ValueError("the tokenizer needs all three of dict.txt, encoder.json and vocab.bpe")
@@ -225,17 +225,11 @@ def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: in
     from .tokenizer import RobertaTokenizer
 
     vocab = fairseq_vocab(dictionary, encoder_json, vocab_size)
-    staging = os.path.join(out_dir, ".tokenizer-staging")
-    os.makedirs(staging, exist_ok=True)
-    with open(os.path.join(staging, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(vocab_bpe, encoding="utf-8") as src, open(os.path.join(staging, "merges.txt"), "w",
-                                                        encoding="utf-8") as dst:
-        dst.write(src.read())
-    RobertaTokenizer.from_pretrained(staging).save(out_dir)
-    for name in ("vocab.json", "merges.txt"):
-        os.remove(os.path.join(staging, name))
-    os.rmdir(staging)
+    with tempfile.TemporaryDirectory() as staging:
+        with open(os.path.join(staging, "vocab.json"), "w", encoding="utf-8") as f:
+            json.dump(vocab, f, ensure_ascii=False)
+        shutil.copyfile(vocab_bpe, os.path.join(staging, "merges.txt"))
+        RobertaTokenizer.from_pretrained(staging).save(out_dir)
 
 
 def main(argv=None) -> int:
