@@ -8,14 +8,18 @@ mask_tokens_cuda.cu (chunking, ragged tails, the vectorised and unaligned paths,
 splitting past 36 tensors and 320 blocks, block reductions, the overflow skip, the
 at-least-one-prediction rule) execute for real and must give what the CPU ops give:
 bit for bit for Adam and masking, to float rounding for the norm (another summation
-order). What the emulation cannot check is the GPU's own arithmetic (FMA, fast math)
+order). The last test runs them all again with the kernels built with AddressSanitizer,
+which stops at any access past a tensor. What the emulation cannot check is the GPU's
+own arithmetic (FMA, fast math)
 and races between blocks; tests/test_fused_adam.py and test_mask_tokens.py do that on
 a GPU.
 """
 import ctypes
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,7 @@ EMU = Path(__file__).resolve().parent / "cuda_emu"
 LAUNCH = re.compile(r"(\w+)<<<(.*?)>>>\((.*?)\);", re.S)
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # FloatType of fused_adam_cuda.h
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-6, weight_decay=0.01)
+ASAN_SWITCH = "ROBERTA_FAST_EMULATE_WITH_ASAN"  # build the kernels with AddressSanitizer
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,8 @@ def emu(tmp_path_factory):
     library = out / "libcuda_emu.so"
     compiler = shutil.which("g++") or shutil.which("c++")
     assert compiler, "a C++ compiler is needed (it also builds roberta_fast._C)"
-    build = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-shared", "-fPIC",
+    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(ASAN_SWITCH) == "1" else []
+    build = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-shared", "-fPIC", *sanitize,
                             f"-I{EMU}", f"-I{CSRC}", *sources, str(EMU / "glue.cpp"), "-o", str(library)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-6000:]
@@ -260,3 +266,23 @@ def test_mask_tokens_matches_the_cpu_op(emu, strategy, rows, length, probability
     want = mask_tokens(ids, **kwargs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (want[1] != -100).sum() > 0
+
+
+# --------------------------------------------------------------------- memory safety
+@pytest.mark.skipif(os.environ.get(ASAN_SWITCH) == "1", reason="this is the run under AddressSanitizer itself")
+def test_kernels_stay_in_bounds_under_address_sanitizer(tmp_path):
+    """compute-sanitizer's memcheck, on the CPU: the tests above again, with the kernels built
+    with AddressSanitizer and its runtime preloaded, so any read or write past a tensor (torch's
+    CPU buffers get red zones too) or of freed memory stops the run with a report."""
+    runtime = subprocess.run([shutil.which("g++") or "g++", "-print-file-name=libasan.so"],
+                             capture_output=True, text=True).stdout.strip()
+    assert os.path.isabs(runtime), "AddressSanitizer's runtime (gcc's libasan) is not installed"
+    report = tmp_path / "asan"
+    env = {**os.environ, ASAN_SWITCH: "1", "LD_PRELOAD": runtime,  # no leak check: the interpreter leaks
+           "ASAN_OPTIONS": f"detect_leaks=0:abort_on_error=1:log_path={report}"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:faulthandler",
+                          __file__, "-k", "not more_chunks"],  # the 84 MB tensor: slow under ASan, same code
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    reports = "".join(p.read_text() for p in tmp_path.glob("asan*"))
+    assert not reports, reports[:6000]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
