@@ -10,9 +10,8 @@ at-least-one-prediction rule) execute for real and must give what the CPU ops gi
 bit for bit for Adam and masking, to float rounding for the norm (another summation
 order). The last test runs them all again with the kernels built with AddressSanitizer,
 which stops at any access past a tensor. What the emulation cannot check is the GPU's
-own arithmetic (FMA, fast math)
-and races between blocks; tests/test_fused_adam.py and test_mask_tokens.py do that on
-a GPU.
+own arithmetic (FMA, fast math) and races between blocks; tests/test_fused_adam.py and
+test_mask_tokens.py do that on a GPU.
 """
 import ctypes
 import os
