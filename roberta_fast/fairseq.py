@@ -1,7 +1,7 @@
 """Import a fairseq RoBERTa checkpoint, with no fairseq installed.
 
     python -m roberta_fast.fairseq checkpoint_best.pt --out roberta_hf/ \\
-        [--dict dict.txt --encoder-json encoder.json --vocab-bpe vocab.bpe]
+        [--dict dict.txt --encoder-json encoder.json --vocab-bpe vocab.bpe] [--classification-head mnli]
 
 writes an HF model directory (config.json + model.safetensors, and the tokenizer when
 the three tokenizer files are given) that `rf.RobertaForMaskedLM.from_pretrained`,
@@ -116,8 +116,10 @@ def _attention_heads(ckpt: dict) -> int | None:
 
 
 # ------------------------------------------------------------------ the model
-def to_hf(ckpt: dict, heads: int | None = None) -> tuple[RobertaConfig, dict]:
-    """(config, HF-named RobertaForMaskedLM state dict) from a fairseq checkpoint dict."""
+def to_hf(ckpt: dict, heads: int | None = None,
+          classification_head: str | None = None) -> tuple[RobertaConfig, dict]:
+    """(config, HF-named state dict) from a fairseq checkpoint dict: RobertaForMaskedLM's, or with
+    `classification_head` (a fine-tuned model's head name, e.g. "mnli") RobertaForSequenceClassification's."""
     state = ckpt["model"]
     prefix = next((p for p in ("encoder.sentence_encoder.", "decoder.sentence_encoder.")
                    if p + "embed_tokens.weight" in state), None)
@@ -159,6 +161,15 @@ def to_hf(ckpt: dict, heads: int | None = None) -> tuple[RobertaConfig, dict]:
         for theirs, ours in _LAYER.items():
             for kind in ("weight", "bias"):
                 out[f"roberta.encoder.layer.{i}.{ours}.{kind}"] = take(f"{prefix}layers.{i}.{theirs}.{kind}")
+    if classification_head is not None:
+        names = sorted({k.split(".")[1] for k in state if k.startswith("classification_heads.")})
+        if classification_head not in names:
+            raise ValueError(f"no classification head {classification_head!r} in the checkpoint; it has "
+                             f"{names or 'none'}")
+        for name in ("dense", "out_proj"):
+            for kind in ("weight", "bias"):
+                out[f"classifier.{name}.{kind}"] = take(f"classification_heads.{classification_head}.{name}.{kind}")
+        return config, out
     for name in ("dense", "layer_norm"):
         for kind in ("weight", "bias"):
             out[f"lm_head.{name}.{kind}"] = take(f"{head}{name}.{kind}")
@@ -171,14 +182,19 @@ def to_hf(ckpt: dict, heads: int | None = None) -> tuple[RobertaConfig, dict]:
 
 
 def convert(checkpoint, out_dir, dictionary=None, encoder_json=None, vocab_bpe=None,
-            heads: int | None = None):
+            heads: int | None = None, classification_head: str | None = None):
     """Write an HF model directory for a fairseq RoBERTa checkpoint (and its tokenizer when the
-    dictionary and GPT-2 BPE files are given). Returns the loaded RobertaForMaskedLM."""
+    dictionary and GPT-2 BPE files are given). Returns the loaded model: a RobertaForMaskedLM,
+    or with `classification_head` a RobertaForSequenceClassification."""
     from .hf import hf_to_native
-    from .model import RobertaForMaskedLM
+    from .model import RobertaForMaskedLM, RobertaForSequenceClassification
 
-    config, hf_state = to_hf(read_checkpoint(checkpoint), heads)
-    model = RobertaForMaskedLM(config, backend="reference")
+    config, hf_state = to_hf(read_checkpoint(checkpoint), heads, classification_head)
+    if classification_head is None:
+        model = RobertaForMaskedLM(config, backend="reference")
+    else:
+        labels = hf_state["classifier.out_proj.weight"].shape[0]
+        model = RobertaForSequenceClassification(config, num_labels=labels, backend="reference")
     native, unknown = hf_to_native(hf_state, "roberta.")
     assert not unknown, unknown
     model.load_state_dict({k: v.float() for k, v in native.items()}, strict=False)
@@ -240,9 +256,13 @@ def main(argv=None) -> int:
     parser.add_argument("--encoder-json", help="GPT-2 encoder.json")
     parser.add_argument("--vocab-bpe", help="GPT-2 vocab.bpe")
     parser.add_argument("--heads", type=int, help="attention heads, when the checkpoint does not record them")
+    parser.add_argument("--classification-head", metavar="NAME",
+                        help="export a fine-tuned model's classification head NAME (e.g. mnli) as "
+                             "RobertaForSequenceClassification instead of the MLM model")
     args = parser.parse_args(argv)
     try:
-        model = convert(args.checkpoint, args.out, args.dict, args.encoder_json, args.vocab_bpe, args.heads)
+        model = convert(args.checkpoint, args.out, args.dict, args.encoder_json, args.vocab_bpe, args.heads,
+                        args.classification_head)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

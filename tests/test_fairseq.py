@@ -175,3 +175,28 @@ def test_tokenizer_from_the_dictionary_and_gpt2_files(tmp_path):
     with pytest.raises(ValueError, match="gives .* ids .* but the checkpoint's embedding has"):
         fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "z", tmp_path / "short.txt", tmp_path / "encoder.json",
                         tmp_path / "gpt2" / "merges.txt")
+
+
+def test_a_fine_tuned_classification_head(tmp_path):
+    """fairseq keeps fine-tuned heads as classification_heads.<name>.{dense,out_proj} beside the MLM head."""
+    torch.manual_seed(1)
+    hf = transformers.RobertaForSequenceClassification(transformers.RobertaConfig(**SIZES, num_labels=3)).eval()
+    with torch.no_grad():
+        hf.roberta.embeddings.token_type_embeddings.weight.zero_()
+    mlm = hf_model()
+    mlm.roberta.load_state_dict(hf.roberta.state_dict(), strict=False)
+    state = fairseq_state(mlm)
+    sd = hf.state_dict()
+    for name in ("dense", "out_proj"):
+        for kind in ("weight", "bias"):
+            state[f"classification_heads.mnli.{name}.{kind}"] = sd[f"classifier.{name}.{kind}"].clone()
+    save_checkpoint(tmp_path / "ckpt.pt", state, cfg={"model": {"encoder_attention_heads": 4}})
+    with pytest.raises(ValueError, match=r"no classification head 'sst2'.*\['mnli'\]"):
+        fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "x", classification_head="sst2")
+    assert fairseq.main([str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "cls"),
+                         "--classification-head", "mnli"]) == 0
+    ours = rf.RobertaForSequenceClassification.from_pretrained(tmp_path / "cls", backend="reference").eval()
+    assert ours.num_labels == 3
+    torch.testing.assert_close(logits(ours, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "cls").eval()
+    torch.testing.assert_close(logits(reloaded, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
