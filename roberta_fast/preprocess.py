@@ -624,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m roberta_fast.preprocess", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories of them")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (RobertaTokenizer.save, or roberta-base)")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer directory (RobertaTokenizer.save, or roberta-base's files) or a Hub name")
     p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
     p.add_argument("--valid-fraction", type=float, default=0.005, help="share of documents held out (default 0.005)")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
@@ -638,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preprocess(args.inputs, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                    text_field=args.text_field, doc_per_file=args.doc_per_file, shard_mb=args.shard_mb,
                    workers=args.workers, overwrite=args.overwrite, progress=not args.quiet)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # FileNotFoundError: a tokenizer name the Hub lacks
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

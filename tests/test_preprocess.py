@@ -241,6 +241,17 @@ def test_cli(tok, tmp_path):
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_tokenizer_name_neither_local_nor_on_the_hub(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "a.txt").write_text("some text\n")
+    assert pp.main(["--tokenizer", "acme/missing", "--out", str(tmp_path / "o"), str(tmp_path / "a.txt")]) == 2
+    assert "'acme/missing' is neither a local directory nor a Hugging Face Hub repository" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_arguments(tok, tmp_path):
     with pytest.raises(ValueError, match="at least one input"):
         pp.preprocess([], tok, tmp_path / "o")
