@@ -11,6 +11,14 @@ directory fsync'd so the rename itself is durable. A kill during the write leave
 a `.tmp` file, which `latest()` ignores and the next save removes. After a save the
 oldest checkpoints beyond `keep` are deleted.
 
+Checkpoints are read with `torch.load(weights_only=True)`: tensors, plain containers,
+numbers and strings only, so a checkpoint from someone else (a shared scratch disk, a
+download) cannot run code when it is loaded. What this package saves is made of exactly
+those (`rng_state` keeps NumPy's generator as a tensor). A file that needs more, such as a
+checkpoint from an older roberta_fast or a crafted one, is refused with an error naming
+the objects it asks for; `trust=True` (`--trust-checkpoint` in the CLIs) reads it with
+the full unpickler, for files the user wrote themselves.
+
 `StopSignal` turns the first SIGTERM / SIGINT into a flag the training loop checks once
 per step (it then saves and exits); a second SIGINT interrupts at once.
 """
@@ -56,8 +64,13 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Load a checkpoint file; ValueError naming the file if it is not a readable checkpoint."""
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False) -> dict:
+    """Load a checkpoint file (or a directory's latest) without running code from it.
+
+    ValueError naming the file if it is not a readable checkpoint, or if it needs Python
+    objects beyond tensors and plain containers (`trust=True` loads those: only for files
+    you wrote yourself).
+    """
     path = Path(path)
     if path.is_dir():
         found = CheckpointManager(path).latest()
@@ -66,13 +79,32 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         path = found
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
+    if not trust:
+        unsafe = _unsafe_globals(path)
+        if unsafe:
+            raise ValueError(
+                f"refusing to load checkpoint {str(path)!r}: it holds Python objects beyond tensors and "
+                f"plain containers ({', '.join(unsafe[:6])}{', ...' if len(unsafe) > 6 else ''}), and "
+                "unpickling them can run arbitrary code. Checkpoints written by older roberta_fast versions "
+                "hold NumPy's RNG state this way; if you wrote this file yourself, pass "
+                "--trust-checkpoint (trust=True) to load it anyway. Never do so for a file from someone else.")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=not trust)
     except Exception as err:  # truncated or foreign file
         raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{str(path)!r} is not a roberta_fast training checkpoint")
     return state
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The Python globals a checkpoint's pickle asks for beyond weights_only's allow-list
+    (read from the pickle's opcodes, nothing executed); [] for a file that is not a
+    torch zip checkpoint (torch.load then reports it)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:
+        return []
 
 
 class CheckpointManager:

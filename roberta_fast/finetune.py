@@ -69,6 +69,7 @@ class FinetuneConfig:
     log_every: int = 10
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps; rerun to continue
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
+    trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
 
 
 # ------------------------------------------------------------------------- data
@@ -262,7 +263,7 @@ class Finetuner:
         latest = self.checkpoints.latest() if self.cfg.resume else None
         if latest is not None:
             # onto the CPU: the RNG states must stay CPU tensors; load_state_dict moves the rest
-            self.load_state_dict(load_checkpoint(latest))
+            self.load_state_dict(load_checkpoint(latest, trust=self.cfg.trust_checkpoint))
             self.log(f"resumed from {latest} at step {self.step}")
         total = self.steps_per_epoch * self.cfg.epochs
         metrics = MetricsLogger(self.out, total, start_step=self.step)

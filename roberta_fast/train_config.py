@@ -79,6 +79,7 @@ class TrainConfig:
     # where and how often
     out: str | None = None  # output directory (None: runs/<model>)
     resume: str = "auto"  # auto (latest checkpoint in out, if any) | never | a checkpoint path
+    trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = 100  # steps between validation runs
     eval_batches: int = 8  # validation batches (of batch_size sequences) per evaluation

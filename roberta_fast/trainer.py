@@ -157,17 +157,27 @@ class Optimizer:
 
 # ---------------------------------------------------------------------- rng
 def rng_state(device: torch.device) -> dict:
-    """Every RNG this process draws from (dropout: torch's CPU and CUDA generators)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG this process draws from (dropout: torch's CPU and CUDA generators), as
+    tensors, numbers and tuples only, so a checkpoint holding it loads with weights_only=True."""
+    numpy_state = np.random.get_state(legacy=False)  # {"bit_generator", "state": {"key", "pos"}, ...}
+    numpy_state["state"] = {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                            "pos": int(numpy_state["state"]["pos"])}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    """Restore what rng_state() returned (its tensors may have been loaded onto any device)."""
+    """Restore what rng_state() returned (its tensors may have been loaded onto any device).
+
+    Also takes the legacy NumPy tuple of checkpoints from older versions (--trust-checkpoint)."""
     torch.set_rng_state(state["torch"].cpu())  # generator states must be CPU ByteTensors
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = {**numpy_state, "state": {"key": numpy_state["state"]["key"].cpu().numpy().astype(np.uint32),
+                                                "pos": numpy_state["state"]["pos"]}}
+    np.random.set_state(numpy_state)
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
@@ -454,7 +464,7 @@ class Trainer:
         path = self.checkpoints.latest() if resume == "auto" else Path(resume)
         if path is None:
             return False
-        self.load_state_dict(load_checkpoint(path))
+        self.load_state_dict(load_checkpoint(path, trust=self.cfg.trust_checkpoint))
         self.print(f"resumed from {path} at step {self.step}")
         return True
 

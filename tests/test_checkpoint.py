@@ -6,10 +6,15 @@ import subprocess
 import sys
 import textwrap
 
+import random
+
+import numpy as np
 import pytest
 import torch
+from malicious_checkpoint import write_malicious_checkpoint
 
 from roberta_fast.checkpoint import CheckpointManager, StopSignal, atomic_torch_save, load_checkpoint
+from roberta_fast.trainer import rng_state, set_rng_state
 
 
 def state(step):
@@ -95,3 +100,42 @@ def test_stop_signal_sets_a_flag_and_restores_handlers():
         assert stop.requested == "SIGINT"
         with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
             signal.raise_signal(signal.SIGINT)
+
+
+def test_a_checkpoint_that_runs_code_is_refused_and_never_run(tmp_path):
+    path = tmp_path / "checkpoints" / "step_00000005.pt"
+    marker = tmp_path / "pwned"
+    write_malicious_checkpoint(path, marker)
+    for target in (path, path.parent):  # a file, and a directory's latest
+        with pytest.raises(ValueError, match=r"refusing to load checkpoint .*step_00000005.pt.*posix.system"
+                                             r".*--trust-checkpoint"):
+            load_checkpoint(target)
+    assert not marker.exists(), "loading the checkpoint ran its code"
+    torch.load(path, weights_only=False)  # the payload is live: the full unpickler runs it
+    assert marker.exists()
+
+
+def test_the_rng_state_we_save_loads_weights_only_and_restores_every_generator(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.randn()  # leaves a cached Gaussian in NumPy's legacy state
+    CheckpointManager(tmp_path).save(1, {"step": 1, "rng": [rng_state(torch.device("cpu"))]})
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "step_00000001.pt") == []
+    state = load_checkpoint(tmp_path)
+    draw = lambda: (random.random(), np.random.randn(3).tolist(), torch.rand(3).tolist())  # noqa: E731
+    expected = draw()
+    set_rng_state(state["rng"][0], torch.device("cpu"))
+    assert draw() == expected
+
+
+def test_a_checkpoint_in_the_old_format_needs_trust(tmp_path):
+    """Before weights-only checkpoints, NumPy's RNG state was saved as its legacy tuple
+    (an ndarray inside): such a file is refused by default and loads with trust=True."""
+    np.random.seed(7)
+    old = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    torch.save({"step": 3, "rng": [old]}, tmp_path / "step_00000003.pt")
+    with pytest.raises(ValueError, match=r"numpy.*older roberta_fast versions.*--trust-checkpoint"):
+        load_checkpoint(tmp_path)
+    state = load_checkpoint(tmp_path, trust=True)
+    expected = np.random.rand(4)
+    set_rng_state(state["rng"][0], torch.device("cpu"))
+    assert np.array_equal(np.random.rand(4), expected)

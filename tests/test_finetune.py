@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from malicious_checkpoint import write_malicious_checkpoint
 
 import roberta_fast as rf
 from roberta_fast.finetune import FinetuneConfig, Finetuner, accuracy_and_macro_f1, main
@@ -92,7 +93,7 @@ def test_resume_reads_the_checkpoint_onto_the_cpu(task, tmp_path, monkeypatch):
     class Loaded(Exception):
         pass
 
-    def spy(path, map_location="cpu"):
+    def spy(path, map_location="cpu", **kwargs):
         seen.append(map_location)
         raise Loaded
 
@@ -100,6 +101,17 @@ def test_resume_reads_the_checkpoint_onto_the_cpu(task, tmp_path, monkeypatch):
     with pytest.raises(Loaded):
         resumed.run()
     assert len(seen) == 1 and torch.device(seen[0]).type == "cpu", seen
+
+
+def test_resume_never_runs_code_from_a_checkpoint(task, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    write_malicious_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000005.pt", marker)
+    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--valid", str(task / "valid.jsonl"),
+            "--text-field", "sentence", "--max-len", "32", "--device", "cpu", "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "refusing to load checkpoint" in err and "--trust-checkpoint" in err
+    assert not marker.exists(), "resuming ran the checkpoint's code"
 
 
 def test_bad_input_names_the_problem(task, tmp_path):

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
+from malicious_checkpoint import write_malicious_checkpoint
 
 from roberta_fast.metrics import read_metrics
 from roberta_fast.train import main
@@ -291,6 +292,44 @@ def test_resume_refusals(dataset, tmp_path):
         Trainer(small_config(dataset, tmp_path / "o", resume="never")).maybe_resume()
     with pytest.raises(ValueError, match=r"differs from this config in hidden_size \(32 vs 64\)"):
         Trainer(small_config(dataset, tmp_path / "o", hidden_size=64)).maybe_resume()
+
+
+def test_resume_never_runs_code_from_a_checkpoint(dataset, tmp_path, capsys):
+    """A crafted checkpoint given to --resume PATH, or lying in --out (--resume auto), is
+    refused with the error naming --trust-checkpoint; its payload never runs."""
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "from_a_colleague" / "step_00000005.pt"
+    write_malicious_checkpoint(evil, marker)
+    write_malicious_checkpoint(tmp_path / "out" / "checkpoints" / "step_00000005.pt", marker)
+    small = ["--data", dataset, "--device", "cpu", "--hidden-size", "32", "--num-hidden-layers", "1",
+             "--num-attention-heads", "2", "--intermediate-size", "64", "--seq-len", "32", "--batch-size", "4",
+             "--max-steps", "6", "--warmup-steps", "2", "--no-progress", "--no-tensorboard", "--no-plot"]
+    assert main(small + ["--out", str(tmp_path / "fresh"), "--resume", str(evil)]) == 2
+    assert main(small + ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("refusing to load checkpoint") == 2 and "posix.system" in err and "--trust-checkpoint" in err
+    assert not marker.exists(), "resuming ran the checkpoint's code"
+
+
+def test_an_old_format_checkpoint_resumes_exactly_with_trust_checkpoint(dataset, tmp_path):
+    """A checkpoint written before weights-only checkpoints (NumPy's RNG state as its legacy
+    tuple) is refused by default and, with --trust-checkpoint, resumes as a straight run."""
+    whole, _ = run(small_config(dataset, tmp_path / "whole"))
+    run(small_config(dataset, tmp_path / "split", stop_at=3))
+    path = tmp_path / "split" / "checkpoints" / "step_00000003.pt"
+    state = torch.load(path, weights_only=True)
+    for rng in state["rng"]:  # back to the old layout
+        numpy_state = rng["numpy"]
+        rng["numpy"] = ("MT19937", numpy_state["state"]["key"].numpy().astype("uint32"),
+                        numpy_state["state"]["pos"], numpy_state["has_gauss"], numpy_state["gauss"])
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="--trust-checkpoint"):
+        run(small_config(dataset, tmp_path / "split"))
+    resumed, summary = run(small_config(dataset, tmp_path / "split", trust_checkpoint=True))
+    assert summary["status"] == "finished"
+    assert train_losses(tmp_path / "split") == train_losses(tmp_path / "whole")
+    for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("masking, mode, precision", [("whole_word", "doc", "fp32"), ("span", "full", "bf16")])
