@@ -1,0 +1,84 @@
+"""Tests of roberta_fast/sbo.py: the SpanBERT span boundary head, fused and reference,
+against `span_boundary_loss_ref` (the formula, token by token): loss and every gradient."""
+import pytest
+import torch
+
+from roberta_fast.config import RobertaConfig
+from roberta_fast.sbo import SpanBoundaryHead, span_boundary_loss_ref
+
+IGNORE = -100
+
+
+def spans_of(labels):
+    """(left, right, offset) per token from a plain reading of the labels: a span is a
+    maximal run of predicted tokens; no token after a run at the row's end: -1."""
+    batch, seqlen = labels.shape
+    spans = torch.full((batch, seqlen, 3), -1, dtype=torch.int64)
+    for b in range(batch):
+        i = 0
+        while i < seqlen:
+            if labels[b, i] == IGNORE:
+                i += 1
+                continue
+            s = i
+            while i < seqlen and labels[b, i] != IGNORE:
+                i += 1
+            e = i - 1
+            for j in range(s, e + 1):
+                spans[b, j] = torch.tensor([s - 1, e + 1 if e + 1 < seqlen else -1, j - s])
+    return spans
+
+
+def awkward_batch(vocab):
+    """Rows of 13 tokens: a span right after <s>, one before </s>, a long one past the
+    offset cap, one touching the row's end, and a row with nothing predicted."""
+    ids = torch.randint(4, vocab, (4, 13))
+    labels = torch.full_like(ids, IGNORE)
+    for b, runs in enumerate([[(1, 3), (5, 5), (7, 11)], [(2, 10)], [(9, 12)], []]):
+        for s, e in runs:
+            labels[b, s:e + 1] = ids[b, s:e + 1]
+    return labels
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_head_equals_the_formula(backend):
+    cfg = RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32)
+    head = SpanBoundaryHead(cfg, max_offset=6)  # the 9-token span of row 1 runs past it
+    for p in head.parameters():  # nothing left at its init (zero bias, unit LayerNorm)
+        torch.nn.init.normal_(p, std=0.3)
+    hidden = torch.randn(4, 13, 16, requires_grad=True)
+    decoder = torch.randn(37, 16, requires_grad=True)
+    labels = awkward_batch(37)
+    spans = spans_of(labels)
+
+    loss, count = head(hidden, labels, spans, decoder, backend=backend)
+    ref = span_boundary_loss_ref(head, hidden, labels, spans, decoder)
+    # rows 0-2 hold 3+1+5 | 6 of 9 (offsets >= 6 dropped) | 0 (the span touches the end) targets
+    assert count == 9 + 6
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    inputs = [hidden, decoder, *head.parameters()]
+    grads = torch.autograd.grad(loss, inputs)
+    grads_ref = torch.autograd.grad(ref, inputs)
+    names = ["hidden", "decoder"] + [n for n, _ in head.named_parameters()]
+    for name, g, r in zip(names, grads, grads_ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
+    assert grads[0][3].abs().sum() == 0 and grads[0][0, 1:4].abs().sum() == 0  # only boundaries are read
+    total, n = head(hidden, labels, spans, decoder, backend=backend, reduction="sum")
+    torch.testing.assert_close(total / n, loss)
+
+
+def test_fused_matches_reference_under_fp16_autocast():
+    cfg = RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32)
+    head = SpanBoundaryHead(cfg)
+    hidden = torch.randn(4, 13, 16)
+    decoder = torch.randn(37, 16)
+    labels = awkward_batch(37)
+    spans = spans_of(labels)
+    with torch.autocast("cpu", dtype=torch.float16):
+        fused, _ = head(hidden, labels, spans, decoder, backend="fused")
+        reference, _ = head(hidden, labels, spans, decoder, backend="reference")
+    exact = span_boundary_loss_ref(head, hidden, labels, spans, decoder)
+    assert fused.dtype == torch.float32
+    assert abs(fused - exact) <= 2 * abs(reference - exact) + 2e-3
