@@ -90,7 +90,7 @@ class TrainConfig:
     prefetch: int = 4  # batches prepared ahead of the GPU
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True  # TensorBoard scalars (if installed)
-    plot: bool = True  # loss.png at the end (if matplotlib is installed)
+    plot: bool = True  # loss.png (training and validation loss) at the end
     export: bool = True  # save <out>/final in Hugging Face format at the end
 
     # ------------------------------------------------------------------ derived
@@ -185,10 +185,16 @@ class TrainConfig:
     # ------------------------------------------------------------------ presets / io
     @classmethod
     def preset(cls, name: str, **overrides) -> "TrainConfig":
-        """The recipe preset `name` (see TRAIN_PRESETS) with `overrides` applied."""
+        """The recipe preset `name` (see TRAIN_PRESETS) with `overrides` applied.
+
+        A run shortened below the preset's warmup (`max_steps` given, `warmup_steps` not)
+        keeps the preset's warmup fraction: see `fit_preset_warmup`."""
         if name not in TRAIN_PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(TRAIN_PRESETS)}")
-        return cls.from_dict({**TRAIN_PRESETS[name], **overrides})
+        cfg = cls.from_dict({**TRAIN_PRESETS[name], **overrides})
+        if "warmup_steps" not in overrides:
+            cfg.warmup_steps = fit_preset_warmup(name, cfg.max_steps)
+        return cfg
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
@@ -229,6 +235,17 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
                          eval_every=2000, eval_batches=50, log_every=50, save_every=2000,
                          keep_checkpoints=3),
 }
+
+
+def fit_preset_warmup(preset: str, max_steps) -> int:
+    """The preset's warmup, or, when a shortened run has fewer steps than that warmup, the
+    same fraction of the run (at least 1 step): `--max-steps 12` of "tiny" (30 of 300
+    steps) warms up for 1 step instead of failing validation."""
+    values = TRAIN_PRESETS[preset]
+    warmup = values["warmup_steps"]
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or not 0 < max_steps < warmup:
+        return warmup  # fits, or an invalid max_steps that validate() reports
+    return min(max_steps, max(1, round(warmup * max_steps / values["max_steps"])))
 
 
 # ---------------------------------------------------------------------- parsing
@@ -348,4 +365,12 @@ def load_config(argv=None) -> TrainConfig:
     if preset not in TRAIN_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
     flags = {k: v for k, v in args.items() if v is not None}
-    return TrainConfig.preset(preset, **{**file_values, **flags}).validate()
+    cfg = TrainConfig.preset(preset, **{**file_values, **flags}).validate()
+    preset_warmup = TRAIN_PRESETS[preset]["warmup_steps"]
+    if cfg.warmup_steps != preset_warmup and "warmup_steps" not in {**file_values, **flags} \
+            and os.environ.get("RANK", "0") == "0":  # one line per job under torchrun
+        share = preset_warmup / TRAIN_PRESETS[preset]["max_steps"]
+        print(f"note: the {preset} preset's {preset_warmup} warmup steps exceed --max-steps {cfg.max_steps}: "
+              f"warming up for {cfg.warmup_steps} step(s) instead, the preset's {share:.0%} of the run "
+              "(--warmup-steps sets it)")
+    return cfg

@@ -100,3 +100,19 @@ def test_save_round_trips(tmp_path):
     cfg = TrainConfig.preset("large", seed=7)
     cfg.save(tmp_path / "c.json")
     assert TrainConfig.from_dict(json.loads((tmp_path / "c.json").read_text())) == cfg
+
+
+def test_a_short_run_scales_the_presets_warmup(tmp_path, capsys):
+    """--max-steps below the preset's warmup keeps the preset's warmup share (tiny: 30 of
+    300 steps) and says so; an explicit --warmup-steps beyond --max-steps stays an error."""
+    assert load_config(["--max-steps", "12"]).warmup_steps == 1
+    assert "30 warmup steps exceed --max-steps 12: warming up for 1 step(s) instead" in capsys.readouterr().out
+    assert load_config(["--preset", "base", "--max-steps", "10000"]).warmup_steps == 480  # 24k of 500k
+    assert TrainConfig.preset("tiny", max_steps=100).warmup_steps == 30  # fits: the preset's own
+    capsys.readouterr()
+    f = tmp_path / "short.json"
+    f.write_text(json.dumps({"max_steps": 20}))
+    assert load_config(["--config", str(f)]).warmup_steps == 2
+    for argv in (["--max-steps", "12", "--warmup-steps", "30"], ["--config", str(f), "--warmup-steps", "30"]):
+        with pytest.raises(ValueError, match=r"warmup_steps \(30\) must not exceed max_steps"):
+            load_config(argv)
