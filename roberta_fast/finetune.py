@@ -1,6 +1,6 @@
 """`python -m roberta_fast.finetune`: sequence classification from a RoBERTa checkpoint.
 
-    python -m roberta_fast.finetune --model runs/tiny/export --train train.csv --valid dev.csv \
+    python -m roberta_fast.finetune --model runs/tiny/final --train train.csv --valid dev.csv \
         --text-field sentence --label-field label --out runs/cls
 
 Input: CSV (with a header) or JSONL rows holding a text, optionally a second text (a
@@ -14,7 +14,11 @@ and metrics.jsonl; each epoch reports validation loss, accuracy and macro-F1, an
 best epoch is exported as an HF classifier (config.json + model.safetensors +
 tokenizer) that `transformers.AutoModelForSequenceClassification` loads.
 Defaults follow RoBERTa's GLUE recipe (lr 2e-5, batch 16, 6% warmup, weight decay 0.1,
-Adam β2 0.98, ε 1e-6).
+Adam β2 0.98, ε 1e-6); --max-len defaults to the model's own limit (at most 512).
+
+SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal's number (143,
+130); the same command then resumes, and refuses a checkpoint trained on another LR
+schedule unless --allow-schedule-change. Bad input exits with status 2 and one message.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import csv
 import dataclasses
 import json
 import math
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
@@ -37,38 +42,43 @@ from .model import RobertaForSequenceClassification
 from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
 from .tokenizer import RobertaTokenizer
-from .trainer import Optimizer, resolve_device, rng_state, seed_everything, set_rng_state
+from .trainer import Optimizer, check_schedule, resolve_device, rng_state, seed_everything, set_rng_state
+
+# the settings behind each LR-schedule field (check_schedule)
+SCHEDULE_SETTINGS = {"total_steps": "steps (from --epochs, --batch-size and the number of examples)",
+                     "warmup_steps": "warmup steps (--warmup-ratio)", "peak_lr": "--lr"}
 
 
 @dataclass
 class FinetuneConfig:
-    """Every option of the fine-tuning job (each is a --flag of the CLI)."""
+    """Every option of the fine-tuning job (each is a --flag of the CLI; its comment is the help)."""
 
-    model: str = ""  # HF-format RoBERTa directory to start from
-    train: str = ""  # CSV or JSONL file of training examples
-    out: str = "runs/finetune"
-    valid: str | None = None  # held-out file; default: a deterministic 10% of train
-    tokenizer: str | None = None  # default: the model directory
-    text_field: str = "text"
-    pair_field: str | None = None  # a second text for pair tasks (e.g. NLI)
-    label_field: str = "label"
-    max_len: int = 256  # tokens per example, special tokens included
-    epochs: int = 3
-    batch_size: int = 16
-    lr: float = 2e-5
-    warmup_ratio: float = 0.06
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-6
-    clip_grad_norm: float = 0.0  # 0: no clipping (the norm is still logged)
-    precision: str = "auto"  # auto | fp32 | fp16 | bf16
-    backend: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    log_every: int = 10
-    stop_after: int | None = None  # stop (with a checkpoint) after this many steps; rerun to continue
+    model: str = ""  # HF-format RoBERTa directory or Hub name to start from (required)
+    train: str = ""  # CSV (with a header row) or JSONL file of training examples (required)
+    out: str = "runs/finetune"  # output directory: checkpoints, metrics.jsonl and the exported model/
+    valid: str | None = None  # held-out CSV/JSONL file (default: a deterministic 10% of --train, held out)
+    tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
+    text_field: str = "text"  # column / JSON field holding the text
+    pair_field: str | None = None  # column / field of a second text for pair tasks such as NLI (default: none, single texts)
+    label_field: str = "label"  # column / field holding the label (any strings or integers)
+    max_len: int | None = None  # tokens per example, special tokens included (default: the model's limit, at most 512)
+    epochs: int = 3  # passes over the training examples
+    batch_size: int = 16  # examples per optimizer step
+    lr: float = 2e-5  # peak learning rate
+    warmup_ratio: float = 0.06  # share of all steps spent warming up linearly to --lr
+    weight_decay: float = 0.1  # decoupled (AdamW), not on biases and LayerNorm
+    beta1: float = 0.9  # Adam beta1
+    beta2: float = 0.98  # Adam beta2
+    eps: float = 1e-6  # Adam epsilon
+    clip_grad_norm: float = 0.0  # gradient norm clipping threshold (0: no clipping; the norm is still logged)
+    precision: str = "auto"  # auto (bf16 on a bf16 GPU, else fp32) | fp32 | fp16 | bf16
+    backend: str = "auto"  # model backend: auto | fused | reference
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0  # data order, the held-out split, the new head's weights, dropout
+    log_every: int = 10  # steps between metrics.jsonl lines
+    stop_after: int | None = None  # stop (with a checkpoint) after this many steps; rerun to continue (default: run all epochs)
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
+    allow_schedule_change: bool = False  # resume onto another LR schedule (--lr, --epochs, --batch-size, --warmup-ratio or the data changed)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
 
 
@@ -95,11 +105,16 @@ def read_examples(path: str | Path, cfg: FinetuneConfig) -> list[tuple[str, str 
         raise ValueError(f"{path}: expected a .csv (with a header row) or .jsonl file")
     examples = []
     for number, row in rows:
-        missing = [name for name in fields if not isinstance(row, dict) or row.get(name) in (None, "")]
+        missing = [name for name in fields if not isinstance(row, dict) or name not in row]
         if missing:
             present = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"{path}:{number}: missing {missing} (the row has {present}); "
                              "name the columns with --text-field / --pair-field / --label-field")
+        empty = [name for name in fields if row[name] is None or not str(row[name]).strip()]
+        if empty:  # a CSV row short of columns reads None, an empty cell ""
+            what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
+            raise ValueError(f"{path}:{number}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
+                             "is empty on this line; fill it in or remove the row")
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
     if not examples:
@@ -160,7 +175,7 @@ class Finetuner:
         for name in ("model", "train"):
             if not getattr(cfg, name):
                 raise ValueError(f"--{name} is required")
-        if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.max_len < 4 or not cfg.lr > 0:
+        if cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4) or not cfg.lr > 0:
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4 and lr > 0")
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device, 0)
@@ -177,19 +192,21 @@ class Finetuner:
             valid = [train[i] for i in sorted(held_set)]
             train = [e for i, e in enumerate(train) if i not in held_set]
         self.names = label_names([e[2] for e in train + valid])
-        index = {name: i for i, name in enumerate(self.names)}
-        self.train_ids, self.valid_ids = (encode(self.tokenizer, data, cfg.max_len) for data in (train, valid))
-        self.train_labels = [index[e[2]] for e in train]
-        self.valid_labels = [index[e[2]] for e in valid]
-
         with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
             warnings.simplefilter("always")
             self.model = RobertaForSequenceClassification.from_pretrained(
                 cfg.model, backend=cfg.backend, num_labels=len(self.names))
         for w in caught:
             log(f"note: {w.message}")
-        if self.model.config.max_seq_len < cfg.max_len:
-            raise ValueError(f"--max-len {cfg.max_len} exceeds the model's {self.model.config.max_seq_len} positions")
+        limit = self.model.config.max_seq_len
+        if cfg.max_len is not None and cfg.max_len > limit:
+            raise ValueError(f"--max-len {cfg.max_len} exceeds the model's {limit} positions; "
+                             f"use --max-len {limit} or less (or leave it out: the model's limit is the default)")
+        self.max_len = cfg.max_len or min(limit, 512)
+        index = {name: i for i, name in enumerate(self.names)}
+        self.train_ids, self.valid_ids = (encode(self.tokenizer, data, self.max_len) for data in (train, valid))
+        self.train_labels = [index[e[2]] for e in train]
+        self.valid_labels = [index[e[2]] for e in valid]
         extra = self.model.config.extra
         extra["id2label"] = {str(i): n for i, n in enumerate(self.names)}
         extra["label2id"] = {n: i for i, n in enumerate(self.names)}
@@ -215,12 +232,17 @@ class Finetuner:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "best": self.best, "rng": rng_state(self.device),
-                "labels": self.names, "config": dataclasses.asdict(self.cfg)}
+                "labels": self.names, "config": dataclasses.asdict(self.cfg),
+                "model_config": self.model.config.to_dict()}  # python -m roberta_fast.export rebuilds from it
 
     def load_state_dict(self, state: dict) -> None:
         if state["labels"] != self.names:
             raise ValueError(f"the checkpoint in {self.out} was trained on labels {state['labels']}, "
                              f"this data has {self.names}: use another --out")
+        if state["step"] > self.schedule.total_steps:
+            raise ValueError(f"the checkpoint in {self.out} is at step {state['step']}, past this run's "
+                             f"{self.schedule.total_steps} steps: use another --out")
+        check_schedule(state["schedule"], self.schedule, SCHEDULE_SETTINGS, self.cfg.allow_schedule_change, self.log)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
@@ -288,7 +310,8 @@ class Finetuner:
                         if reason:
                             self.checkpoints.save(self.step, self.state_dict())
                             self.log(f"{reason}: checkpoint saved at step {self.step}; rerun to resume")
-                            return {"stopped": reason, "step": self.step}
+                            return {"stopped": reason, "step": self.step,
+                                    "signal": signal.Signals[stop.requested] if stop.requested else None}
                     result = self.evaluate()
                     metrics.log({"kind": "eval", "step": self.step, "epoch": epoch + 1, **result})
                     metrics.write(f"epoch {epoch + 1}: valid loss {result['loss']:.4f}, "
@@ -305,15 +328,24 @@ class Finetuner:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI: one flag per FinetuneConfig field, its comment as the help."""
+    from .train_config import field_help
+
     parser = argparse.ArgumentParser(prog="python -m roberta_fast.finetune",
                                      description=__doc__.split("\n\n")[0])
+    helps = field_help(FinetuneConfig)
     for f in dataclasses.fields(FinetuneConfig):
         flag = "--" + f.name.replace("_", "-")
+        required = f.name in ("model", "train")
+        text = helps.get(f.name, "")
+        if not required and f.default is not None:  # a None default is described by the help itself
+            text += f" (default {f.default})"
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, required=f.name in ("model", "train"))
+            parser.add_argument(flag, type=kind, default=f.default, required=required,
+                                metavar=kind.__name__.upper(), help=text)
     return parser
 
 
@@ -321,11 +353,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = FinetuneConfig(**vars(args))
     try:
-        Finetuner(cfg).run()
+        result = Finetuner(cfg).run()
     except (ValueError, FileNotFoundError) as err:
         print(f"roberta_fast.finetune: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    # stopped by SIGTERM / SIGINT (checkpoint saved): 128 + the signal's number, as a shell reports it
+    return 128 + result["signal"] if result.get("signal") else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
 A thin entry point: the config (roberta_fast.train_config), then the Trainer
 (roberta_fast.trainer) does the rest. A bad config, dataset or output directory exits
 with status 2 and one message before any training; an interrupted run (SIGTERM, Ctrl-C)
-saves a checkpoint and resumes when the same command is run again.
+saves a checkpoint, exits with 128 + the signal's number (143 for SIGTERM, 130 for
+SIGINT, as a shell reports a process killed by it) and resumes when the same command is
+run again.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        trainer.run()
+        summary = trainer.run()
     except ValueError as err:  # e.g. a checkpoint that does not match the config
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
         return 1
     finally:
         trainer.close()
-    return 0
+    return 128 + summary["signal"] if summary["signal"] else 0
 
 
 if __name__ == "__main__":

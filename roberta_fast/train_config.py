@@ -79,6 +79,7 @@ class TrainConfig:
     # where and how often
     out: str | None = None  # output directory (None: runs/<model>)
     resume: str = "auto"  # auto (latest checkpoint in out, if any) | never | a checkpoint path
+    allow_schedule_change: bool = False  # resume onto another LR schedule than the checkpoint's (--max-steps, --warmup-steps, --lr, --min-lr changed)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = 100  # steps between validation runs
@@ -326,13 +327,15 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return data
 
 
-def _field_help() -> dict[str, str]:
-    """field name -> its comment in the TrainConfig source (the CLI help); {} without source."""
+def field_help(cls=None) -> dict[str, str]:
+    """field name -> its comment in the source of dataclass `cls` (default TrainConfig): the
+    CLI help of each flag; {} without source."""
     try:
-        source = inspect.getsource(TrainConfig)
+        source = inspect.getsource(cls or TrainConfig)
     except (OSError, TypeError):
         return {}
-    return dict(re.findall(r"^    (\w+): [^\n#]*#\s*(.+)$", source, flags=re.M))
+    found = re.findall(r"^    (\w+): [^\n#]*#\s*(.+)$", source, flags=re.M)
+    return {name: text.replace("%", "%%") for name, text in found}  # argparse formats help with %
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML or JSON file of config fields (flags override it)")
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), help="recipe preset (default: tiny)")
-    defaults, helps = TrainConfig(), _field_help()
+    defaults, helps = TrainConfig(), field_help()
     for name, (base, optional) in _field_types().items():
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)

@@ -32,6 +32,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,9 @@ from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
 from .train_config import TrainConfig
 
+# the TrainConfig setting behind each LR-schedule field (check_schedule)
+SCHEDULE_SETTINGS = {"total_steps": "--max-steps", "warmup_steps": "--warmup-steps", "peak_lr": "--lr",
+                     "min_lr": "--min-lr"}
 EVAL_MASK_SEED = 0xE7A1  # validation masks are fixed, and the same for every run and world size
 
 
@@ -153,6 +157,29 @@ class Optimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- resume
+def check_schedule(saved: dict, schedule: WarmupLinearDecay, settings: dict[str, str], allow: bool, log) -> None:
+    """Refuse to resume a checkpoint onto another LR schedule than the one it was trained on.
+
+    A new schedule mid-run makes the LR jump (e.g. a longer --max-steps moves the whole decay
+    back up) with no one having asked for it. `saved` is the checkpoint's schedule state;
+    `settings` names the setting behind each schedule field compared. With `allow`
+    (--allow-schedule-change) the run goes on, saying so in one line."""
+    changed = [(settings[k], saved[k], getattr(schedule, k)) for k in settings
+               if k in saved and saved[k] != getattr(schedule, k)]
+    if not changed:
+        return
+    update = int(saved["num_updates"])
+    old = WarmupLinearDecay(saved["peak_lr"], saved["warmup_steps"], saved["total_steps"], saved["min_lr"])
+    what = ", ".join(f"{name} {a} -> {b}" for name, a, b in changed)
+    jump = f"the LR of update {update} goes from {old.lr_at(update):.3g} to {schedule.lr_at(update):.3g}"
+    if not allow:
+        raise ValueError(f"the checkpoint was trained on another LR schedule ({what}): resuming would start a "
+                         f"new schedule mid-run ({jump}). Resume with the checkpoint's settings, use a new --out, "
+                         "or pass --allow-schedule-change to continue on the new schedule")
+    log(f"note: --allow-schedule-change: continuing on a new LR schedule ({what}); {jump}")
 
 
 # ---------------------------------------------------------------------- rng
@@ -427,6 +454,11 @@ class Trainer:
             raise ValueError("the checkpoint's model differs from this config in "
                              + ", ".join(f"{k} ({saved.get(k)} vs {mine.get(k)})" for k in diff)
                              + "; resume with the same model settings or a new --out")
+        if int(state["step"]) > self.cfg.max_steps:
+            raise ValueError(f"the checkpoint is at step {state['step']}, past --max-steps {self.cfg.max_steps}; "
+                             "resume with a larger --max-steps or use a new --out")
+        check_schedule(state["schedule"], self.schedule, SCHEDULE_SETTINGS, self.cfg.allow_schedule_change,
+                       self.print)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
@@ -479,7 +511,7 @@ class Trainer:
         log = MetricsLogger(self.out, cfg.max_steps, self.step, enabled=self.dist.is_main,
                             progress=cfg.progress, tensorboard=cfg.tensorboard)
         first_eval = last_eval = None
-        status = "finished"
+        status, stopped_by = "finished", None
         try:
             if not resumed and self.step == 0:
                 first_eval = self.evaluate()
@@ -505,11 +537,11 @@ class Trainer:
                         log.log({"kind": "eval", "step": self.step, **last_eval})
                         log.write(f"step {self.step}: validation loss {last_eval['loss']:.4f}, "
                                   f"perplexity {last_eval['perplexity']:.1f}, accuracy {last_eval['accuracy']:.3f}")
-                    stop_now = self._stop_requested(stop)
-                    if self.step % cfg.save_every == 0 or self.step == end or stop_now:
+                    stopped_by = self._stop_requested(stop)
+                    if self.step % cfg.save_every == 0 or self.step == end or stopped_by:
                         path = self.save_checkpoint()
-                        if stop_now:
-                            status = f"stopped by {stop.requested or 'another rank'}"
+                        if stopped_by:
+                            status = f"stopped by {stopped_by.name}"
                             log.write(f"{status} at step {self.step}; checkpoint {path}; "
                                       "rerun the same command to resume")
                             break
@@ -532,14 +564,17 @@ class Trainer:
         # Every rank waits for rank 0's export: under gloo a rank that leaves the process group
         # while another still works can die of SIGABRT, and torchrun then fails the whole job.
         self.dist.barrier()
-        return {"status": status, "step": self.step, "first_eval": first_eval, "last_eval": last_eval}
+        # signal: the SIGTERM/SIGINT that stopped the run (python -m roberta_fast.train exits 128 + it)
+        return {"status": status, "step": self.step, "first_eval": first_eval, "last_eval": last_eval,
+                "signal": stopped_by}
 
-    def _stop_requested(self, stop: StopSignal) -> bool:
-        """Whether any rank got SIGTERM/SIGINT (all ranks must stop at the same step)."""
-        if not self.dist.enabled:  # no device tensor: its copy would sync with the GPU every step
-            return bool(stop.requested)
-        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
-        return bool(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item())
+    def _stop_requested(self, stop: StopSignal) -> signal.Signals | None:
+        """The SIGTERM/SIGINT any rank got, or None (all ranks must stop at the same step)."""
+        number = signal.Signals[stop.requested].value if stop.requested else 0
+        if self.dist.enabled:  # only then a device tensor: its copy syncs with the GPU every step
+            flag = torch.tensor([float(number)], device=self.device)
+            number = int(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item())
+        return signal.Signals(number) if number else None
 
     def _new_window(self) -> dict:
         zero = torch.zeros((), dtype=torch.float32, device=self.device)

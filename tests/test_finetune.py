@@ -2,6 +2,7 @@
 import csv
 import json
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from malicious_checkpoint import write_malicious_checkpoint
 
 import roberta_fast as rf
-from roberta_fast.finetune import FinetuneConfig, Finetuner, accuracy_and_macro_f1, main
+from roberta_fast.finetune import FinetuneConfig, Finetuner, accuracy_and_macro_f1, encode, main
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
 
@@ -71,7 +72,7 @@ def test_resume_mid_run_matches_an_uninterrupted_run(task, tmp_path):
     full = Finetuner(config(task, tmp_path / "full", epochs=2), **quiet)
     full.run()
     stopped = Finetuner(config(task, tmp_path / "split", epochs=2, stop_after=17), **quiet).run()
-    assert stopped == {"stopped": "--stop-after", "step": 17}  # inside the second epoch (13 steps each)
+    assert stopped == {"stopped": "--stop-after", "step": 17, "signal": None}  # in epoch 2 (13 steps each)
     resumed = Finetuner(config(task, tmp_path / "split", epochs=2), **quiet)
     resumed.run()
     assert resumed.step == full.step
@@ -114,12 +115,67 @@ def test_resume_never_runs_code_from_a_checkpoint(task, tmp_path, capsys):
     assert not marker.exists(), "resuming ran the checkpoint's code"
 
 
-def test_bad_input_names_the_problem(task, tmp_path):
+def test_bad_input_names_the_problem(task, tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\nhello,pos\n")
     with pytest.raises(ValueError, match=r"bad.csv:2: missing \['sentence'\]"):
         Finetuner(config(task, tmp_path / "x", train=str(bad)), log=lambda *_: None)
     assert main(["--model", str(task / "model"), "--train", str(tmp_path / "none.csv")]) == 2
+    unlabeled = tmp_path / "unlabeled.csv"
+    unlabeled.write_text("sentence,label\nsunny river,pos\ncloud rainy,\nstone,neg\n")
+    with pytest.raises(ValueError, match=r"unlabeled.csv:3: the label \('label'\) is empty on this line"):
+        Finetuner(config(task, tmp_path / "x", train=str(unlabeled)), log=lambda *_: None)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"sentence": "sunny", "label": "pos"}\n{"sentence": "", "label": "neg"}\n')
+    with pytest.raises(ValueError, match=r"short.jsonl:2: the text \('sentence'\) is empty on this line"):
+        Finetuner(config(task, tmp_path / "x", train=str(short)), log=lambda *_: None)
+    too_long = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--text-field", "sentence",
+                "--max-len", "40", "--device", "cpu", "--out", str(tmp_path / "y")]
+    assert main(too_long) == 2
+    assert "--max-len 40 exceeds the model's 32 positions; use --max-len 32 or less" in capsys.readouterr().err
+
+
+def test_max_len_defaults_to_the_models_limit(task, tmp_path):
+    """The model has 34 positions (32 tokens: positions start after the pad id), so a
+    default --max-len of 256 would be refused; the default is the model's own limit."""
+    job = Finetuner(config(task, tmp_path / "run", max_len=None, epochs=1), log=lambda *_: None)
+    assert job.max_len == 32
+    long_text = [(" ".join(["alpha"] * 100), None, "pos")]
+    assert len(job.train_ids[0]) <= 32 and len(encode(job.tokenizer, long_text, job.max_len)[0]) == 32
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(task, tmp_path, monkeypatch, sig):
+    """Scripts and schedulers tell an interrupted run from a finished one by its status."""
+    step = Finetuner.train_step
+
+    def interrupted_step(self, *args):
+        if self.step == 2:
+            signal.raise_signal(sig)  # as a scheduler's SIGTERM or a Ctrl-C during step 3
+        return step(self, *args)
+
+    monkeypatch.setattr(Finetuner, "train_step", interrupted_step)
+    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--valid", str(task / "valid.jsonl"),
+            "--text-field", "sentence", "--device", "cpu", "--out", str(tmp_path / "run")]
+    assert main(argv) == 128 + sig
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003.pt").is_file()
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
+    """A resumed run on other --epochs (so other total steps) would restart the decay mid-run:
+    refused, naming the old and new values and --allow-schedule-change, which continues."""
+    Finetuner(config(task, tmp_path / "run", epochs=2, stop_after=5), log=lambda *_: None).run()
+    with pytest.raises(ValueError, match=r"another LR schedule \(steps \(from --epochs.*\) 26 -> 39, warmup "
+                                         r"steps \(--warmup-ratio\) 3 -> 4\).*--allow-schedule-change"):
+        Finetuner(config(task, tmp_path / "run", epochs=3), log=lambda *_: None).run()
+    with pytest.raises(ValueError, match=r"--lr 0.002 -> 0.001"):
+        Finetuner(config(task, tmp_path / "run", epochs=2, lr=1e-3), log=lambda *_: None).run()
+    lines = []
+    job = Finetuner(config(task, tmp_path / "run", epochs=3, allow_schedule_change=True, stop_after=6),
+                    log=lines.append)
+    assert job.run()["step"] == 6
+    assert any(line.startswith("note: --allow-schedule-change: continuing on a new LR schedule") for line in lines)
 
 
 def test_macro_f1():

@@ -33,6 +33,14 @@ def dataset(tmp_path_factory):
     return str(default_dataset(tmp_path_factory.mktemp("corpus"), vocab_size=1024, max_bytes=1_000_000))
 
 
+def small_argv(dataset) -> list[str]:
+    """The command line of SMALL (without --out)."""
+    return ["--data", dataset, "--device", "cpu", "--hidden-size", "32", "--num-hidden-layers", "1",
+            "--num-attention-heads", "2", "--intermediate-size", "64", "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "6", "--warmup-steps", "2", "--lr", "3e-3", "--no-progress", "--no-tensorboard",
+            "--no-plot"]
+
+
 def small_config(dataset, out, **overrides) -> TrainConfig:
     return TrainConfig.preset("tiny", data=dataset, out=str(out), **{**SMALL, **overrides})
 
@@ -75,6 +83,65 @@ def test_resume_is_exact(dataset, tmp_path):
     for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.schedule.num_updates == whole.schedule.num_updates == 6
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tmp_path, monkeypatch, capsys, sig):
+    """Scripts and schedulers tell an interrupted run (checkpoint saved) from a finished one
+    by its exit status: 130 for Ctrl-C, 143 for SIGTERM; rerunning the command finishes it."""
+    step = Trainer.train_step
+
+    def interrupted_step(self, micro_batches):
+        if self.step == 2:
+            signal.raise_signal(sig)  # during step 3, as a scheduler's SIGTERM or a Ctrl-C
+        return step(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_step)
+    argv = small_argv(dataset) + ["--out", str(tmp_path / "run")]
+    assert main(argv) == 128 + sig
+    assert f"stopped by {sig.name} at step 3" in capsys.readouterr().err
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003.pt").is_file()
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert main(argv) == 0 and (tmp_path / "run" / "final").is_dir()
+
+
+def test_resume_refuses_a_changed_lr_schedule(dataset, tmp_path, capsys):
+    """Resuming with another --max-steps (or warmup, lr, min_lr) would start a new LR schedule
+    mid-run (here the LR of update 3 jumps from 0.00225 to 0.0027): refused with the old and new
+    values and the flag that accepts it; with --allow-schedule-change the run goes on, saying so."""
+    run(small_config(dataset, tmp_path / "run", stop_at=3))
+    argv = small_argv(dataset) + ["--out", str(tmp_path / "run")]
+    assert main(argv + ["--max-steps", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "another LR schedule (--max-steps 6 -> 12): resuming would start a new schedule mid-run" in err
+    assert "the LR of update 3 goes from 0.00225 to 0.0027" in err and "--allow-schedule-change" in err
+    assert main(argv + ["--lr", "1e-3", "--warmup-steps", "1"]) == 2
+    assert "(--warmup-steps 2 -> 1, --lr 0.003 -> 0.001)" in capsys.readouterr().err
+    assert main(argv + ["--max-steps", "2", "--stop-at", "2", "--allow-schedule-change"]) == 2
+    assert "the checkpoint is at step 3, past --max-steps 2" in capsys.readouterr().err
+    assert main(argv + ["--max-steps", "8", "--allow-schedule-change"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --allow-schedule-change: continuing on a new LR schedule (--max-steps 6 -> 8)" in out
+    assert train_losses(tmp_path / "run")[-1][0] == 8 and (tmp_path / "run" / "final").is_dir()
+
+
+def test_the_readme_flow_trains_then_finetunes(dataset, tmp_path, monkeypatch):
+    """The README's commands in order: `python -m roberta_fast.train` shortened by
+    --max-steps below the tiny preset's warmup (on the small test corpus, not the embedded
+    one), then its fine-tuning line on the export with no --max-len. The documented outputs
+    appear: final/ and loss.png (matplotlib is part of the install), then runs/cls/model."""
+    from roberta_fast import finetune
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--max-steps", "6", "--data", dataset, "--eval-batches", "1", "--no-progress"]) == 0
+    assert (tmp_path / "runs/tiny/final/model.safetensors").is_file()
+    assert (tmp_path / "runs/tiny/loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name, rows in (("train.csv", 24), ("dev.csv", 8)):
+        lines = ["text,label"] + [f"{'a fine day' if i % 2 else 'a poor day'} number {i},{i % 2}" for i in range(rows)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    readme = "--model runs/tiny/final --train train.csv --valid dev.csv --out runs/cls".split()
+    assert finetune.main(readme + ["--epochs", "1"]) == 0
+    assert (tmp_path / "runs/cls/model/model.safetensors").is_file()
 
 
 def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path, capsys):
@@ -301,9 +368,7 @@ def test_resume_never_runs_code_from_a_checkpoint(dataset, tmp_path, capsys):
     evil = tmp_path / "from_a_colleague" / "step_00000005.pt"
     write_malicious_checkpoint(evil, marker)
     write_malicious_checkpoint(tmp_path / "out" / "checkpoints" / "step_00000005.pt", marker)
-    small = ["--data", dataset, "--device", "cpu", "--hidden-size", "32", "--num-hidden-layers", "1",
-             "--num-attention-heads", "2", "--intermediate-size", "64", "--seq-len", "32", "--batch-size", "4",
-             "--max-steps", "6", "--warmup-steps", "2", "--no-progress", "--no-tensorboard", "--no-plot"]
+    small = small_argv(dataset)
     assert main(small + ["--out", str(tmp_path / "fresh"), "--resume", str(evil)]) == 2
     assert main(small + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from roberta_fast.train_config import TRAIN_PRESETS, TrainConfig, _field_help, build_parser, load_config
+from roberta_fast.train_config import TRAIN_PRESETS, TrainConfig, field_help, build_parser, load_config
 
 
 def test_defaults_are_the_tiny_preset():
@@ -30,7 +30,7 @@ def test_paper_presets():
 def test_every_field_has_a_flag_and_a_help_text():
     actions = {a.dest for a in build_parser()._actions}
     assert set(TrainConfig.__dataclass_fields__) <= actions
-    assert set(_field_help()) == set(TrainConfig.__dataclass_fields__)
+    assert set(field_help()) == set(TrainConfig.__dataclass_fields__)
 
 
 def test_precedence_preset_file_flags(tmp_path):
