@@ -42,7 +42,8 @@ from .model import RobertaForSequenceClassification
 from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
 from .tokenizer import RobertaTokenizer
-from .trainer import Optimizer, check_schedule, resolve_device, rng_state, seed_everything, set_rng_state
+from .trainer import (Optimizer, check_schedule, export_pretrained, resolve_device, rng_state, seed_everything,
+                      set_rng_state)
 
 # the settings behind each LR-schedule field (check_schedule)
 SCHEDULE_SETTINGS = {"total_steps": "steps (from --epochs, --batch-size and the number of examples)",
@@ -278,8 +279,7 @@ class Finetuner:
         return {"loss": sum(losses) / len(self.valid_ids), "accuracy": accuracy, "f1": f1}
 
     def export(self, directory: Path) -> None:
-        self.model.save_pretrained(directory)
-        self.tokenizer.save(directory)
+        export_pretrained(self.model, self.tokenizer, directory)
 
     def run(self) -> dict:
         latest = self.checkpoints.latest() if self.cfg.resume else None

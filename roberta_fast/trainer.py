@@ -633,22 +633,7 @@ class Trainer:
     # ------------------------------------------------------------------ export
     def export(self, directory: Path) -> Path:
         """Save the model and tokenizer in Hugging Face format (atomically replacing `directory`)."""
-        from .tokenizer import RobertaTokenizer
-
-        directory = Path(directory)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
-            self.model.save_pretrained(tmp)
-            RobertaTokenizer.from_pretrained(self.train_data.tokenizer_path).save(tmp)
-            old = directory.with_name(f".{directory.name}.old")
-            if directory.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        export_pretrained(self.model, self.train_data.tokenizer_path, directory)
         self.print(f"exported the model and tokenizer (Hugging Face format) to {directory}")
         return directory
 
@@ -658,6 +643,32 @@ class Trainer:
         if batches is not None:
             batches.close()
         self.dist.close()
+
+
+def export_pretrained(model, tokenizer, directory) -> Path:
+    """Write `model` and `tokenizer` (a RobertaTokenizer, or a directory or Hub name to load one
+    from) as one Hugging Face directory, atomically replacing `directory`: the exports of
+    train and finetune, and any checkpoint's through `python -m roberta_fast.export`."""
+    from .tokenizer import RobertaTokenizer
+
+    if not isinstance(tokenizer, RobertaTokenizer):
+        tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save(tmp)
+        old = directory.with_name(f".{directory.name}.old")
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
 
 
 def check_writable(out: Path) -> None:
