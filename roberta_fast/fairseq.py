@@ -248,18 +248,25 @@ def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: in
         RobertaTokenizer.from_pretrained(staging).save(out_dir)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m roberta_fast.fairseq`."""
     parser = argparse.ArgumentParser(prog="python -m roberta_fast.fairseq", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="fairseq RoBERTa checkpoint (model.pt, checkpoint_best.pt)")
     parser.add_argument("--out", required=True, help="directory for the HF model")
-    parser.add_argument("--dict", help="fairseq dict.txt")
-    parser.add_argument("--encoder-json", help="GPT-2 encoder.json")
-    parser.add_argument("--vocab-bpe", help="GPT-2 vocab.bpe")
-    parser.add_argument("--heads", type=int, help="attention heads, when the checkpoint does not record them")
+    no_tokenizer = "(default: none; the tokenizer needs all three of --dict, --encoder-json, --vocab-bpe)"
+    parser.add_argument("--dict", help=f"fairseq dict.txt, for the tokenizer {no_tokenizer}")
+    parser.add_argument("--encoder-json", help=f"GPT-2 encoder.json, for the tokenizer {no_tokenizer}")
+    parser.add_argument("--vocab-bpe", help=f"GPT-2 vocab.bpe, for the tokenizer {no_tokenizer}")
+    parser.add_argument("--heads", type=int,
+                        help="attention heads, when the checkpoint does not record them (default: the checkpoint's)")
     parser.add_argument("--classification-head", metavar="NAME",
                         help="export a fine-tuned model's classification head NAME (e.g. mnli) as "
-                             "RobertaForSequenceClassification instead of the MLM model")
-    args = parser.parse_args(argv)
+                             "RobertaForSequenceClassification (default: the MLM model)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         model = convert(args.checkpoint, args.out, args.dict, args.encoder_json, args.vocab_bpe, args.heads,
                         args.classification_head)

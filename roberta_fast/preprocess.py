@@ -620,7 +620,8 @@ def _print_report(manifest: dict, seconds: float, log: Callable) -> None:
     log("\n".join(lines))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m roberta_fast.preprocess`."""
     p = argparse.ArgumentParser(prog="python -m roberta_fast.preprocess", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories of them")
@@ -629,12 +630,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
     p.add_argument("--valid-fraction", type=float, default=0.005, help="share of documents held out (default 0.005)")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
-    p.add_argument("--doc-per-file", action="store_true", help="each .txt file is one document")
+    p.add_argument("--doc-per-file", action="store_true",
+                   help="each .txt file is one document (default: blank lines separate documents)")
     p.add_argument("--shard-mb", type=float, default=32, help="input MB per shard (default 32)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
-    p.add_argument("--overwrite", action="store_true", help="replace an output made from other inputs")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an output made from other inputs or options (default: refuse)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (default: show one)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         preprocess(args.inputs, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                    text_field=args.text_field, doc_per_file=args.doc_per_file, shard_mb=args.shard_mb,

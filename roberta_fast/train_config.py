@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m roberta_fast.train",
         description="Pretrain RoBERTa (MLM). With no arguments: the tiny preset on the embedded corpus.",
     )
-    p.add_argument("--config", help="YAML or JSON file of config fields (flags override it)")
+    p.add_argument("--config", help="YAML or JSON file of config fields (flags override it; default: none)")
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), help="recipe preset (default: tiny)")
     defaults, helps = TrainConfig(), field_help()
     for name, (base, optional) in _field_types().items():
