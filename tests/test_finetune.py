@@ -178,6 +178,25 @@ def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
     assert any(line.startswith("note: --allow-schedule-change: continuing on a new LR schedule") for line in lines)
 
 
+def test_a_checkpoint_exports_as_a_classifier(task, tmp_path, capsys):
+    """python -m roberta_fast.export turns a mid-run fine-tuning checkpoint into the classifier
+    of that step, with the labels and the model's tokenizer, as transformers loads it."""
+    transformers = pytest.importorskip("transformers")
+    from roberta_fast.export import main as export
+
+    job = Finetuner(config(task, tmp_path / "run", epochs=1, stop_after=3), log=lambda *_: None)
+    job.run()
+    assert export([str(tmp_path / "run" / "checkpoints" / "step_00000003.pt"), "--out", str(tmp_path / "s3")]) == 0
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "s3").eval()
+    assert hf.config.id2label == {0: "neg", 1: "pos"}
+    batch = transformers.AutoTokenizer.from_pretrained(tmp_path / "s3")(["sunny river stone", "cloud rainy"],
+                                                                         padding=True, return_tensors="pt")
+    job.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(**batch).logits, job.model(batch["input_ids"], batch["attention_mask"]).logits,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_macro_f1():
     predictions, labels = np.array([0, 0, 1, 2]), np.array([0, 1, 1, 2])
     accuracy, f1 = accuracy_and_macro_f1(predictions, labels, 3)

@@ -1,0 +1,100 @@
+"""`python -m roberta_fast.export CHECKPOINT --out DIR`: any training checkpoint as a Hugging Face model.
+
+    python -m roberta_fast.export runs/base/checkpoints/step_00020000.pt --out base-20k/
+    python -m roberta_fast.export runs/base --out base-latest/     # the run's latest checkpoint
+
+A `step_N.pt` of `python -m roberta_fast.train` becomes the same directory as the run's
+final export (config.json, model.safetensors and the tokenizer), which `transformers`
+and `rf.RobertaForMaskedLM.from_pretrained` load; one of `python -m roberta_fast.finetune`
+becomes its sequence classifier. The checkpoint is read with weights_only=True (nothing
+in it can run code), the model is rebuilt from the config the checkpoint records, and
+the tokenizer is the run's: the dataset's for pretraining (as recorded in the checkpoint's
+training config), the fine-tuned model's for fine-tuning; --tokenizer names another.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .checkpoint import load_checkpoint
+from .config import RobertaConfig
+from .model import RobertaForMaskedLM, RobertaForSequenceClassification
+from .trainer import export_pretrained
+
+
+def run_tokenizer(state: dict) -> str:
+    """Where the run that wrote `state` took its tokenizer from (ValueError naming --tokenizer if gone)."""
+    cfg = state["config"]
+    if "labels" in state:  # fine-tuning: the starting model's directory, or its --tokenizer
+        return cfg.get("tokenizer") or cfg["model"]
+    from .data import load_manifest
+
+    if cfg.get("data"):
+        data = Path(cfg["data"])
+        try:
+            manifest = load_manifest(data)
+        except ValueError as err:
+            raise ValueError(f"the run's dataset is not readable here ({err}); pass --tokenizer, the "
+                             "tokenizer directory the dataset was made with") from None
+    else:  # the embedded demonstration corpus (cached; rebuilt the same way if it is not)
+        from .corpus import default_dataset
+
+        data = default_dataset()
+        manifest = load_manifest(data)
+    return str(data / manifest.get("tokenizer_path", "tokenizer"))
+
+
+def model_from_checkpoint(state: dict):
+    """The model whose weights `state` holds: RobertaForMaskedLM (pretraining) or
+    RobertaForSequenceClassification (fine-tuning), on the reference backend."""
+    if "model_config" not in state:
+        raise ValueError("the checkpoint records no model config (a fine-tuning checkpoint written before "
+                         "roberta_fast.export existed); export the run's best epoch from its model/ directory")
+    config = RobertaConfig.from_dict(state["model_config"])
+    cls = RobertaForSequenceClassification if "labels" in state else RobertaForMaskedLM
+    model = cls(config, backend="reference")
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def export_checkpoint(checkpoint, out, tokenizer=None, trust: bool = False) -> dict:
+    """Write the checkpoint at `checkpoint` (a file, a checkpoints directory or a run directory:
+    its latest) as an HF directory `out`; returns the loaded checkpoint state."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "checkpoints").is_dir():  # a run directory
+        checkpoint = checkpoint / "checkpoints"
+    state = load_checkpoint(checkpoint, trust=trust)
+    if "model" not in state or "config" not in state:
+        raise ValueError(f"{str(checkpoint)!r} is not a checkpoint of roberta_fast.train or roberta_fast.finetune")
+    export_pretrained(model_from_checkpoint(state), tokenizer or run_tokenizer(state), out)
+    return state
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m roberta_fast.export`."""
+    p = argparse.ArgumentParser(prog="python -m roberta_fast.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a step_N.pt of roberta_fast.train or roberta_fast.finetune, or a run "
+                                      "(or checkpoints) directory for its latest one")
+    p.add_argument("--out", required=True, help="directory for the Hugging Face model (replaced atomically)")
+    p.add_argument("--tokenizer", help="tokenizer directory or Hub name (default: the run's own, as recorded "
+                                       "in the checkpoint)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read an old-format checkpoint with the full unpickler, which can run code: only for "
+                        "files you wrote yourself (default: weights_only=True loading)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        state = export_checkpoint(args.checkpoint, args.out, args.tokenizer, trust=args.trust_checkpoint)
+    except (ValueError, FileNotFoundError) as err:  # FileNotFoundError: a tokenizer that is not there
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported step {state['step']} of {args.checkpoint} (Hugging Face format) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

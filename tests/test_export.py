@@ -1,0 +1,77 @@
+"""python -m roberta_fast.export: a step checkpoint of a training run becomes the same
+Hugging Face directory as the run's final export, and loads in transformers."""
+import pytest
+import torch
+from malicious_checkpoint import write_malicious_checkpoint
+
+from roberta_fast.export import main
+from roberta_fast.train_config import TrainConfig
+from roberta_fast.trainer import Trainer
+
+SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, seq_len=32,
+             batch_size=4, max_steps=6, warmup_steps=2, lr=3e-3, eval_every=100, eval_batches=1, stop_at=3,
+             progress=False, tensorboard=False, plot=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run stopped at step 3 of 6 (so no final export), and its trainer holding the step-3 model."""
+    from roberta_fast.corpus import default_dataset
+
+    root = tmp_path_factory.mktemp("export")
+    data = default_dataset(root / "corpus", vocab_size=1024, max_bytes=1_000_000)
+    trainer = Trainer(TrainConfig.preset("tiny", data=str(data), out=str(root / "run"), **SMALL), log=lambda *a: None)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert not (root / "run" / "final").exists()
+    return root / "run", data, trainer
+
+
+def test_a_step_checkpoint_exports_as_the_final_export_would(stopped_run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    run, _, trainer = stopped_run
+    assert main([str(run / "checkpoints" / "step_00000003.pt"), "--out", str(tmp_path / "step3")]) == 0
+    assert "exported step 3" in capsys.readouterr().out
+
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "step3").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "step3")
+    ids = tok(["The module defines a class.", "Return the value of <mask>."], padding=True, return_tensors="pt")
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(ids["input_ids"], attention_mask=ids["attention_mask"]).logits
+        torch.testing.assert_close(hf(**ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    trainer.export(tmp_path / "final")  # what the run's own export writes at this step
+    names = sorted(p.name for p in (tmp_path / "final").iterdir())
+    assert sorted(p.name for p in (tmp_path / "step3").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "step3" / name).read_bytes() == (tmp_path / "final" / name).read_bytes(), name
+
+
+def test_a_run_directory_exports_its_latest_checkpoint(stopped_run, tmp_path, capsys):
+    run, _, _ = stopped_run
+    assert main([str(run), "--out", str(tmp_path / "latest" / "model")]) == 0
+    assert (tmp_path / "latest" / "model" / "model.safetensors").is_file()
+    assert "exported step 3" in capsys.readouterr().out
+
+
+def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
+    run, data, _ = stopped_run
+    marker = tmp_path / "pwned"
+    write_malicious_checkpoint(tmp_path / "evil" / "step_00000005.pt", marker)
+    assert main([str(tmp_path / "evil" / "step_00000005.pt"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to load checkpoint" in err and "--trust-checkpoint" in err
+    assert not marker.exists(), "exporting ran the checkpoint's code"
+    assert main([str(tmp_path / "nowhere.pt"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    state = torch.load(run / "checkpoints" / "step_00000003.pt", weights_only=True)
+    state["config"]["data"] = str(tmp_path / "moved")  # the dataset is not where the run saw it
+    torch.save(state, tmp_path / "step_00000003.pt")
+    assert main([str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o")]) == 2
+    assert "the run's dataset is not readable here" in capsys.readouterr().err
+    argv = [str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o"), "--tokenizer", str(data / "tokenizer")]
+    assert main(argv) == 0 and (tmp_path / "o" / "tokenizer.json").is_file()
