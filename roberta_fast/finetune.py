@@ -60,9 +60,9 @@ class FinetuneConfig:
     valid: str | None = None  # held-out CSV/JSONL file (default: a deterministic 10% of --train, held out)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
     text_field: str = "text"  # column / JSON field holding the text
-    pair_field: str | None = None  # column / field of a second text for pair tasks such as NLI (default: none, single texts)
+    pair_field: str | None = None  # column / field of a second text, for pair tasks such as NLI (default: none)
     label_field: str = "label"  # column / field holding the label (any strings or integers)
-    max_len: int | None = None  # tokens per example, special tokens included (default: the model's limit, at most 512)
+    max_len: int | None = None  # tokens per example, special tokens included (default: the model's limit, <= 512)
     epochs: int = 3  # passes over the training examples
     batch_size: int = 16  # examples per optimizer step
     lr: float = 2e-5  # peak learning rate
@@ -77,9 +77,9 @@ class FinetuneConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # data order, the held-out split, the new head's weights, dropout
     log_every: int = 10  # steps between metrics.jsonl lines
-    stop_after: int | None = None  # stop (with a checkpoint) after this many steps; rerun to continue (default: run all epochs)
+    stop_after: int | None = None  # stop (with a checkpoint) after this many steps (default: never); rerun to go on
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
-    allow_schedule_change: bool = False  # resume onto another LR schedule (--lr, --epochs, --batch-size, --warmup-ratio or the data changed)
+    allow_schedule_change: bool = False  # resume with a changed LR schedule (--lr, --epochs, --batch-size, --warmup-ratio, data)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
 
 

@@ -79,7 +79,7 @@ class TrainConfig:
     # where and how often
     out: str | None = None  # output directory (None: runs/<model>)
     resume: str = "auto"  # auto (latest checkpoint in out, if any) | never | a checkpoint path
-    allow_schedule_change: bool = False  # resume onto another LR schedule than the checkpoint's (--max-steps, --warmup-steps, --lr, --min-lr changed)
+    allow_schedule_change: bool = False  # resume with a changed LR schedule (--max-steps, --warmup-steps, --lr, --min-lr)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = 100  # steps between validation runs

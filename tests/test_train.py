@@ -70,6 +70,7 @@ def test_resume_is_exact(dataset, tmp_path):
 
     first, summary = run(small_config(dataset, tmp_path / "split", log_every=2), on_step=interrupt)
     assert summary["status"].startswith("stopped by SIGTERM") and summary["step"] == 3
+    assert summary["signal"] == signal.SIGTERM  # python -m roberta_fast.train exits 143
     assert (tmp_path / "split" / "checkpoints" / "step_00000003.pt").is_file()
     assert not (tmp_path / "split" / "final").exists()  # no export of an unfinished run
     resumed, summary = run(small_config(dataset, tmp_path / "split", log_every=2))
