@@ -42,6 +42,7 @@ from .model import RobertaForSequenceClassification
 from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
 from .tokenizer import RobertaTokenizer
+from .train_config import COMMAND_LINE_ONLY
 from .trainer import (Optimizer, check_schedule, export_pretrained, resolve_device, rng_state, seed_everything,
                       set_rng_state)
 
@@ -233,7 +234,8 @@ class Finetuner:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "best": self.best, "rng": rng_state(self.device),
-                "labels": self.names, "config": dataclasses.asdict(self.cfg),
+                "labels": self.names,
+                "config": {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in COMMAND_LINE_ONLY},
                 "model_config": self.model.config.to_dict()}  # python -m roberta_fast.export rebuilds from it
 
     def load_state_dict(self, state: dict) -> None:

@@ -33,6 +33,9 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 MASKINGS = ("token", "whole_word", "span")
 MODES = ("full", "doc")  # FULL-SENTENCES, DOC-SENTENCES (roberta_fast.data)
 MODEL_PRESETS = ("tiny", "base", "large")
+# Permissions for one invocation: given on the command line only, never saved with the
+# run nor read from a --config file (which may come from someone else).
+COMMAND_LINE_ONLY = ("trust_checkpoint", "allow_schedule_change")
 
 
 @dataclass
@@ -208,7 +211,8 @@ class TrainConfig:
         return cls(**{k: _coerce(k, v) for k, v in data.items()})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The run's settings, without the per-invocation permissions (COMMAND_LINE_ONLY)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in COMMAND_LINE_ONLY}
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as JSON via a temporary file and a rename."""
@@ -364,6 +368,10 @@ def load_config(argv=None) -> TrainConfig:
     args = vars(build_parser().parse_args(argv))
     file_values = read_config_file(args.pop("config")) if args.get("config") else {}
     file_values = {str(k).replace("-", "_"): v for k, v in file_values.items()}
+    for key in COMMAND_LINE_ONLY:
+        if key in file_values:
+            raise ValueError(f"{key} cannot be set in a --config file: pass --{key.replace('_', '-')} on the "
+                             "command line for this run")
     preset = args.pop("preset") or file_values.pop("preset", None) or "tiny"
     if preset not in TRAIN_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")

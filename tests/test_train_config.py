@@ -102,6 +102,21 @@ def test_save_round_trips(tmp_path):
     assert TrainConfig.from_dict(json.loads((tmp_path / "c.json").read_text())) == cfg
 
 
+def test_permissions_are_command_line_only(tmp_path):
+    """--trust-checkpoint and --allow-schedule-change hold for one invocation: never saved
+    with the run, and a --config file (maybe someone else's) cannot grant them."""
+    cfg = load_config(["--trust-checkpoint", "--allow-schedule-change"])
+    assert cfg.trust_checkpoint and cfg.allow_schedule_change
+    cfg.save(tmp_path / "c.json")
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert "trust_checkpoint" not in saved and "allow_schedule_change" not in saved
+    assert not load_config(["--config", str(tmp_path / "c.json")]).trust_checkpoint
+    granted = tmp_path / "granted.json"
+    granted.write_text(json.dumps({"trust-checkpoint": True}))
+    with pytest.raises(ValueError, match="trust_checkpoint cannot be set in a --config file"):
+        load_config(["--config", str(granted)])
+
+
 def test_a_short_run_scales_the_presets_warmup(tmp_path, capsys):
     """--max-steps below the preset's warmup keeps the preset's warmup share (tiny: 30 of
     300 steps) and says so; an explicit --warmup-steps beyond --max-steps stays an error."""
