@@ -28,7 +28,7 @@ _LAYER_RENAMES = {
     "ffn_norm": "output.LayerNorm",
 }
 _QKV = ("query", "key", "value")
-_HEADS = ("lm_head.", "classifier.")  # task heads: same names in HF and here
+_HEADS = ("lm_head.", "classifier.", "sbo.")  # task heads: same names in HF and here
 # HF keys that carry no weights of ours: buffers, and the decoder tied to the embeddings.
 _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_head\.decoder\.(weight|bias)$")
 
@@ -204,17 +204,24 @@ def _align_prefix(state: dict, prefix: str) -> dict:
     return out
 
 
-def save_pretrained(model, directory: str | os.PathLike):
-    """Write config.json and model.safetensors in HF's layout, each file atomically."""
+def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | None = None,
+                    architecture: str | None = None):
+    """Write config.json and model.safetensors in HF's layout, each file atomically.
+
+    exclude_prefix: parameters left out (a head transformers does not know, saved apart);
+    architecture: the class name config.json gives (default: the model's)."""
     from safetensors.torch import save_file
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     prefix = "roberta." if hasattr(model, "roberta") else ""
-    hf_state = native_to_hf(model.state_dict(), prefix)
+    state = model.state_dict()
+    if exclude_prefix:
+        state = {k: v for k, v in state.items() if not k.startswith(exclude_prefix)}
+    hf_state = native_to_hf(state, prefix)
     hf_state = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
     target = os.path.join(directory, "model.safetensors")
     tmp = target + ".tmp"
     save_file(hf_state, tmp, metadata={"format": "pt"})
     os.replace(tmp, target)
-    model.config.save_pretrained(directory, architectures=[type(model).__name__])
+    model.config.save_pretrained(directory, architectures=[architecture or type(model).__name__])

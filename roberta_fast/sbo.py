@@ -17,11 +17,20 @@ released code also drops pair targets at the sequence edges and keeps 15 per spa
 The offset embedding is hidden-sized so f's input is 3 * hidden, as in the paper's
 formula (the released code used 200 dimensions).
 
+`RobertaForSpanBERT` is RobertaForMaskedLM with this head beside the MLM head (loss =
+MLM + SBO, each a mean over its predicted tokens); `python -m roberta_fast.train
+--objective mlm+sbo` trains it. It saves the encoder and MLM head as a transformers
+RobertaForMaskedLM directory and the SBO head beside it as `sbo.safetensors`.
+
 The fused backend runs the head through the Triton bias+GELU, LayerNorm and
 cross-entropy kernels (roberta_fast.ops), over the predicted tokens only;
 `span_boundary_loss_ref` is the plain-PyTorch reference written from the formula.
 """
 from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +38,9 @@ from torch import nn
 
 from . import ops
 from .config import RobertaConfig
+from .model import RobertaForMaskedLM, _Output, check_inputs
+
+SBO_WEIGHTS = "sbo.safetensors"
 
 IGNORE_INDEX = -100
 MAX_SPAN_OFFSET = 15  # offsets p_0 .. p_14 (SpanBERT's --max-pair-targets 15); tokens further in are MLM-only
@@ -85,6 +97,87 @@ class SpanBoundaryHead(nn.Module):
         logits = F.linear(x, decoder_weight, self.bias)  # (n, vocab)
         target = labels.reshape(-1).index_select(0, index)
         return ops.cross_entropy(logits, target, reduction, backend), index.numel()
+
+
+@dataclass
+class SpanBertOutput(_Output):
+    loss: torch.Tensor | None = None  # mlm_loss + sbo_loss ("mean"); None with "sum" (normalise each yourself)
+    mlm_loss: torch.Tensor | None = None
+    sbo_loss: torch.Tensor | None = None
+    sbo_targets: int = 0  # tokens the SBO predicted (the MLM predicts every labelled one)
+    logits: torch.Tensor | None = None  # MLM logits, (num_predicted, vocab)
+
+
+class RobertaForSpanBERT(RobertaForMaskedLM):
+    """RobertaForMaskedLM + SpanBoundaryHead `sbo`: SpanBERT's pretraining model.
+
+    forward(input_ids, labels, spans, ...) runs the encoder once and both heads over the
+    predicted tokens only; without `spans` it is RobertaForMaskedLM's forward.
+    """
+
+    def __init__(self, config: RobertaConfig, backend: str = "auto", max_offset: int = MAX_SPAN_OFFSET):
+        super().__init__(config, backend=backend)
+        self.sbo = SpanBoundaryHead(config, max_offset)
+        self.sbo.apply(self._init_weights)
+        nn.init.zeros_(self.sbo.bias)
+
+    def forward(self, input_ids, labels=None, spans=None, attention_mask=None, position_ids=None,
+                cu_seqlens=None, max_seqlen: int | None = None, loss_reduction: str = "mean", **mlm_kwargs):
+        if spans is None:
+            return super().forward(input_ids, attention_mask=attention_mask, labels=labels,
+                                   position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                   loss_reduction=loss_reduction, **mlm_kwargs)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if labels is None or labels.shape != input_ids.shape:
+            raise ValueError(f"spans need labels shaped like input_ids {tuple(input_ids.shape)}")
+        if spans.shape != (*input_ids.shape, 3) or spans.dtype != torch.int64 or spans.device != input_ids.device:
+            raise ValueError(f"spans must be int64 (batch, seqlen, 3) on {input_ids.device}, as "
+                             f"mask_tokens(..., return_spans=True) returns; got {spans.dtype} "
+                             f"{tuple(spans.shape)} on {spans.device}")
+        if self.check_inputs:
+            check_inputs(self.config, input_ids, attention_mask, None, position_ids, cu_seqlens, labels)
+        # both heads' token indices before the encoder runs: their host syncs wait for the masking only
+        predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
+        sbo_index = self.sbo.targets(labels, spans)  # (num_sbo_targets,)
+        x = self.roberta.encode(input_ids, attention_mask, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                                max_seqlen=max_seqlen).last_hidden_state  # (batch, seqlen, H)
+        backend = self._backend_for(input_ids)
+        decoder = self.roberta.embeddings.word_embeddings.weight
+        logits = self.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, predicted), decoder, backend)
+        mlm_loss = ops.cross_entropy(logits, labels.reshape(-1).index_select(0, predicted), loss_reduction,
+                                     backend)
+        sbo_loss, sbo_targets = self.sbo(x, labels, spans, decoder, backend, loss_reduction, index=sbo_index)
+        loss = mlm_loss + sbo_loss if loss_reduction == "mean" else None
+        return SpanBertOutput(loss, mlm_loss, sbo_loss, sbo_targets, logits)
+
+    def save_pretrained(self, directory: str | os.PathLike):
+        """The encoder and MLM head as a transformers RobertaForMaskedLM directory, the SBO
+        head beside it as sbo.safetensors (its parameter names without the "sbo." prefix)."""
+        from safetensors.torch import save_file
+
+        from .hf import save_pretrained
+
+        save_pretrained(self, directory, exclude_prefix="sbo.", architecture="RobertaForMaskedLM")
+        target = os.path.join(directory, SBO_WEIGHTS)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.sbo.state_dict().items()}, target + ".tmp",
+                  metadata={"format": "pt", "max_offset": str(self.sbo.max_offset)})
+        os.replace(target + ".tmp", target)
+
+    @classmethod
+    def from_pretrained(cls, path, backend: str = "auto", **kwargs):
+        """An HF MLM directory (or Hub name / transformers model); the SBO head from its
+        sbo.safetensors when the directory has one, else newly initialised."""
+        weights = os.path.join(os.fspath(path), SBO_WEIGHTS) if isinstance(path, (str, os.PathLike)) else ""
+        if not os.path.isfile(weights):
+            return super().from_pretrained(path, backend=backend, **kwargs)  # warns: sbo newly initialised
+        from safetensors.torch import load_file
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"newly initialised.*'sbo\.")
+            model = super().from_pretrained(path, backend=backend, **kwargs)
+        model.sbo.load_state_dict(load_file(weights))
+        return model
 
 
 def span_boundary_loss_ref(head: SpanBoundaryHead, hidden, labels, spans, decoder_weight):

@@ -82,3 +82,51 @@ def test_fused_matches_reference_under_fp16_autocast():
     exact = span_boundary_loss_ref(head, hidden, labels, spans, decoder)
     assert fused.dtype == torch.float32
     assert abs(fused - exact) <= 2 * abs(reference - exact) + 2e-3
+
+
+def tiny_spanbert(backend="reference"):
+    from roberta_fast.sbo import RobertaForSpanBERT
+
+    cfg = RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=20, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return RobertaForSpanBERT(cfg, backend=backend)
+
+
+def test_spanbert_model_is_mlm_plus_sbo_on_one_encoder_pass():
+    from roberta_fast.model import RobertaForMaskedLM
+
+    model = tiny_spanbert()
+    ids = torch.randint(4, 37, (4, 13))
+    labels = awkward_batch(37)
+    spans = spans_of(labels)
+    out = model(ids, labels=labels, spans=spans)
+    mlm = RobertaForMaskedLM(model.config, backend="reference")
+    mlm.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("sbo.")})
+    torch.testing.assert_close(out.mlm_loss, mlm(ids, labels=labels).loss)
+    hidden = model.roberta(ids).last_hidden_state
+    decoder = model.roberta.embeddings.word_embeddings.weight
+    torch.testing.assert_close(out.sbo_loss, span_boundary_loss_ref(model.sbo, hidden, labels, spans, decoder))
+    torch.testing.assert_close(out.loss, out.mlm_loss + out.sbo_loss)
+    summed = model(ids, labels=labels, spans=spans, loss_reduction="sum")
+    assert summed.loss is None and summed.sbo_targets == out.sbo_targets > 0
+    torch.testing.assert_close(summed.sbo_loss / summed.sbo_targets, out.sbo_loss)
+    with pytest.raises(ValueError, match=r"spans must be int64 \(batch, seqlen, 3\)"):
+        model(ids, labels=labels, spans=spans[..., :2])
+
+
+def test_spanbert_saves_an_mlm_transformers_loads_and_its_sbo_head_beside(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from roberta_fast.sbo import SBO_WEIGHTS, RobertaForSpanBERT
+
+    model = tiny_spanbert()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / SBO_WEIGHTS).is_file()
+    hf, info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(4, 37, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, model.eval()(ids).logits, rtol=1e-5, atol=1e-6)
+    again = RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
+    for key, value in model.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
