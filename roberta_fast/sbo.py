@@ -63,12 +63,15 @@ class SpanBoundaryHead(nn.Module):
     def max_offset(self) -> int:
         return self.offset_embeddings.num_embeddings
 
-    def targets(self, labels, spans):
-        """Flat indices (into batch*seqlen) of the tokens the SBO predicts: labelled, with
-        both boundaries inside the row, at an offset below max_offset. One host sync."""
+    def target_mask(self, labels, spans):
+        """(batch, seqlen) bool: the tokens the SBO predicts: labelled, with both boundaries
+        inside the row, at an offset below max_offset."""
         left, right, offset = spans.unbind(-1)  # each (batch, seqlen)
-        keep = labels.ne(IGNORE_INDEX) & left.ge(0) & right.ge(0) & offset.lt(self.max_offset)
-        return keep.reshape(-1).nonzero().squeeze(1)  # (num_targets,)
+        return labels.ne(IGNORE_INDEX) & left.ge(0) & right.ge(0) & offset.lt(self.max_offset)
+
+    def targets(self, labels, spans):
+        """Flat indices (into batch*seqlen) of target_mask's tokens. One host sync."""
+        return self.target_mask(labels, spans).reshape(-1).nonzero().squeeze(1)  # (num_targets,)
 
     def forward(self, hidden, labels, spans, decoder_weight, backend: str = "reference",
                 reduction: str = "mean", index=None):
@@ -81,6 +84,8 @@ class SpanBoundaryHead(nn.Module):
         batch, seqlen, width = hidden.shape
         if index is None:
             index = self.targets(labels, spans)
+        if index.numel() == 0:  # nothing to predict: a zero that still reaches every parameter (DDP)
+            return sum(p.sum() for p in self.parameters()).float() * 0.0, 0
         flat = hidden.reshape(-1, width)  # (batch*seqlen, H)
         picked = spans.reshape(-1, 3).index_select(0, index)  # (n, 3): left, right, offset
         row_start = torch.div(index, seqlen, rounding_mode="floor") * seqlen

@@ -130,3 +130,13 @@ def test_spanbert_saves_an_mlm_transformers_loads_and_its_sbo_head_beside(tmp_pa
     again = RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
     for key, value in model.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
+
+
+def test_no_target_gives_a_zero_that_reaches_every_parameter():
+    head = SpanBoundaryHead(RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=32))
+    labels = torch.full((2, 5), IGNORE)
+    loss, count = head(torch.randn(2, 5, 16), labels, spans_of(labels), torch.randn(37, 16), backend="fused")
+    loss.backward()
+    assert count == 0 and loss.item() == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in head.parameters())
