@@ -8,8 +8,25 @@
 A checkpoint is one file `step_00001234.pt`, written to a temporary file in the same
 directory, flushed and fsync'd, renamed over its final name (atomic on POSIX), and the
 directory fsync'd so the rename itself is durable. A kill during the write leaves only
-a `.tmp` file, which `latest()` ignores and the next save removes. After a save the
-oldest checkpoints beyond `keep` are deleted.
+a `.tmp` file, which `latest()` ignores and the next save removes.
+
+Integrity: the SHA-256 of the bytes is computed while torch.save writes them (no second
+read) and stored beside the checkpoint in `step_00001234.pt.sha256` (`sha256sum -c`
+format), written before the checkpoint's rename, so every complete checkpoint has one.
+Loading verifies it (one sequential read, then torch.load reads from the page cache) and
+raises DamagedCheckpoint on a mismatch or an unreadable file; `load_latest()` (the
+trainer's auto-resume) skips damaged checkpoints with one line each and takes the newest
+that verifies. A checkpoint without a sidecar (written by an older roberta_fast) loads
+with a note. A file refused for its unsafe globals (below) is NOT damage: it is a crafted
+file or an old format, and stays a hard error that auto-resume never skips past.
+
+Disk space: before writing, `save` checks the free space for one checkpoint (the size
+of its tensors plus a margin, or the previous checkpoint's size if larger). With room, it
+writes the new file, checks its size, then deletes the oldest beyond `keep` (so `keep`
+checkpoints need room for keep + 1 only while saving). Short of room, it deletes the
+oldest first, never the newest good one; if that is not enough, or the disk fills during
+the write, it raises DiskSpaceError naming the sizes and the directory, and the last good
+checkpoint is untouched.
 
 Checkpoints are read with `torch.load(weights_only=True)`: tensors, plain containers,
 numbers and strings only, so a checkpoint from someone else (a shared scratch disk, a
@@ -19,6 +36,10 @@ checkpoint from an older roberta_fast or a crafted one, is refused with an error
 the objects it asks for; `trust=True` (`--trust-checkpoint` in the CLIs) reads it with
 the full unpickler, for files the user wrote themselves.
 
+`RunLock` makes one writer per run directory: an advisory lock (flock) on `<out>/run.lock`,
+held while the run lives and released by the kernel when the process ends, kill -9
+included, so a stale lock never blocks a restart. The file holds the holder's pid and host.
+
 `StopSignal` turns the first SIGTERM / SIGINT into a flag the training loop checks once
 per step (it then saves and exits); a second SIGINT interrupts at once.
 """
@@ -26,29 +47,74 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import torch
 
+from .integrity import NO_SPACE, HashingWriter, human_bytes, sha256_file
+
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
+CHECKSUM_SUFFIX = ".sha256"
 
 
-def atomic_torch_save(obj, path: str | os.PathLike) -> None:
-    """torch.save to `path` via temp file + fsync + rename + directory fsync."""
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose bytes fail their checksum or cannot be read: corruption, not a refusal."""
+
+
+class DiskSpaceError(RuntimeError):
+    """A checkpoint could not be saved for want of disk space; the last good one is untouched."""
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def checksum_path(path: str | os.PathLike) -> Path:
+    """The sidecar holding a checkpoint's SHA-256: `step_N.pt.sha256`."""
     path = Path(path)
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
+        with open(tmp, "w") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> int:
+    """torch.save to `path` via temp file + fsync + rename + directory fsync, with its SHA-256
+    sidecar written (atomically) before the rename; returns the bytes written.
+
+    A failed write raises the OSError itself (ENOSPC included), not torch's "unexpected pos"."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = None
+    try:
+        with open(tmp, "wb") as f:
+            writer = HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        _write_text_atomic(checksum_path(path), f"{writer.sha256}  {path.name}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if writer is not None and writer.error is not None:
+            raise writer.error from None
+        raise
     _fsync_dir(path.parent)
+    return writer.size
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -64,12 +130,28 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False) -> dict:
-    """Load a checkpoint file (or a directory's latest) without running code from it.
+def verify_checkpoint(path: str | os.PathLike) -> bool:
+    """Check `path` against its sidecar checksum: True if it matches, False if there is no
+    sidecar (an older checkpoint); DamagedCheckpoint if it does not match."""
+    path = Path(path)
+    sidecar = checksum_path(path)
+    if not sidecar.is_file():
+        return False
+    expected = sidecar.read_text().split()[:1]
+    actual = sha256_file(path)
+    if expected != [actual]:
+        raise DamagedCheckpoint(
+            f"checkpoint {str(path)!r} is damaged: its content does not match its checksum in {sidecar.name} "
+            f"(SHA-256 {actual[:16]}... instead of {(expected or ['nothing'])[0][:16]}...)")
+    return True
 
-    ValueError naming the file if it is not a readable checkpoint, or if it needs Python
-    objects beyond tensors and plain containers (`trust=True` loads those: only for files
-    you wrote yourself).
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False, log=_stderr) -> dict:
+    """Load a checkpoint file (or a directory's latest), verified, without running code from it.
+
+    DamagedCheckpoint (a ValueError) naming the file if it fails its checksum or cannot be
+    read; ValueError if it needs Python objects beyond tensors and plain containers
+    (`trust=True` loads those: only for files you wrote yourself) or is not a checkpoint.
     """
     path = Path(path)
     if path.is_dir():
@@ -79,6 +161,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
         path = found
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
+    if not verify_checkpoint(path):
+        log(f"note: checkpoint {path} has no checksum file (written by an older roberta_fast): loaded unverified")
     if not trust:
         unsafe = _unsafe_globals(path)
         if unsafe:
@@ -91,7 +175,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
     try:
         state = torch.load(path, map_location=map_location, weights_only=not trust)
     except Exception as err:  # truncated or foreign file
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: {err})") from err
+        raise DamagedCheckpoint(
+            f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: {str(err).splitlines()[0]})") from err
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{str(path)!r} is not a roberta_fast training checkpoint")
     return state
@@ -107,14 +192,32 @@ def _unsafe_globals(path: Path) -> list[str]:
         return []
 
 
-class CheckpointManager:
-    """Numbered checkpoints in one directory: atomic save, keep the last `keep`, find the latest."""
+def estimate_size(state) -> int:
+    """Bytes torch.save will about write for `state`: its tensors' storages plus a margin
+    (1 MiB for the pickle and the zip records, 64 bytes of alignment per tensor)."""
+    storages, stack = {}, [state]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            s = x.untyped_storage()
+            storages[(s.data_ptr(), s.device)] = s.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sum(storages.values()) + 64 * len(storages) + (1 << 20)
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+
+class CheckpointManager:
+    """Numbered, checksummed checkpoints in one directory: atomic save with a disk-space check,
+    keep the last `keep`, find the latest (or the newest that verifies)."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, log=_stderr):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.directory = Path(directory)
         self.keep = keep
+        self.log = log
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}.pt"
@@ -134,16 +237,147 @@ class CheckpointManager:
         ckpts = self.checkpoints()
         return ckpts[-1][1] if ckpts else None
 
+    def load_latest(self, map_location="cpu", trust: bool = False) -> tuple[Path, dict, list[Path]] | None:
+        """(path, state, damaged) of the newest checkpoint that verifies and reads, skipping
+        damaged ones (listed in `damaged`) with one line each; None if there is none at all.
+
+        A checkpoint refused for unsafe globals raises: that is not damage. If every
+        checkpoint is damaged, DamagedCheckpoint says so."""
+        damaged = []
+        for _, path in reversed(self.checkpoints()):
+            try:
+                return path, load_checkpoint(path, map_location, trust, self.log), damaged
+            except DamagedCheckpoint as err:
+                self.log(f"skipping a damaged checkpoint: {err}")
+                damaged.append(path)
+            except ValueError:
+                if path.exists():
+                    raise
+                damaged.append(path)  # removed meanwhile (another rank set it aside)
+        if damaged:
+            raise DamagedCheckpoint(
+                f"every checkpoint in {str(self.directory)!r} is damaged ({', '.join(p.name for p in damaged)}); "
+                "move them away (or use a new --out) to start the run over")
+        return None
+
+    def set_aside(self, path: Path) -> Path:
+        """Rename a damaged checkpoint (and its checksum) to `*.damaged`, out of the run's way."""
+        aside = path.with_name(path.name + ".damaged")
+        if path.exists():
+            os.replace(path, aside)
+        sidecar = checksum_path(path)
+        if sidecar.exists():
+            os.replace(sidecar, sidecar.with_name(sidecar.name + ".damaged"))
+        return aside
+
+    def _delete(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        checksum_path(path).unlink(missing_ok=True)
+
     def save(self, step: int, state: dict) -> Path:
-        """Write `state` as the checkpoint of `step`, then prune to the newest `keep`."""
+        """Write `state` as the checkpoint of `step`, then prune to the newest `keep`.
+
+        DiskSpaceError, with the previous checkpoints kept, if the disk has no room for it."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".step_*.tmp"):  # left by a killed writer
             stale.unlink(missing_ok=True)
+        for sidecar in self.directory.glob(f"step_*.pt{CHECKSUM_SUFFIX}"):  # killed before its rename
+            if not sidecar.with_name(sidecar.name[:-len(CHECKSUM_SUFFIX)]).exists():
+                sidecar.unlink(missing_ok=True)
         path = self.path_for(step)
-        atomic_torch_save(state, path)
+        others = [p for s, p in self.checkpoints() if s != step]
+        need = max([estimate_size(state)] + [p.stat().st_size for p in others[-1:]])
+        self._make_room(path, need, others)
+        try:
+            size = atomic_torch_save(state, path)
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            raise DiskSpaceError(
+                f"the disk ran out of space while saving checkpoint {path.name} in {str(self.directory)!r} "
+                f"(about {human_bytes(need)} needed; {human_bytes(shutil.disk_usage(self.directory).free)} "
+                f"free now). {self._kept(others)}") from None
+        if path.stat().st_size != size:
+            raise DiskSpaceError(f"checkpoint {path} holds {path.stat().st_size} bytes after saving {size}; "
+                                 f"the disk may be failing. {self._kept(others)}")
         for _, old in self.checkpoints()[:-self.keep]:
-            old.unlink(missing_ok=True)
+            self._delete(old)
         return path
+
+    def _make_room(self, path: Path, need: int, others: list[Path]) -> None:
+        """Ensure `need` bytes are free for `path`, deleting the oldest of `others` (never the
+        newest) when short; DiskSpaceError if that cannot make room."""
+        free = shutil.disk_usage(self.directory).free
+        doomed = others[:-1]
+        while free < need and doomed:
+            old = doomed.pop(0)
+            extra = len(others) - self.keep + 1  # how many the prune after this save deletes anyway
+            self._delete(old)
+            self.log(f"note: deleted checkpoint {old.name} before saving {path.name}, to make room "
+                     f"({human_bytes(free)} free, about {human_bytes(need)} needed)"
+                     + ("" if extra > 0 else f"; fewer than --keep-checkpoints {self.keep} will remain"))
+            others = others[1:]
+            free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise DiskSpaceError(
+                f"not enough disk space to save checkpoint {path.name}: it needs about {human_bytes(need)} "
+                f"in {str(self.directory)!r} and that disk has {human_bytes(free)} free. {self._kept(others)}")
+
+    def _kept(self, others: list[Path]) -> str:
+        if not others:
+            return "No checkpoint was saved yet: free some space or move --out to a larger disk."
+        return (f"The last good checkpoint, {others[-1].name}, is untouched: free some space (or move --out "
+                "to a larger disk) and rerun the same command to resume from it.")
+
+
+class RunLock:
+    """One writer per run directory: an exclusive flock on `<directory>/run.lock` (see module doc)."""
+
+    NAME = "run.lock"
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / self.NAME
+        self._file = None
+
+    def acquire(self, log=_stderr) -> "RunLock":
+        """Take the lock, or raise ValueError naming the process that holds it."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            log(f"note: no file locks on this platform: nothing stops a second trainer on {self.path.parent}")
+            return self
+        f = open(self.path, "a+")
+        for attempt in range(2):
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "pid unknown"
+                if attempt == 0 and holder.startswith(f"pid {os.getpid()} "):
+                    import gc  # an unreferenced Trainer of this process, not yet collected
+                    gc.collect()
+                    continue
+                f.close()
+                raise ValueError(
+                    f"another trainer ({holder}) is writing to {str(self.path.parent)!r}: two runs on one --out "
+                    "would overwrite each other's checkpoints and metrics. Wait for it to end (or stop it), "
+                    "or pass another --out") from None
+            except OSError as err:  # a filesystem without locks
+                f.close()
+                log(f"note: cannot lock {self.path} ({err.strerror}): nothing stops a second trainer on this --out")
+                return self
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file releases the lock
+            self._file = None
 
 
 class StopSignal:

@@ -11,6 +11,14 @@
     loader.forever()          # the same across epochs, without end
     loader.state_dict() / loader.load_state_dict(sd)  # {epoch, step, samples_seen, ...}: O(1) resume
 
+Integrity: opening a split checks every shard's and index's size against the manifest
+(a stat per file, and the index's header); `verify_checksums(path)` checks the SHA-256
+the manifest records for each file, one sequential read of the dataset (the trainer does
+it at start unless --no-data-checksums: for storage that already guarantees integrity,
+where reading petabytes at each start costs more than it protects). A damaged file is
+named with the fix: rerun the preprocess command that made the dataset, which checks its
+finished shards and redoes the damaged ones.
+
 Access cost: a "full" sample is a slice of the memory-mapped shards (a binary search
 over the handful of shard offsets); a "doc" sample adds a binary search over the
 document index, which the dataset loads once (8 bytes per document); pack=True also
@@ -56,6 +64,8 @@ import numpy as np
 import torch
 
 FORMAT, VERSION = "roberta_fast.tokens", 1
+REPAIR = ("rerun the `python -m roberta_fast.preprocess` command that made it (same inputs and --out): it "
+          "checks the finished shards and redoes the damaged ones")
 
 
 # --------------------------------------------------------------------------- manifest
@@ -109,6 +119,56 @@ def check_dataset(dataset, *, vocab_size: int | None = None, tokenizer=None) -> 
     return manifest
 
 
+# --------------------------------------------------------------------------- integrity
+def _damaged(file: Path, what: str) -> ValueError:
+    return ValueError(f"{str(file)!r} {what}: the dataset is damaged; {REPAIR}")
+
+
+def _check_size(file: Path, expected: int) -> None:
+    if not file.is_file():
+        raise _damaged(file, "is missing")
+    if file.stat().st_size != expected:
+        raise _damaged(file, f"should hold {expected} bytes but holds {file.stat().st_size}")
+
+
+def _check_index(file: Path, shard: dict) -> None:
+    """The document index of a shard: its recorded size, else a readable header of n_docs + 1 offsets."""
+    if "idx_bytes" in shard:
+        _check_size(file, shard["idx_bytes"])
+        return
+    try:
+        shape = np.load(file, mmap_mode="r").shape
+    except (OSError, ValueError) as err:
+        raise _damaged(file, f"cannot be read ({err})") from None
+    if shape != (shard["documents"] + 1,):
+        raise _damaged(file, f"holds {shape} offsets instead of ({shard['documents'] + 1},)")
+
+
+def verify_checksums(path: str | Path, log=print) -> None:
+    """Check every shard and index of a dataset against the SHA-256 its manifest records;
+    ValueError naming every damaged file and the fix. One sequential read of the dataset."""
+    from .integrity import sha256_file
+
+    path = Path(path)
+    manifest = load_manifest(path)
+    bad, unrecorded = [], 0
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            for kind in ("bin", "idx"):
+                expected = shard.get(f"{kind}_sha256")
+                if expected is None:
+                    unrecorded += 1
+                elif not (path / shard[kind]).is_file():
+                    bad.append(f"{shard[kind]} (missing)")
+                elif sha256_file(path / shard[kind]) != expected:
+                    bad.append(f"{shard[kind]} (checksum mismatch)")
+    if bad:
+        raise ValueError(f"the dataset {str(path)!r} is damaged: {', '.join(bad)}; {REPAIR}")
+    if unrecorded:
+        log(f"note: the manifest of {path} records no checksums for {unrecorded} files (made by an older "
+            "roberta_fast.preprocess): only their sizes were checked; rerun preprocess to add them")
+
+
 # --------------------------------------------------------------------------- token stream
 class TokenStream:
     """The shards of one split as one virtual array of ids (memory-mapped), with its document index."""
@@ -121,13 +181,8 @@ class TokenStream:
         info = manifest["splits"][split]["shards"]
         for shard in info:
             file = root / shard["bin"]
-            expected = shard["tokens"] * dtype.itemsize
-            if not file.is_file() or file.stat().st_size != expected:
-                have = file.stat().st_size if file.is_file() else "missing"
-                raise ValueError(
-                    f"shard {str(file)!r} should hold {expected} bytes but is {have}; the dataset is "
-                    "damaged: preprocess it again (--overwrite)"
-                )
+            _check_size(file, shard["tokens"] * dtype.itemsize)
+            _check_index(root / shard["idx"], shard)
             self.shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(shard["tokens"],)))
             sizes.append(shard["tokens"])
         self._info = info

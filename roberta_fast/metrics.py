@@ -6,9 +6,13 @@
     log.close(); plot_losses(out_dir / "metrics.jsonl", out_dir / "loss.png")
 
 Each line of metrics.jsonl is one JSON object with a "kind" ("train" or "eval") and a
-"step"; non-finite numbers are written as null. On resume, `MetricsLogger(...,
-start_step=s)` drops the lines logged after step s (they belong to the steps about to
-be redone), so the file reads as if the run had never stopped. TensorBoard scalars are
+"step"; non-finite numbers are written as null. The file is only ever appended to, never
+rewritten, so nothing another process wrote to it is lost. A resumed run rolls back to its
+checkpoint's step s and redoes the steps after it, so `MetricsLogger(..., start_step=s)`
+appends a marker line {"kind": "resume", "step": s}; `read_metrics` drops the records
+before a marker whose step is past s (the steps redone), so the file reads as if the run
+had never stopped, while the raw file (`read_metrics(path, raw=True)`) keeps every line
+ever written, the abandoned steps included. TensorBoard scalars are
 written when the `tensorboard` package is installed, the PNG plot when matplotlib is.
 Only rank 0 reports; other ranks construct the logger with enabled=False.
 """
@@ -34,17 +38,23 @@ def _clean(value):
     return value
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a metrics.jsonl (a torn last line, from a kill, is ignored)."""
+def read_metrics(path: str | os.PathLike, raw: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl as the run's history: each "resume" marker drops the
+    records logged after its step before it (steps redone); raw=True: every line as written.
+    A torn line, from a kill, is ignored."""
     path = Path(path)
     if not path.is_file():
         return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if record.get("kind") == "resume" and not raw:
+            records = [r for r in records if r.get("step", 0) <= record["step"]]
+        else:
+            records.append(record)
     return records
 
 
@@ -71,8 +81,8 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._drop_after(start_step)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._mark_resume(start_step)
         if progress:
             from tqdm import tqdm
 
@@ -86,14 +96,17 @@ class MetricsLogger:
             except ImportError:  # tensorboard not installed: JSONL only
                 self.writer = None
 
-    def _drop_after(self, step: int) -> None:
-        """Keep only the records up to `step` (atomic rewrite)."""
-        if not self.path.is_file():
+    def _mark_resume(self, step: int) -> None:
+        """Append a "resume" marker at `step` to a file that already holds records (after ending
+        a line torn by a kill, so the marker is a line of its own)."""
+        size = self.path.stat().st_size
+        if size == 0:
             return
-        from .tokenizer import _write_atomic
-
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        _write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        with open(self.path, "rb") as f:
+            f.seek(size - 1)
+            torn = f.read(1) != b"\n"
+        self._file.write(("\n" if torn else "") + json.dumps({"kind": "resume", "step": step}) + "\n")
+        self._file.flush()
 
     def log(self, record: dict) -> None:
         """Append one record (needs "kind" and "step") to the JSONL file and TensorBoard."""

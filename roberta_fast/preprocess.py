@@ -9,8 +9,9 @@ with --doc-per-file; `\r\n` line ends read as `\n`), `.jsonl` files (one JSON ob
 .jsonl/.ndjson). The dataset directory holds:
 
     manifest.json           written last: tokenizer hash, vocab size, special ids, dtype,
-                            per-split shard list and token/document counts, every input
-                            count, the source files and their sizes
+                            per-split shard list and token/document counts, each shard's
+                            and index's size and SHA-256 (checked by training), every
+                            input count, the source files and their sizes
     tokenizer/              the tokenizer the ids belong to (RobertaTokenizer.save)
     train/NNNNN.bin         token ids, uint16 when the vocabulary fits, else uint32:
     valid/NNNNN.bin           each document's ids followed by `</s>` (= its direct
@@ -32,7 +33,9 @@ no such space is cut hard; those cuts are counted). JSONL records are parsed who
 Input is planned into chunks of about --shard-mb MB cut at document boundaries; chunks
 run in parallel worker processes, each writing its shards via temporary files and
 renames, then its chunks/ marker. A rerun with the same inputs and options skips the
-finished chunks; different inputs or options are refused unless --overwrite.
+finished chunks whose shards still match the sizes and checksums in their markers (one
+read of them) and redoes the others, so a rerun also repairs a damaged dataset;
+different inputs or options are refused unless --overwrite.
 
 Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced by
 U+FFFD and counted (as are lone surrogates escaped in JSON), empty files and empty documents are skipped and counted, files with
@@ -58,6 +61,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from roberta_fast.integrity import HashingWriter, sha256_file
 from roberta_fast.tokenizer import RobertaTokenizer, _write_atomic
 
 FORMAT = "roberta_fast.tokens"
@@ -216,7 +220,7 @@ class _ShardWriter:
     def __init__(self, bin_path: Path, dtype: np.dtype):
         self.bin_path, self.dtype = bin_path, dtype
         self.tmp = bin_path.with_name(f".{bin_path.name}.{os.getpid()}.tmp")
-        self.f = open(self.tmp, "wb")
+        self.f = HashingWriter(open(self.tmp, "wb"))  # the checksum, computed as the bytes go out
         self.offsets = [0]
         self.n = 0
 
@@ -233,10 +237,12 @@ class _ShardWriter:
         idx_path = self.bin_path.with_name(self.bin_path.stem + ".idx.npy")
         idx_tmp = idx_path.with_name(f".{idx_path.name}.{os.getpid()}.tmp")
         with open(idx_tmp, "wb") as f:
-            np.save(f, np.asarray(self.offsets, dtype=np.int64))
+            idx = HashingWriter(f)
+            np.save(idx, np.asarray(self.offsets, dtype=np.int64))
         os.replace(self.tmp, self.bin_path)
         os.replace(idx_tmp, idx_path)
-        return {"tokens": self.n, "documents": len(self.offsets) - 1}
+        return {"tokens": self.n, "documents": len(self.offsets) - 1, "bin_bytes": self.f.size,
+                "bin_sha256": self.f.sha256, "idx_bytes": idx.size, "idx_sha256": idx.sha256}
 
 
 def _new_stats() -> dict:
@@ -476,7 +482,7 @@ def preprocess(
     _prepare_out(out, plan, overwrite)
     tokenizer.save(out / "tokenizer")
     chunks = _plan(files, int(shard_mb * 1e6), doc_per_file)
-    todo = [i for i in range(len(chunks)) if not (out / "chunks" / f"{i:05d}.json").exists()]
+    todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, log)]
     if len(todo) < len(chunks):
         log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
     tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": options}
@@ -488,6 +494,35 @@ def preprocess(
     _write_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
     _print_report(manifest, time.time() - t0, log)
     return manifest
+
+
+def _chunk_done(out: Path, index: int, log: Callable) -> bool:
+    """Whether chunk `index` is finished: its marker exists and its shards match the sizes and
+    checksums recorded there (a damaged one is logged and its marker removed, to redo it)."""
+    marker = out / "chunks" / f"{index:05d}.json"
+    if not marker.exists():
+        return False
+    for split, info in json.loads(marker.read_text())["shards"].items():
+        for kind, name in (("bin", f"{split}/{index:05d}.bin"), ("idx", f"{split}/{index:05d}.idx.npy")):
+            file, size, digest = out / name, info.get(f"{kind}_bytes"), info.get(f"{kind}_sha256")
+            if digest is None:  # a marker of an older preprocess: nothing to compare with
+                continue
+            if not file.is_file() or file.stat().st_size != size or sha256_file(file) != digest:
+                log(f"{file} is damaged or missing: redoing chunk {index}")
+                marker.unlink()
+                return False
+    return True
+
+
+def _shard_files(out: Path, split: str, index: int, info: dict) -> dict:
+    """A manifest's shard entry: file names, counts, sizes and checksums (computed here when
+    the chunk's marker came from an older preprocess that did not record them)."""
+    entry = {"bin": f"{split}/{index:05d}.bin", "idx": f"{split}/{index:05d}.idx.npy", **info}
+    for kind in ("bin", "idx"):
+        if f"{kind}_sha256" not in entry:
+            entry[f"{kind}_bytes"] = (out / entry[kind]).stat().st_size
+            entry[f"{kind}_sha256"] = sha256_file(out / entry[kind])
+    return entry
 
 
 def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
@@ -585,7 +620,7 @@ def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int,
             splits[s]["tokens"] += info["tokens"]
             splits[s]["documents"] += info["documents"]
             if info["documents"]:
-                splits[s]["shards"].append({"bin": f"{s}/{i:05d}.bin", "idx": f"{s}/{i:05d}.idx.npy", **info})
+                splits[s]["shards"].append(_shard_files(out, s, i, info))
     for k, names in refused.items():
         counts[k] = len(names)
     return {

@@ -56,6 +56,7 @@ class TrainConfig:
     seq_len: int = 128  # tokens per sequence (<s> included)
     mode: str = "full"  # full (FULL-SENTENCES) | doc (DOC-SENTENCES)
     pack: bool = False  # doc mode: pack several documents per row, attention kept inside each
+    data_checksums: bool = True  # verify the shards' checksums at start: one read of the data (sizes: always)
     masking: str = "token"  # token | whole_word | span
     mlm_probability: float = 0.15  # share of tokens predicted
     mask_replace_prob: float = 0.8  # of those, replaced by <mask>

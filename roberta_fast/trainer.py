@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
+from .checkpoint import CheckpointManager, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
 from .hub import model_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
@@ -222,7 +222,7 @@ class Trainer:
     """Everything of one training run; `run()` trains, `train_step()` does one optimizer step."""
 
     def __init__(self, cfg: TrainConfig, log=print):
-        from .data import BatchLoader, PretrainingDataset, check_dataset
+        from .data import BatchLoader, PretrainingDataset, check_dataset, verify_checksums
 
         self.cfg = cfg.validate()
         self.dist = Dist()
@@ -232,6 +232,10 @@ class Trainer:
         self.precision = resolve_precision(cfg.precision, self.device)
         self.grad_accum, self.global_batch = cfg.resolve_batch(self.dist.world_size)
         self.out = cfg.out_dir
+        self.lock = None
+        if self.dist.is_main:  # one writer per --out (only rank 0 writes: the lock must not stop the others)
+            check_writable(self.out)
+            self.lock = RunLock(self.out).acquire(self.print)
 
         # data: the dataset is checked against the model before any weight is made
         data_path = Path(cfg.data) if cfg.data else self._default_dataset()
@@ -239,6 +243,8 @@ class Trainer:
         self.train_data, self.valid_data = (
             PretrainingDataset(data_path, split, cfg.seq_len, cfg.mode, pack=cfg.pack, word_starts=word_starts)
             for split in ("train", "valid"))
+        if cfg.data_checksums and self.dist.local_rank == 0:  # once per machine; sizes: checked on opening
+            verify_checksums(data_path, log=self.print)
         manifest = self.manifest = self.train_data.manifest
         self.model_config = self._model_config(manifest)
         check_dataset(manifest, vocab_size=self.model_config.vocab_size)
@@ -247,13 +253,11 @@ class Trainer:
                                   world_size=self.dist.world_size, prefetch=cfg.prefetch,
                                   pin_memory=self.device.type == "cuda")
         self.eval_batches = self._eval_batches()
-        if self.dist.is_main:
-            check_writable(self.out)
 
         # model, optimizer and the state that checkpoints carry
         seed_everything(cfg.seed)
         if cfg.init_from:
-            self.model = RobertaForMaskedLM.from_pretrained(self.init_dir, backend=cfg.backend)
+            self.model = self._init_model(RobertaForMaskedLM)
         else:
             self.model = RobertaForMaskedLM(self.model_config, backend=cfg.backend)
         self.model.to(self.device)
@@ -274,7 +278,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.window = self._new_window()  # sums over the steps since the last log line
-        self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints)
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints, log=self.print)
 
     # ------------------------------------------------------------------ setup helpers
     def _default_dataset(self) -> Path:
@@ -287,6 +291,15 @@ class Trainer:
             path = default_dataset()
         return path
 
+    def _init_model(self, model_class):
+        """The --init-from model's weights, or ValueError in one line naming the directory."""
+        try:
+            return model_class.from_pretrained(self.init_dir, backend=self.cfg.backend)
+        except Exception as err:
+            raise ValueError(f"--init-from {self.cfg.init_from!r}: cannot load the model from {self.init_dir} "
+                             f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+                             "pass a directory save_pretrained wrote (config.json + weights) or a Hub name") from None
+
     def _model_config(self, manifest: dict) -> RobertaConfig:
         cfg = self.cfg
         if cfg.init_from:
@@ -297,7 +310,11 @@ class Trainer:
             if not (Path(self.init_dir) / "config.json").is_file():
                 raise ValueError(f"--init-from {cfg.init_from!r} is not a Hugging Face model directory "
                                  "(no config.json); pass the directory save_pretrained wrote or a Hub name")
-            mc = RobertaConfig.from_pretrained(self.init_dir)
+            try:
+                mc = RobertaConfig.from_pretrained(self.init_dir)
+            except (ValueError, TypeError, KeyError, OSError) as err:
+                raise ValueError(f"--init-from {cfg.init_from!r}: cannot read {Path(self.init_dir) / 'config.json'} "
+                                 f"({type(err).__name__}: {err})") from None
             if cfg.seq_len > mc.max_seq_len:
                 raise ValueError(f"seq_len {cfg.seq_len} exceeds the {mc.max_seq_len} positions of "
                                  f"{cfg.init_from}; use --seq-len {mc.max_seq_len} or less")
@@ -493,11 +510,22 @@ class Trainer:
                 raise ValueError(f"{self.out} already holds checkpoints and --resume never was given; "
                                  "resume (--resume auto), or pick a new --out")
             return False
-        path = self.checkpoints.latest() if resume == "auto" else Path(resume)
-        if path is None:
-            return False
-        self.load_state_dict(load_checkpoint(path, trust=self.cfg.trust_checkpoint))
+        damaged = []
+        if resume == "auto":  # the newest checkpoint that verifies; damaged ones are skipped
+            found = self.checkpoints.load_latest(trust=self.cfg.trust_checkpoint)
+            if found is None:
+                return False
+            path, state, damaged = found
+        else:  # the one named: damaged is an error
+            path = Path(resume)
+            state = load_checkpoint(path, trust=self.cfg.trust_checkpoint, log=self.print)
+        self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
+        if damaged:
+            self.dist.barrier()  # every rank has read its checkpoint before rank 0 moves files
+            if self.dist.is_main:
+                for bad in damaged:
+                    self.print(f"set the damaged checkpoint aside as {self.checkpoints.set_aside(bad).name}")
         return True
 
     # ------------------------------------------------------------------ the run
@@ -638,11 +666,13 @@ class Trainer:
         return directory
 
     def close(self) -> None:
-        """Stop the loader's prefetch thread and leave the process group."""
+        """Stop the loader's prefetch thread, leave the process group and release --out."""
         batches = self.__dict__.pop("_batches", None)
         if batches is not None:
             batches.close()
         self.dist.close()
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
 
 
 def export_pretrained(model, tokenizer, directory) -> Path:

@@ -1,4 +1,4 @@
-"""MetricsLogger: JSONL records (exact floats, NaN -> null), resume truncation, plot."""
+"""MetricsLogger: JSONL records (exact floats, NaN -> null), append-only resume, plot."""
 import json
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from roberta_fast.metrics import MetricsLogger, plot_losses, read_metrics
 
 
-def test_records_and_resume_truncation(tmp_path):
+def test_records_and_resume_rollback(tmp_path):
     log = MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False)
     for step in range(1, 7):
         log.log({"kind": "train", "step": step, "loss": 1.0 / 3 + step, "mfu": math.nan})
@@ -16,7 +16,7 @@ def test_records_and_resume_truncation(tmp_path):
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert len(records) == 7 and records[0]["loss"] == 1.0 / 3 + 1  # no rounding: resume compares exactly
     assert records[0]["mfu"] is None
-    # a run resumed from step 4 drops what was logged after it, then appends
+    # a run resumed from step 4 hides what was logged after it, then appends
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "st')  # a line torn by a kill
     log = MetricsLogger(tmp_path, total_steps=10, start_step=4, progress=False, tensorboard=False)
@@ -25,8 +25,27 @@ def test_records_and_resume_truncation(tmp_path):
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["kind"], r["step"]) for r in records] == [("train", s) for s in (1, 2, 3, 4, 5)]
     assert records[-1]["loss"] == 9.0
-    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
-        json.loads(line)  # every line is JSON again
+    raw = read_metrics(tmp_path / "metrics.jsonl", raw=True)  # nothing was deleted
+    assert len(raw) == 7 + 2 and raw[-2] == {"kind": "resume", "step": 4}
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[-3] == '{"kind": "train", "st'  # the torn line was ended, not glued to the marker
+
+
+def test_resume_appends_and_never_rewrites(tmp_path):
+    """A resumed logger appends: lines another process writes through its open file
+    (e.g. a run still going) land in the same file, and the earlier bytes stay as they were."""
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False)
+    for step in (1, 2, 3):
+        log.log({"kind": "train", "step": step, "loss": 1.0})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    resumed = MetricsLogger(tmp_path, total_steps=10, start_step=2, progress=False, tensorboard=False)
+    log.log({"kind": "train", "step": 4, "loss": 2.0})  # the other writer goes on
+    resumed.log({"kind": "train", "step": 3, "loss": 3.0})
+    log.close()
+    resumed.close()
+    after = (tmp_path / "metrics.jsonl").read_bytes()
+    assert after.startswith(before)
+    assert {"kind": "train", "step": 4, "loss": 2.0} in read_metrics(tmp_path / "metrics.jsonl", raw=True)
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
