@@ -5,8 +5,10 @@
     torchrun --nproc_per_node 8 -m roberta_fast.train --preset base --data DATADIR
 
 A thin entry point: the config (roberta_fast.train_config), then the Trainer
-(roberta_fast.trainer) does the rest. A bad config, dataset or output directory exits
-with status 2 and one message before any training; an interrupted run (SIGTERM, Ctrl-C)
+(roberta_fast.trainer) does the rest. A bad config, dataset, --init-from or output
+directory (or another trainer already writing to it) exits with status 2 and one message
+before any training; a run that cannot save a checkpoint for lack of disk space, or whose
+losses stay non-finite, exits with status 1; an interrupted run (SIGTERM, Ctrl-C)
 saves a checkpoint, exits with 128 + the signal's number (143 for SIGTERM, 130 for
 SIGINT, as a shell reports a process killed by it) and resumes when the same command is
 run again.
