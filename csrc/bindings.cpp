@@ -38,7 +38,8 @@ std::vector<torch::Tensor> mask_tokens(const torch::Tensor& ids,
                                        int64_t sample_offset, int64_t strategy,
                                        double mlm_probability, double mask_replace_prob,
                                        double random_replace_prob, int64_t vocab_size,
-                                       int64_t mask_token_id, std::vector<int64_t> special);
+                                       int64_t mask_token_id, std::vector<int64_t> special,
+                                       bool return_spans);
 torch::Tensor philox4x32(const torch::Tensor& counters, int64_t k0, int64_t k1);
 
 }  // namespace roberta_fast
@@ -65,12 +66,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_norm") = 0.0);
   m.def("mask_tokens", &rf::mask_tokens,
         "Dynamic MLM masking with a Philox4x32-10 rule (see roberta_fast.masking): returns "
-        "(masked ids, labels) on the ids' device, no host sync.",
+        "(masked ids, labels) on the ids' device, no host sync; with return_spans also the "
+        "(batch, seqlen, 3) int64 span boundaries (left, right, offset) of each predicted "
+        "token, -1 where there is none.",
         py::arg("ids"), py::arg("word_starts"), py::arg("seed_lo"), py::arg("seed_hi"),
         py::arg("step"), py::arg("sample_offset"), py::arg("strategy"),
         py::arg("mlm_probability"), py::arg("mask_replace_prob"),
         py::arg("random_replace_prob"), py::arg("vocab_size"), py::arg("mask_token_id"),
-        py::arg("special"));
+        py::arg("special"), py::arg("return_spans") = false);
   m.def("philox4x32", &rf::philox4x32,
         "Philox4x32-10 of each row of an (n, 4) int64 CPU tensor of counters with key "
         "(k0, k1); for tests against the published known-answer vectors.",

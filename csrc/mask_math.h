@@ -8,6 +8,11 @@
 //                            <mask> / random / unchanged, z picks the random token;
 //   stream 1, a = iteration: x the span length, y the anchor word (span);
 //   stream 2, a = 0:         x rounds the span budget.
+// Replacement: token and whole_word decide <mask> / random / unchanged per token
+// (the y of the token's own position); span decides it once per span, a span being
+// a maximal run of predicted tokens (SpanBERT's merged intervals): every token of
+// the run uses the y of the run's first position. The random id is per token (z of
+// its own position) in every strategy.
 // All decisions compare 32-bit draws with integer thresholds, so every
 // implementation makes exactly the same choices.
 #pragma once
@@ -58,12 +63,42 @@ RF_HD int64_t regular_token(const MaskParams& p, uint32_t u) {
   return id;
 }
 
-// Output id of a selected token (80% <mask>, 10% random, 10% unchanged by default).
-RF_HD int64_t replace_token(const MaskParams& p, int64_t id, uint32_t pos, uint32_t sample) {
+// Output id of the selected token at `pos` (80% <mask>, 10% random, 10% unchanged
+// by default): the y draw at `decide` (pos itself, or its span's first position)
+// picks which, the z draw at pos picks the random id.
+RF_HD int64_t replace_token(const MaskParams& p, int64_t id, uint32_t pos, uint32_t decide,
+                            uint32_t sample) {
   const Philox4 r = mask_draw(p, pos, sample, 0);
-  if (r.y < p.mask_threshold) return p.mask_token_id;
-  if (r.y < p.random_threshold) return regular_token(p, r.z);
+  const uint32_t y = decide == pos ? r.y : mask_draw(p, decide, sample, 0).y;
+  if (y < p.mask_threshold) return p.mask_token_id;
+  if (y < p.random_threshold) return regular_token(p, r.z);
   return id;
+}
+
+// The span entry (left, right, offset) of position j in the run [s, e] of predicted
+// tokens of a row of `len`: the positions just before and just after the run (-1
+// when outside the row) and j's offset in it. spans3 points at j's three int64s.
+RF_HD void write_span(int64_t len, int64_t s, int64_t e, int64_t j, int64_t* spans3) {
+  spans3[0] = s - 1;
+  spans3[1] = e + 1 < len ? e + 1 : -1;
+  spans3[2] = j - s;
+}
+
+// Spans of one row (len x 3 int64) from its labels: write_span for every predicted
+// token, (-1, -1, -1) for the others. Runs never cross a special token: specials
+// are never predicted.
+RF_HD void write_row_spans(const int64_t* labels, int64_t len, int64_t* spans) {
+  for (int64_t s = 0; s < len;) {
+    if (labels[s] == kIgnoreIndex) {
+      spans[3 * s] = spans[3 * s + 1] = spans[3 * s + 2] = -1;
+      ++s;
+      continue;
+    }
+    int64_t e = s;
+    while (e + 1 < len && labels[e + 1] != kIgnoreIndex) ++e;
+    for (int64_t j = s; j <= e; ++j) write_span(len, s, e, j, spans + 3 * j);
+    s = e + 1;
+  }
 }
 
 // Span length in words: geometric(p = 0.2) truncated to 1..10 (SpanBERT).
@@ -150,19 +185,29 @@ RF_HD void select_spans(const MaskParams& p, const int64_t* ids, const bool* wor
 }
 
 // Masks one row: labels = original id where selected, else -100; out = the
-// replaced id where selected, else the original. `out` doubles as the scratch
-// space of the span strategy before it is written.
+// replaced id where selected, else the original; spans (len x 3, may be null) =
+// write_row_spans. `out` doubles as the scratch space of the span strategy before
+// it is written.
 RF_HD void mask_row(const MaskParams& p, const int64_t* ids, const bool* word_starts,
-                    int64_t len, uint32_t sample, int64_t* out, int64_t* labels) {
+                    int64_t len, uint32_t sample, int64_t* out, int64_t* labels,
+                    int64_t* spans) {
   for (int64_t j = 0; j < len; ++j) labels[j] = kIgnoreIndex;
   if (p.strategy == kSpan)
     select_spans(p, ids, word_starts, len, sample, labels, out);
   else
     select_units(p, ids, word_starts, len, sample, labels);
-  for (int64_t j = 0; j < len; ++j)
-    out[j] = labels[j] == kIgnoreIndex
-                 ? ids[j]
-                 : replace_token(p, ids[j], static_cast<uint32_t>(j), sample);
+  int64_t start = 0;  // first position of the current run of selected tokens
+  for (int64_t j = 0; j < len; ++j) {
+    if (labels[j] == kIgnoreIndex) {
+      out[j] = ids[j];
+      continue;
+    }
+    if (j == 0 || labels[j - 1] == kIgnoreIndex) start = j;
+    const int64_t decide = p.strategy == kSpan ? start : j;  // per span, else per token
+    out[j] = replace_token(p, ids[j], static_cast<uint32_t>(j), static_cast<uint32_t>(decide),
+                           sample);
+  }
+  if (spans) write_row_spans(labels, len, spans);
 }
 
 }  // namespace roberta_fast

@@ -67,7 +67,7 @@ MaskParams make_params(int64_t seed_lo, int64_t seed_hi, int64_t step, int64_t s
 
 void mask_tokens_cpu(const MaskParams& p, const int64_t* ids, const bool* word_starts,
                      int64_t rows, int64_t len, uint32_t sample_offset, int64_t* out,
-                     int64_t* labels) {
+                     int64_t* labels, int64_t* spans) {
   // Range check first: an id outside the vocabulary must not become a label.
   int64_t bad = -1;
   for (int64_t i = 0; i < rows * len && bad < 0; ++i)
@@ -81,21 +81,24 @@ void mask_tokens_cpu(const MaskParams& p, const int64_t* ids, const bool* word_s
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t off = r * len;
       mask_row(p, ids + off, word_starts ? word_starts + off : nullptr, len,
-               sample_offset + static_cast<uint32_t>(r), out + off, labels + off);
+               sample_offset + static_cast<uint32_t>(r), out + off, labels + off,
+               spans ? spans + 3 * off : nullptr);
     }
   });
 }
 
 }  // namespace
 
-// Returns (masked ids, labels), both int64 like `ids`, on ids' device.
+// Returns (masked ids, labels), both int64 like `ids`, on ids' device, and with
+// return_spans the (batch, seqlen, 3) int64 spans (see write_row_spans).
 std::vector<torch::Tensor> mask_tokens(const torch::Tensor& ids,
                                        const c10::optional<torch::Tensor>& word_starts,
                                        int64_t seed_lo, int64_t seed_hi, int64_t step,
                                        int64_t sample_offset, int64_t strategy,
                                        double mlm_probability, double mask_replace_prob,
                                        double random_replace_prob, int64_t vocab_size,
-                                       int64_t mask_token_id, std::vector<int64_t> special) {
+                                       int64_t mask_token_id, std::vector<int64_t> special,
+                                       bool return_spans) {
   TORCH_CHECK_TYPE(ids.scalar_type() == torch::kLong, "mask_tokens: ids must be int64, got ",
                    ids.scalar_type());
   TORCH_CHECK_VALUE(ids.dim() == 2, "mask_tokens: ids must be (batch, seqlen), got ",
@@ -123,14 +126,20 @@ std::vector<torch::Tensor> mask_tokens(const torch::Tensor& ids,
                                    mask_token_id, special);
   auto out = torch::empty_like(ids);
   auto labels = torch::empty_like(ids);
-  if (ids.numel() == 0) return {out, labels};
+  std::vector<torch::Tensor> result{out, labels};
+  int64_t* spans = nullptr;
+  if (return_spans) {
+    result.push_back(torch::empty({rows, len, 3}, ids.options()));
+    spans = result.back().data_ptr<int64_t>();
+  }
+  if (ids.numel() == 0) return result;
   if (ids.is_cuda()) {
 #ifdef WITH_CUDA
     const c10::cuda::CUDAGuard guard(ids.device());
     const char* err = mask_tokens_cuda(p, ids.data_ptr<int64_t>(), starts, rows, len,
                                        static_cast<uint32_t>(sample_offset),
                                        out.data_ptr<int64_t>(), labels.data_ptr<int64_t>(),
-                                       c10::cuda::getCurrentCUDAStream().stream());
+                                       spans, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == nullptr, "mask_tokens: CUDA launch failed: ", err);
 #else
     TORCH_CHECK(false, "mask_tokens: ids are on CUDA but roberta_fast._C was built without "
@@ -141,9 +150,9 @@ std::vector<torch::Tensor> mask_tokens(const torch::Tensor& ids,
     TORCH_CHECK_VALUE(ids.is_cpu(), "mask_tokens: unsupported device ", ids.device());
     mask_tokens_cpu(p, ids.data_ptr<int64_t>(), starts, rows, len,
                     static_cast<uint32_t>(sample_offset), out.data_ptr<int64_t>(),
-                    labels.data_ptr<int64_t>());
+                    labels.data_ptr<int64_t>(), spans);
   }
-  return {out, labels};
+  return result;
 }
 
 // Philox4x32-10 of each (n, 4) counter row with key (k0, k1), on the CPU: lets

@@ -20,9 +20,26 @@ tests hold the C++ and CUDA builds to, bit for bit):
 - every row with a maskable token gets at least one prediction (the unit with
   the smallest draw), so no batch has a zero denominator;
 - selected tokens become <mask> (80%), a random non-special token (10%) or stay
-  (10%); their labels are the original ids, all other labels -100.
+  (10%); their labels are the original ids, all other labels -100. ``token`` and
+  ``whole_word`` draw that decision per token; ``span`` draws it once per span
+  (SpanBERT), a span being a maximal run of predicted tokens in a row: spans
+  that overlap or touch are one span, as SpanBERT's merge_intervals makes them.
+  The random id itself is drawn per token.
 Draws: Philox4x32-10, key = seed (64 bits), counter = (position or iteration,
 sample index, step, stream); see csrc/mask_math.h.
+
+Span boundaries (`return_spans=True`, for the span boundary objective, roberta_fast.sbo):
+for a predicted token j of the span [s, e] of its row, (s - 1, e + 1, j - s); -1 for a
+boundary outside the row (s = 0, or e + 1 = seqlen: a row cut mid-text), all -1 for
+tokens not predicted. Spans never contain a special token, so a boundary is the
+nearest token not predicted: a word, or `<s>` / `</s>` / pad at a text's edge, whose
+hidden state the SBO head uses as it is (SpanBERT does the same with its [CLS]/[SEP]).
+A span never crosses a document: roberta_fast.data ends every document with `</s>`,
+which is never predicted, so at most that `</s>` is a boundary of the next document's
+first span (FULL-SENTENCES, where attention crosses documents too). In packed
+DOC-SENTENCES rows every run is `<s>` ... `</s>`, so both boundaries lie in the span's
+own run, the attention segment of cu_seqlens (tests/test_mask_tokens.py checks this on
+rows of the real PretrainingDataset); no document-start input is needed.
 """
 import operator
 
@@ -40,8 +57,9 @@ _TWO32 = 1 << 32
 def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=None,
                 pad_token_id=1, special_token_ids=(0, 1, 2, 3), mlm_probability=0.15,
                 mask_replace_prob=0.8, random_replace_prob=0.1, strategy="token",
-                word_starts=None, sample_offset=0):
-    """Mask a batch for MLM on its own device; returns ``(masked_ids, labels)``.
+                word_starts=None, sample_offset=0, return_spans=False):
+    """Mask a batch for MLM on its own device; returns ``(masked_ids, labels)``, or
+    ``(masked_ids, labels, spans)`` with return_spans.
 
     input_ids: (batch, seqlen) int64 (int32 accepted), contiguous, any device.
     seed, step: the mask is a function of (seed, step, sample index, position).
@@ -54,7 +72,15 @@ def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=No
     mlm_probability, mask_replace_prob, random_replace_prob: 15% selected, of
         those 80% <mask>, 10% random, the rest unchanged.
     strategy: "token" | "whole_word" | "span"; the last two need word_starts, a
-        bool tensor shaped like input_ids, True where a token starts a word.
+        bool tensor shaped like input_ids, True where a token starts a word. "span"
+        decides <mask> / random / unchanged once per span (maximal run of predicted
+        tokens), the others per token.
+    return_spans: also return `spans`, (batch, seqlen, 3) int64: for a predicted
+        token j of the span [s, e] of its row (s - 1, e + 1, j - s), the positions
+        in the row of the tokens just before and just after its span (-1 when that
+        is outside the row) and j's offset in it; (-1, -1, -1) where nothing is
+        predicted. Meant for the span strategy and the SBO (see the module docstring
+        for what the boundary tokens can be); defined for every strategy.
     Returns int64 tensors on input_ids' device: the masked ids and the labels
     (the original id where a prediction is made, -100 elsewhere). No host sync.
     Ids outside [0, vocab_size) raise ValueError on the CPU; on CUDA they are not
@@ -63,14 +89,14 @@ def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=No
     a = _arguments(input_ids, seed, step, vocab_size, mask_token_id, pad_token_id,
                    special_token_ids, mlm_probability, mask_replace_prob,
                    random_replace_prob, strategy, word_starts, sample_offset)
-    out, labels = _ext.load().mask_tokens(
+    return tuple(_ext.load().mask_tokens(
         a["ids"], a["word_starts"], a["seed"] & 0xFFFFFFFF, a["seed"] >> 32, a["step"],
         a["sample_offset"], a["strategy"], a["mlm_probability"], a["mask_replace_prob"],
-        a["random_replace_prob"], a["vocab_size"], a["mask_token_id"], a["special"])
-    return out, labels
+        a["random_replace_prob"], a["vocab_size"], a["mask_token_id"], a["special"],
+        _flag("return_spans", return_spans)))
 
 
-def mask_tokens_ref(input_ids, **kwargs):
+def mask_tokens_ref(input_ids, *, return_spans=False, **kwargs):
     """Pure-Python/NumPy reference of `mask_tokens` (same arguments, same result,
     bit for bit); slow, for tests. Returns CPU int64 tensors."""
     a = _arguments(input_ids, **{**_DEFAULTS, **kwargs})
@@ -80,10 +106,12 @@ def mask_tokens_ref(input_ids, **kwargs):
         raise ValueError(f"mask_tokens: input ids outside the vocabulary [0, {a['vocab_size']})")
     rule = _Rule(a)
     out, labels = np.empty_like(ids), np.empty_like(ids)
+    spans = np.empty((*ids.shape, 3), dtype=np.int64)
     for r in range(ids.shape[0]):
-        out[r], labels[r] = rule.mask_row(ids[r], None if starts is None else starts[r],
-                                          a["sample_offset"] + r)
-    return torch.from_numpy(out), torch.from_numpy(labels)
+        out[r], labels[r], spans[r] = rule.mask_row(
+            ids[r], None if starts is None else starts[r], a["sample_offset"] + r)
+    result = (torch.from_numpy(out), torch.from_numpy(labels), torch.from_numpy(spans))
+    return result if _flag("return_spans", return_spans) else result[:2]
 
 
 _DEFAULTS = dict(seed=0, step=0, vocab_size=50265, mask_token_id=None, pad_token_id=1,
@@ -100,6 +128,12 @@ def _int(name, value, low, high, hint=""):
     if not low <= v < high:
         raise ValueError(f"mask_tokens: {name}={v} must be in [{low}, {high}){hint}")
     return v
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"mask_tokens: {name} must be True or False, got {value!r}")
+    return value
 
 
 def _prob(name, value):
@@ -267,14 +301,27 @@ class _Rule:
             if len(chosen) == 0 and len(candidates):
                 select_unit(candidates[np.argmin(x[candidates])])  # argmin: earliest on ties
 
+        # Spans: maximal runs [s, e] of selected tokens; token j gets (s - 1, e + 1, j - s).
+        sel = labels != IGNORE_INDEX
+        start, end = np.arange(n), np.arange(n)
+        for j in range(1, n):
+            if sel[j] and sel[j - 1]:
+                start[j] = start[j - 1]
+        for j in range(n - 2, -1, -1):
+            if sel[j] and sel[j + 1]:
+                end[j] = end[j + 1]
+        spans = np.stack([start - 1, np.where(end + 1 < n, end + 1, -1), np.arange(n) - start], 1)
+        spans[~sel] = -1
+
         _, y, z, _ = self.draw(np.arange(n), sample, 0)
         y, z = y.astype(np.int64), z.astype(np.uint64)
+        if self.a["strategy"] == STRATEGIES["span"]:
+            y = y[start]  # one decision per span: the y drawn at its first position
         random_ids = ((z * np.uint64(self.num_regular)) >> np.uint64(32)).astype(np.int64)
         for s in self.special:  # the r-th regular id: step over the special ids, in order
             random_ids += random_ids >= s
-        sel = labels != IGNORE_INDEX
         out = ids.copy()
         out[sel & (y < self.to_mask)] = self.a["mask_token_id"]
         rand = sel & (y >= self.to_mask) & (y < self.to_random)
         out[rand] = random_ids[rand]
-        return out, labels
+        return out, labels, spans

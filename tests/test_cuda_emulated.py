@@ -6,7 +6,8 @@ each `kernel<<<...>>>(args);` launch into a call of it, then builds csrc/*.cu wi
 So the launchers and kernels of fused_adam_cuda.cu, multi_tensor_apply.cuh and
 mask_tokens_cuda.cu (chunking, ragged tails, the vectorised and unaligned paths, launch
 splitting past 36 tensors and 320 blocks, block reductions, the overflow skip, the
-at-least-one-prediction rule) execute for real and must give what the CPU ops give:
+at-least-one-prediction rule, per-span replacement and the span boundaries) execute for
+real and must give what the CPU ops give:
 bit for bit for Adam and masking, to float rounding for the norm (another summation
 order). The last test runs them all again with the kernels built with AddressSanitizer,
 which stops at any access past a tensor. What the emulation cannot check is the GPU's
@@ -220,7 +221,7 @@ class MaskParams(ctypes.Structure):
                 ("special", ctypes.c_int64 * 64), ("span_cdf", ctypes.c_uint64 * 9)]
 
 
-def emulated_mask_tokens(emu, ids, word_starts=None, sample_offset=0, **kwargs):
+def emulated_mask_tokens(emu, ids, word_starts=None, sample_offset=0, return_spans=False, **kwargs):
     a = _arguments(ids, **{**dict(seed=0, step=0, vocab_size=50265, mask_token_id=None, pad_token_id=1,
                                   special_token_ids=(0, 1, 2, 3), mlm_probability=0.15, mask_replace_prob=0.8,
                                   random_replace_prob=0.1, strategy="token", word_starts=word_starts,
@@ -236,10 +237,11 @@ def emulated_mask_tokens(emu, ids, word_starts=None, sample_offset=0, **kwargs):
     ids64 = a["ids"].contiguous()
     out, labels = torch.empty_like(ids64), torch.empty_like(ids64)
     starts = None if a["word_starts"] is None else a["word_starts"].contiguous()
+    spans = torch.empty(*ids64.shape, 3, dtype=torch.int64) if return_spans else None
     _check(emu.emu_mask_tokens(ctypes.byref(p), _ptr(ids64), _ptr(starts), ctypes.c_int64(ids64.shape[0]),
                                ctypes.c_int64(ids64.shape[1]), ctypes.c_uint32(a["sample_offset"]),
-                               _ptr(out), _ptr(labels)))
-    return out, labels
+                               _ptr(out), _ptr(labels), _ptr(spans)))
+    return (out, labels, spans) if return_spans else (out, labels)
 
 
 def test_mask_params_mirror_has_the_c_layout(emu):
@@ -248,10 +250,12 @@ def test_mask_params_mirror_has_the_c_layout(emu):
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("rows, length, probability", [(3, 7, 0.15), (70, 300, 0.15), (9, 40, 0.002)])
-def test_mask_tokens_matches_the_cpu_op(emu, strategy, rows, length, probability):
+@pytest.mark.parametrize("rows, length, probability, return_spans", [
+    (3, 7, 0.15, False), (70, 300, 0.15, True), (9, 40, 0.002, True), (4, 300, 0.9, True)])
+def test_mask_tokens_matches_the_cpu_op(emu, strategy, rows, length, probability, return_spans):
     """70 rows: two blocks of the serial kernel; 300 positions: more than a block's 256
-    threads; probability 0.002: most rows rely on the at-least-one rule."""
+    threads; probability 0.002: most rows rely on the at-least-one rule; 0.9: long spans,
+    which the token kernel's threads scan across its 256-position stride."""
     gen = torch.Generator().manual_seed(rows * length)
     ids = torch.randint(4, 1000, (rows, length), generator=gen)
     ids[:, 0], ids[:, -1] = 0, 2
@@ -261,9 +265,9 @@ def test_mask_tokens_matches_the_cpu_op(emu, strategy, rows, length, probability
     word_starts = torch.rand(rows, length, generator=gen) < 0.6
     kwargs = dict(seed=2**40 + 7, step=11, vocab_size=1000, mask_token_id=999, mlm_probability=probability,
                   strategy=strategy, word_starts=None if strategy == "token" else word_starts, sample_offset=5)
-    got = emulated_mask_tokens(emu, ids, **kwargs)
-    want = mask_tokens(ids, **kwargs)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = emulated_mask_tokens(emu, ids, return_spans=return_spans, **kwargs)
+    want = mask_tokens(ids, return_spans=return_spans, **kwargs)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
     assert (want[1] != -100).sum() > 0
 
 

@@ -2,10 +2,16 @@
 
 Covers: Philox4x32-10 known-answer vectors (NumPy and C++), exact equality of the
 C++ (and, on a GPU, CUDA) op with mask_tokens_ref for every strategy on awkward
-shapes, CPU == GPU, rates on a large batch, special/pad never touched, at least
-one prediction per row, determinism and freshness, sample_offset semantics, and
-clear errors on bad input.
+shapes (span boundaries included), CPU == GPU, rates on a large batch, special/pad
+never touched, at least one prediction per row, determinism and freshness,
+sample_offset semantics, clear errors on bad input; the span strategy's per-span
+replacement (SpanBERT), its span boundaries against a plain-Python reading of the
+labels on awkward rows and on packed rows of the real PretrainingDataset, and the
+token / whole_word results pinned to their values before per-span replacement.
 """
+import hashlib
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -69,11 +75,15 @@ def test_matches_reference(device, strategy, shape):
     ids, starts = batch(*shape, seed=shape[1])
     for kw in OPTIONS:
         kw = dict(vocab_size=VOCAB, strategy=strategy, word_starts=starts, **kw)
-        want = mask_tokens_ref(ids, **kw)
-        got = rf.mask_tokens(ids.to(device), **{**kw, "word_starts": starts.to(device)})
+        want = mask_tokens_ref(ids, return_spans=True, **kw)
+        got = rf.mask_tokens(ids.to(device), **{**kw, "word_starts": starts.to(device)},
+                             return_spans=True)
+        assert len(got) == 3 and got[2].shape == (*shape, 3)
         for g, w in zip(got, want):
             assert g.device.type == device.type and g.dtype == torch.int64
             assert torch.equal(g.cpu(), w), (strategy, shape, kw)
+        plain = rf.mask_tokens(ids.to(device), **{**kw, "word_starts": starts.to(device)})
+        assert len(plain) == 2 and all(torch.equal(a, b) for a, b in zip(plain, got))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -81,8 +91,8 @@ def test_matches_reference(device, strategy, shape):
 def test_cpu_equals_gpu_large(strategy):
     ids, starts = batch(64, 512, seed=1, vocab=50265)
     kw = dict(strategy=strategy, seed=5, step=9, sample_offset=77)
-    cpu = rf.mask_tokens(ids, word_starts=starts, **kw)
-    gpu = rf.mask_tokens(ids.cuda(), word_starts=starts.cuda(), **kw)
+    cpu = rf.mask_tokens(ids, word_starts=starts, return_spans=True, **kw)
+    gpu = rf.mask_tokens(ids.cuda(), word_starts=starts.cuda(), return_spans=True, **kw)
     for c, g in zip(cpu, gpu):
         assert torch.equal(c, g.cpu())
 
@@ -212,3 +222,245 @@ def test_bad_input():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             rf.mask_tokens(ids.cuda(), vocab_size=VOCAB, strategy="span", word_starts=starts)
+
+
+# ------------------------------------------------------------ spans (SpanBERT, SBO)
+def python_spans(labels):
+    """(batch, seqlen, 3) read off the labels in plain Python: for each maximal run
+    [s, e] of predicted tokens, (s - 1, e + 1 or -1 at the row's end, j - s)."""
+    rows = []
+    for row in labels.tolist():
+        n, spans, j = len(row), [[-1, -1, -1] for _ in row], 0
+        while j < n:
+            if row[j] == -100:
+                j += 1
+                continue
+            e = j
+            while e + 1 < n and row[e + 1] != -100:
+                e += 1
+            for k in range(j, e + 1):
+                spans[k] = [j - 1, e + 1 if e + 1 < n else -1, k - j]
+            j = e + 1
+        rows.append(spans)
+    return torch.tensor(rows, dtype=torch.int64).reshape(*labels.shape, 3)
+
+
+def runs(labels_row):
+    """[(s, e)] the maximal runs of predicted tokens of one row."""
+    out, sel = [], (labels_row != -100).tolist()
+    for j, x in enumerate(sel):
+        if x and (j == 0 or not sel[j - 1]):
+            out.append([j, j])
+        if x:
+            out[-1][1] = j
+    return out
+
+
+def test_span_replacement_is_decided_per_span():
+    """Every token of a span gets the span's decision: all <mask>, all random or all
+    kept (a random draw equal to the original id is ~1/50k). Per-token decisions
+    would mix them inside a span; spans are 80/10/10, counted per span."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 50264, (128, 512), generator=g)
+    ids[:, 0], ids[:, -1] = 0, 2
+    starts = torch.rand(ids.shape, generator=g) < 0.8
+    out, labels = rf.mask_tokens(ids, seed=3, step=1, strategy="span", word_starts=starts)
+    decisions, long_random = [], 0
+    for r in range(ids.shape[0]):
+        for s, e in runs(labels[r]):
+            o, x = out[r, s:e + 1], ids[r, s:e + 1]
+            masked, same = (o == 50264), (o == x)
+            assert masked.all() or not masked.any(), (r, s, e, o, x)
+            assert masked.any() or same.all() or not same.any(), (r, s, e, o, x)
+            decisions.append("mask" if masked.all() else "keep" if same.all() else "random")
+            if decisions[-1] == "random" and e > s:
+                long_random += 1
+                assert len(set(o.tolist())) > 1  # the random id is drawn per token
+    n = len(decisions)
+    assert n > 1500 and sum(e > s for r in range(128) for s, e in runs(labels[r])) > n // 2
+    assert abs(decisions.count("mask") / n - 0.8) < 0.03
+    assert abs(decisions.count("keep") / n - 0.1) < 0.02 and long_random > 20
+
+
+def test_span_replacement_uses_the_draw_at_the_span_start():
+    """The reference's per-span rule, spelt out: the y draw of stream 0 at the span's
+    first position against the 80% threshold decides <mask> for the whole span."""
+    ids, starts = batch(8, 200, seed=6, vocab=50265)
+    out, labels = rf.mask_tokens(ids, seed=9, step=4, sample_offset=3, strategy="span",
+                                 word_starts=starts)
+    for r in range(ids.shape[0]):
+        for s, e in runs(labels[r]):
+            y = int(philox4x32_10(s, 3 + r, 4, 0, 9, 0)[1])
+            want_mask = y < int(np.floor(0.8 * 2.0**32))
+            assert bool((out[r, s:e + 1] == 50264).all()) == want_mask
+
+
+def awkward_rows():
+    """Rows whose spans touch <s> / </s>, run to the row's end with no </s> or to
+    padding with no </s>, padded rows, an empty row; one token per word."""
+    w = lambda n: list(range(10, 10 + n))  # noqa: E731  maskable ids
+    rows = [
+        [0, *w(6), 2, 1, 1, 1, 1, 1],       # <s> text </s> pad
+        [0, *w(12)],                        # text to the row's end, no </s>
+        [*w(13)],                           # no special at all: spans at both edges
+        [0, *w(5), 1, 1, 1, 1, 1, 1, 1],    # padding right after the text, no </s>
+        [0, *w(3), 2, 0, *w(3), 2, 1, 1, 1],  # two texts (packed-like)
+        [1] * 13,                           # all padding: nothing predicted
+    ]
+    ids = torch.tensor(rows, dtype=torch.int64)
+    return ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_spans_are_maximal_runs_on_awkward_rows(device, strategy):
+    ids, starts = awkward_rows()
+    for seed in range(6):
+        for p in (0.0, 0.3, 0.6, 1.0):
+            kw = dict(vocab_size=VOCAB, seed=seed, step=seed, mlm_probability=p, strategy=strategy,
+                      word_starts=starts)
+            got = rf.mask_tokens(ids.to(device), **{**kw, "word_starts": starts.to(device)},
+                                 return_spans=True)
+            _, labels, spans = (g.cpu() for g in got)
+            assert torch.equal(spans, python_spans(labels)), (seed, p)
+            assert all(torch.equal(g.cpu(), w) for g, w in
+                       zip(got, mask_tokens_ref(ids, return_spans=True, **kw)))
+            if p == 1.0:  # every maskable token: one span per text, bounded by the specials
+                assert spans[0, 1:7].tolist() == [[0, 7, k] for k in range(6)]
+                assert spans[1, 1:].tolist() == [[0, -1, k] for k in range(12)]
+                assert spans[2].tolist() == [[-1, -1, k] for k in range(13)]
+                assert spans[3, 1:6].tolist() == [[0, 6, k] for k in range(5)]
+                assert spans[4, 1:4].tolist() == [[0, 4, k] for k in range(3)]
+                assert spans[4, 6:9].tolist() == [[5, 9, k] for k in range(3)]
+            assert (spans[5] == -1).all() and (spans[labels == -100] == -1).all()
+
+
+def test_span_cut_by_the_budget_and_merged_spans():
+    """mlm_probability=0: the budget of one token cuts the drawn span to one token,
+    bounded by its unpredicted neighbours. mlm_probability=0.5 on 300 one-token
+    words: spans of at most 10 words that touch or overlap merge into runs of more
+    than 10, which are one span (one decision, offsets running on)."""
+    ids, starts = awkward_rows()
+    for seed in range(10):
+        _, labels, spans = rf.mask_tokens(ids, vocab_size=VOCAB, seed=seed, mlm_probability=0.0,
+                                          strategy="span", word_starts=starts, return_spans=True)
+        for r in range(5):
+            (j,) = (labels[r] != -100).nonzero().flatten().tolist()
+            assert spans[r, j].tolist() == [j - 1, j + 1 if j + 1 < 13 else -1, 0]
+    ids = torch.randint(4, VOCAB - 1, (8, 300), generator=torch.Generator().manual_seed(0))
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    out, labels, spans = rf.mask_tokens(ids, vocab_size=VOCAB, mlm_probability=0.5, strategy="span",
+                                        word_starts=starts, return_spans=True)
+    assert torch.equal(spans, python_spans(labels))
+    merged = [(r, s, e) for r in range(8) for s, e in runs(labels[r]) if e - s + 1 > 10]
+    assert len(merged) > 5
+    for r, s, e in merged:
+        assert spans[r, s:e + 1, 2].tolist() == list(range(e - s + 1))
+        masked = out[r, s:e + 1] == MASK_ID
+        assert masked.all() or not masked.any()
+
+
+def test_many_seeds_shapes_and_steps_match_the_reference():
+    gen = torch.Generator().manual_seed(7)
+    for i in range(24):
+        rows, seqlen = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 90, (1,), generator=gen))
+        ids, starts = batch(rows, seqlen, seed=i)
+        kw = dict(vocab_size=VOCAB, seed=i * 7919 + 2**33, step=i * 31, sample_offset=i * 5,
+                  strategy=STRATEGIES[i % 3], word_starts=starts, mlm_probability=(0.15, 0.4, 0.9, 0.0)[i % 4])
+        got = rf.mask_tokens(ids, return_spans=True, **kw)
+        want = mask_tokens_ref(ids, return_spans=True, **kw)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), kw
+
+
+def golden_batch(rows=6, seqlen=97, vocab=VOCAB):
+    """Ids and word starts made by Philox itself: the same on every machine and torch."""
+    x, y, z, w = (a.astype(np.int64) for a in philox4x32_10(np.arange(rows * seqlen), 7, 0, 0, 1, 2))
+    ids = (4 + x % (vocab - 5)).reshape(rows, seqlen)
+    ids[:, 0] = 0
+    ids[(y % 23 == 0).reshape(rows, seqlen)] = 2
+    for r in range(rows):
+        ids[r, int(z[r] % (seqlen + 1)):] = 1
+    return torch.from_numpy(ids), torch.from_numpy((w % 10 < 6).reshape(rows, seqlen))
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.numpy().astype("<i8").tobytes())
+    return h.hexdigest()[:16]
+
+
+# sha256 prefixes of (masked ids, labels) of the three OPTIONS below, made by the rule as it
+# was before per-span replacement (commit 79384c6): token and whole_word must not change
+# (runs resumed across versions mask the same), span keeps its selection (labels).
+GOLDEN = {"token": "d8f3d52ef9fbb696", "whole_word": "f5f42f24513d1439", "span labels": "2a53a9850e841f07"}
+
+
+def test_token_and_whole_word_results_are_unchanged():
+    ids, starts = golden_batch()
+    results = {}
+    for strategy in STRATEGIES:
+        outs = []
+        for kw in OPTIONS[:3]:
+            out, labels = rf.mask_tokens(ids, vocab_size=VOCAB, strategy=strategy, word_starts=starts, **kw)
+            outs += [labels] if strategy == "span" else [out, labels]
+        results["span labels" if strategy == "span" else strategy] = digest(outs)
+    assert results == GOLDEN
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A packed DOC-SENTENCES batch of the real PretrainingDataset (pack=True) over short
+    and long documents, several documents per row, and the dataset."""
+    from roberta_fast import RobertaTokenizer
+    from roberta_fast.corpus import iter_documents
+    from roberta_fast.data import PretrainingDataset, collate
+    from roberta_fast.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("packed")
+    corpus = list(iter_documents(max_bytes=20_000))
+    tok = RobertaTokenizer.train_from_iterator(corpus, vocab_size=400)
+    words = " ".join(corpus).split()
+    bounds = np.cumsum([0] + [1, 6, 2, 14, 3, 25, 9, 4, 40] * 3)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(words[a:b])}) + "\n"
+                                             for a, b in zip(bounds[:-1], bounds[1:])))
+    preprocess([root / "docs.jsonl"], tok, root / "ds", valid_fraction=0.0, progress=False,
+               log=lambda m: None)
+    ds = PretrainingDataset(root / "ds", seq_len=29, mode="doc", pack=True, word_starts=True)
+    return collate([ds.sample(i) for i in range(len(ds))], 29), ds
+
+
+@pytest.mark.parametrize("p", [0.3, 1.0])
+def test_packed_rows_boundaries_never_cross_a_document(packed, p):
+    """With cu_seqlens: every predicted token's span and both of its boundaries lie in its
+    own segment (document run), whose <s> and </s> bound it; at p=1 every run's text is
+    one span from its <s> to its </s>."""
+    b, ds = packed
+    ids, cu = b["input_ids"], b["cu_seqlens"].long()
+    rows, S = ids.shape
+    segment = torch.zeros(rows * S, dtype=torch.int64)
+    segment[cu[1:-1]] = 1
+    segment = segment.cumsum(0).reshape(rows, S)  # document run of each token
+    assert max(len(set(r.tolist())) for r in segment) >= 3  # rows hold several documents
+    m = ds.manifest
+    special = [m[k] for k in ("bos_id", "pad_id", "eos_id", "unk_id", "mask_id")]
+    _, labels, spans = rf.mask_tokens(
+        ids, vocab_size=ds.vocab_size, mask_token_id=ds.mask_id, pad_token_id=ds.pad_id,
+        special_token_ids=special, mlm_probability=p, strategy="span", word_starts=b["word_starts"],
+        return_spans=True, seed=1)
+    assert torch.equal(spans, python_spans(labels))
+    r, j = (labels != -100).nonzero().unbind(1)
+    left, right, _ = spans[r, j].unbind(1)
+    assert len(r) > 50 and (left >= 0).all() and (right >= 0).all()
+    assert torch.equal(segment[r, left], segment[r, j]) and torch.equal(segment[r, right], segment[r, j])
+    if p == 1.0:
+        assert (ids[r, left] == ds.bos_id).all() and (ids[r, right] == ds.eos_id).all()
+    # Why no document-start input is needed: every segment is <s> ... </s> or padding.
+    flat = ids.reshape(-1)
+    for a, z in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        assert (flat[a], flat[z - 1]) == (ds.bos_id, ds.eos_id) or (flat[a:z] == ds.pad_id).all()
+
+
+def test_return_spans_must_be_a_bool():
+    ids, _ = batch(2, 8)
+    with pytest.raises(TypeError, match="return_spans"):
+        rf.mask_tokens(ids, vocab_size=VOCAB, return_spans="yes")

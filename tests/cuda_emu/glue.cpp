@@ -44,8 +44,8 @@ size_t emu_mask_params_special_offset() { return offsetof(MaskParams, special); 
 
 const char* emu_mask_tokens(const MaskParams* params, const int64_t* ids, const bool* word_starts,
                             int64_t rows, int64_t len, uint32_t sample_offset, int64_t* out,
-                            int64_t* labels) {
-  return mask_tokens_cuda(*params, ids, word_starts, rows, len, sample_offset, out, labels,
+                            int64_t* labels, int64_t* spans) {
+  return mask_tokens_cuda(*params, ids, word_starts, rows, len, sample_offset, out, labels, spans,
                           nullptr);
 }
 
