@@ -33,7 +33,9 @@ for a predicted token j of the span [s, e] of its row, (s - 1, e + 1, j - s); -1
 boundary outside the row (s = 0, or e + 1 = seqlen: a row cut mid-text), all -1 for
 tokens not predicted. Spans never contain a special token, so a boundary is the
 nearest token not predicted: a word, or `<s>` / `</s>` / pad at a text's edge, whose
-hidden state the SBO head uses as it is (SpanBERT does the same with its [CLS]/[SEP]).
+hidden state the SBO head uses as it is. (SpanBERT's span_masking instead drops the
+pair targets of spans that touch its block's edges, so its [CLS]/[SEP] are never
+boundaries; a head wanting that can drop targets whose boundary id is special.)
 A span never crosses a document: roberta_fast.data ends every document with `</s>`,
 which is never predicted, so at most that `</s>` is a boundary of the next document's
 first span (FULL-SENTENCES, where attention crosses documents too). In packed
