@@ -13,8 +13,10 @@ warmup + linear decay, atomic checkpoints with exact resume (also mid-epoch), pr
 and metrics.jsonl; each epoch reports validation loss, accuracy and macro-F1, and the
 best epoch is exported as an HF classifier (config.json + model.safetensors +
 tokenizer) that `transformers.AutoModelForSequenceClassification` loads.
-Defaults follow RoBERTa's GLUE recipe (lr 2e-5, batch 16, 6% warmup, weight decay 0.1,
-Adam β2 0.98, ε 1e-6); --max-len defaults to the model's own limit (at most 512).
+Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
+Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
+~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
+model's own limit (at most 512). A run that never beats predicting the majority class says so.
 
 SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal's number (143,
 130); the same command then resumes, and refuses a checkpoint trained on another LR
@@ -64,9 +66,9 @@ class FinetuneConfig:
     pair_field: str | None = None  # column / field of a second text, for pair tasks such as NLI (default: none)
     label_field: str = "label"  # column / field holding the label (any strings or integers)
     max_len: int | None = None  # tokens per example, special tokens included (default: the model's limit, <= 512)
-    epochs: int = 3  # passes over the training examples
+    epochs: int = 10  # passes over the training examples (RoBERTa's GLUE recipe: 10)
     batch_size: int = 16  # examples per optimizer step
-    lr: float = 2e-5  # peak learning rate
+    lr: float | None = None  # peak learning rate (default: sized to the model's hidden size, see default_lr)
     warmup_ratio: float = 0.06  # share of all steps spent warming up linearly to --lr
     weight_decay: float = 0.1  # decoupled (AdamW), not on biases and LayerNorm
     beta1: float = 0.9  # Adam beta1
@@ -82,6 +84,17 @@ class FinetuneConfig:
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
     allow_schedule_change: bool = False  # resume with a changed LR schedule (--lr, --epochs, --batch-size, --warmup-ratio, data)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
+
+
+def default_lr(hidden_size: int) -> float:
+    """Peak LR for a model of this width when --lr is not given: 2e-5 · (768 / hidden)², at most 1e-3.
+
+    It gives the RoBERTa paper's GLUE values at its sizes (2e-5 at base, hidden 768; 1.1e-5
+    at large, hidden 1024: the paper tried {1e-5, 2e-5, 3e-5}). Small models need far more:
+    a 2-layer hidden-128 model stays at chance for 10 epochs at 2e-5 and 1e-4, and learns at
+    3e-4 to 1e-3 (tests/test_finetune.py, docs/training.md); the square fits both ends.
+    """
+    return min(1e-3, 2e-5 * (768 / hidden_size) ** 2)
 
 
 # ------------------------------------------------------------------------- data
@@ -177,7 +190,8 @@ class Finetuner:
         for name in ("model", "train"):
             if not getattr(cfg, name):
                 raise ValueError(f"--{name} is required")
-        if cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4) or not cfg.lr > 0:
+        if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
+                or not (cfg.lr is None or cfg.lr > 0)):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4 and lr > 0")
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device, 0)
@@ -218,6 +232,11 @@ class Finetuner:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model "
                              f"{self.model.config.vocab_size}: pass the model's own tokenizer")
         self.pad_id = self.model.config.pad_token_id
+        if cfg.lr is None:  # sized to the model; the resolved value is what the checkpoint records
+            hidden = self.model.config.hidden_size
+            self.cfg = cfg = dataclasses.replace(cfg, lr=default_lr(hidden))
+            log(f"--lr not given: {cfg.lr:.3g} for hidden size {hidden} (2e-5 * (768 / {hidden})^2, "
+                "at most 1e-3; pass --lr to choose)")
 
         self.steps_per_epoch = math.ceil(len(self.train_ids) / cfg.batch_size)
         total = self.steps_per_epoch * cfg.epochs
@@ -326,6 +345,11 @@ class Finetuner:
             metrics.close()
         self.log(f"best epoch {self.best['epoch']}: accuracy {self.best['accuracy']:.4f}, "
                  f"macro-F1 {self.best['f1']:.4f}; exported to {self.out / 'model'}")
+        majority = max(np.bincount(self.valid_labels)) / len(self.valid_labels)
+        if self.best["accuracy"] <= majority:
+            self.log(f"warning: no epoch beat always predicting the most frequent class ({majority:.4f}): "
+                     f"the model has not learned the task. Try a larger --lr (this run: {self.cfg.lr:.3g}), "
+                     "more --epochs, more data or a better-pretrained model")
         return {"best": self.best, "last": result}
 
 
@@ -345,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, required=required,
                                 metavar=kind.__name__.upper(), help=text)
     return parser

@@ -3,6 +3,7 @@ import csv
 import json
 import random
 import signal
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 from malicious_checkpoint import write_malicious_checkpoint
 
 import roberta_fast as rf
-from roberta_fast.finetune import FinetuneConfig, Finetuner, accuracy_and_macro_f1, encode, main
+from roberta_fast.finetune import FinetuneConfig, Finetuner, accuracy_and_macro_f1, default_lr, encode, main
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
 
@@ -65,6 +66,79 @@ def test_learns_the_task_and_exports_for_transformers(task, tmp_path):
         torch.testing.assert_close(ours(batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                                    hf(**batch).logits, rtol=1e-5, atol=1e-6)
         assert hf(**batch).logits.argmax(-1).tolist() == [1, 0]
+
+
+def plain_adamw_loop(task, cfg) -> float:
+    """The loop a user writes by hand: torch.optim.AdamW, linear warmup and decay, shuffled
+    padded batches, mean cross-entropy; best validation accuracy over the epochs."""
+    tok = rf.RobertaTokenizer.from_pretrained(task / "model")
+    with open(task / "train.csv", newline="") as f:
+        train = [(tok.encode(r["sentence"]), int(r["label"] == "pos")) for r in csv.DictReader(f)]
+    with open(task / "valid.jsonl") as f:
+        valid = [(tok.encode(r["sentence"]), int(r["label"] == "pos")) for r in map(json.loads, f)]
+
+    def batch(rows):
+        x = torch.ones(len(rows), max(len(ids) for ids, _ in rows), dtype=torch.long)  # pad id 1
+        for i, (ids, _) in enumerate(rows):
+            x[i, :len(ids)] = torch.tensor(ids)
+        return x, (x != 1).long(), torch.tensor([label for _, label in rows])
+
+    torch.manual_seed(cfg.seed)
+    with warnings.catch_warnings():  # the new head and the unused MLM head are expected
+        warnings.simplefilter("ignore")
+        model = rf.RobertaForSequenceClassification.from_pretrained(task / "model", num_labels=2)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    total = -(-len(train) // cfg.batch_size) * cfg.epochs
+    warmup = round(cfg.warmup_ratio * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else (total - s) / (total - warmup))
+    best = 0.0
+    for _ in range(cfg.epochs):
+        model.train()
+        order = torch.randperm(len(train)).tolist()
+        for start in range(0, len(train), cfg.batch_size):
+            x, mask, y = batch([train[i] for i in order[start:start + cfg.batch_size]])
+            model(x, attention_mask=mask, labels=y).loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        model.eval()
+        x, mask, y = batch(valid)
+        with torch.no_grad():
+            best = max(best, (model(x, attention_mask=mask).logits.argmax(-1) == y).float().mean().item())
+    return best
+
+
+def test_defaults_learn_as_well_as_a_plain_adamw_loop(task, tmp_path):
+    """Issue 19: with only the data given, the CLI learned nothing on a small model (lr 2e-5 for
+    3 epochs: chance, one class predicted). Its defaults must now learn this separable task,
+    and as well as a hand-written AdamW loop on the same model, data and hyperparameters
+    (those the CLI chose, and said it chose)."""
+    lines = []
+    job = Finetuner(FinetuneConfig(model=str(task / "model"), train=str(task / "train.csv"),
+                                   valid=str(task / "valid.jsonl"), text_field="sentence", out=str(tmp_path / "run"),
+                                   device="cpu"), log=lines.append)
+    ours = job.run()["best"]["accuracy"]
+    plain = plain_adamw_loop(task, job.cfg)
+    assert plain >= 0.9, f"the plain loop reaches {plain} at the CLI's defaults: they do not suit a small model"
+    assert ours >= plain - 0.05, f"the CLI reaches {ours}, a plain AdamW loop {plain}"
+    assert any(line.startswith("--lr not given: 0.001 for hidden size 32") for line in lines), lines
+
+
+def test_a_run_that_learns_nothing_says_so(task, tmp_path):
+    lines = []
+    Finetuner(config(task, tmp_path / "run", lr=1e-6, epochs=1), log=lines.append).run()
+    assert any(line.startswith("warning: no epoch beat always predicting the most frequent class") and
+               "larger --lr (this run: 1e-06)" in line for line in lines), lines
+
+
+def test_default_lr_follows_the_paper_at_base_and_large():
+    assert default_lr(768) == 2e-5
+    assert 1e-5 <= default_lr(1024) <= 1.2e-5
+    assert default_lr(128) == pytest.approx(7.2e-4) and default_lr(32) == 1e-3
 
 
 def test_resume_mid_run_matches_an_uninterrupted_run(task, tmp_path):
