@@ -92,7 +92,7 @@ def default_lr(hidden_size: int) -> float:
     It gives the RoBERTa paper's GLUE values at its sizes (2e-5 at base, hidden 768; 1.1e-5
     at large, hidden 1024: the paper tried {1e-5, 2e-5, 3e-5}). Small models need far more:
     a 2-layer hidden-128 model stays at chance for 10 epochs at 2e-5 and 1e-4, and learns at
-    3e-4 to 1e-3 (tests/test_finetune.py, docs/training.md); the square fits both ends.
+    3e-4 to 1e-3 (measurements in docs/training.md); the square fits both ends.
     """
     return min(1e-3, 2e-5 * (768 / hidden_size) ** 2)
 
