@@ -68,7 +68,7 @@ class FinetuneConfig:
     max_len: int | None = None  # tokens per example, special tokens included (default: the model's limit, <= 512)
     epochs: int = 10  # passes over the training examples (RoBERTa's GLUE recipe: 10)
     batch_size: int = 16  # examples per optimizer step
-    lr: float | None = None  # peak learning rate (default: sized to the model's hidden size, see default_lr)
+    lr: float | None = None  # peak learning rate (default: 2e-5 * (768 / hidden size)^2, at most 1e-3; printed)
     warmup_ratio: float = 0.06  # share of all steps spent warming up linearly to --lr
     weight_decay: float = 0.1  # decoupled (AdamW), not on biases and LayerNorm
     beta1: float = 0.9  # Adam beta1
