@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from roberta_fast.files import write_text_atomic  # (no kernels: the interpreter switch below still comes first)
+
 
 def use_interpreter_without_gpu():
     """Without CUDA, run Triton kernels in its CPU interpreter (must precede importing triton)."""
@@ -165,10 +167,5 @@ def record_path(args, op, device):
 def write_json(path, env, results, **extra):
     """Write {"environment", "results", **extra} to path atomically (temp file + rename)."""
     payload = {"environment": env, **extra, "results": results}
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")

@@ -9,11 +9,11 @@ message says so. Used by `throughput.py --chart PATH`; also runnable on a saved 
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from html import escape
 from pathlib import Path
+
+from roberta_fast.files import atomic_path
 
 COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "hf-eager": "#1f77b4", "hf-compile": "#aec7e8"}
 
@@ -59,7 +59,7 @@ def _png(report: dict, path: Path) -> None:
     ax.set_title(_title(report), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # (path may be a temporary name without .png)
     plt.close(fig)
 
 
@@ -93,18 +93,12 @@ def _svg(report: dict) -> str:
 
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) on a temporary file beside `path`, then rename it onto `path`,
-    so that no reader ever sees half a file (the temporary is removed on failure)."""
+    so that no reader ever sees half a file (the temporary is removed on failure) and the
+    file has a plain write's permissions (roberta_fast.files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp:
+        write(tmp)
 
 
 def throughput_chart(report: dict, path) -> str:

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from .files import atomic_path, write_text_atomic
 from .integrity import NO_SPACE, HashingWriter, human_bytes, sha256_file
 
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -79,55 +80,25 @@ def checksum_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def atomic_torch_save(obj, path: str | os.PathLike) -> int:
     """torch.save to `path` via temp file + fsync + rename + directory fsync, with its SHA-256
-    sidecar written (atomically) before the rename; returns the bytes written.
+    sidecar written (atomically) before the rename; returns the bytes written. Both files end
+    with a plain write's permissions (roberta_fast.files).
 
     A failed write raises the OSError itself (ENOSPC included), not torch's "unexpected pos"."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     writer = None
     try:
-        with open(tmp, "wb") as f:
-            writer = HashingWriter(f)
-            torch.save(obj, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        _write_text_atomic(checksum_path(path), f"{writer.sha256}  {path.name}\n")
-        os.replace(tmp, path)
+        with atomic_path(path, durable=True) as tmp:
+            with open(tmp, "wb") as f:
+                writer = HashingWriter(f)
+                torch.save(obj, writer)
+            write_text_atomic(checksum_path(path), f"{writer.sha256}  {path.name}\n", durable=True)
     except BaseException:
-        tmp.unlink(missing_ok=True)
         if writer is not None and writer.error is not None:
             raise writer.error from None
         raise
-    _fsync_dir(path.parent)
     return writer.size
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> bool:

@@ -178,9 +178,6 @@ class RobertaConfig:
         data = self.to_dict()
         if architectures is not None:
             data["architectures"] = architectures
-        target = os.path.join(directory, "config.json")
-        tmp = target + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, target)
+        from .files import write_text_atomic
+
+        write_text_atomic(os.path.join(directory, "config.json"), json.dumps(data, indent=2, sort_keys=True) + "\n")

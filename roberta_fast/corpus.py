@@ -33,12 +33,12 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
-import uuid
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator
+
+from roberta_fast.files import atomic_path, temp_dir_for
 
 CORPUS_VERSION = 1
 MAX_BYTES = 8_000_000  # cap on the corpus text (the stdlib gives about 2 MB)
@@ -122,15 +122,9 @@ def build_corpus(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> Path:
     """Write the corpus documents to `path` as JSONL ({"text": ...} per line), atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for doc in iter_documents(max_bytes):
-                f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for doc in iter_documents(max_bytes):
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
     return path
 
 
@@ -149,7 +143,7 @@ def default_dataset(cache_dir: str | os.PathLike | None = None, vocab_size: int 
     if not corpus.is_file():
         build_corpus(corpus, max_bytes)
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
+    work = temp_dir_for(final)
     try:
         docs = (json.loads(line)["text"] for line in corpus.open(encoding="utf-8"))
         tokenizer = RobertaTokenizer.train_from_iterator(docs, vocab_size=vocab_size, min_frequency=2)

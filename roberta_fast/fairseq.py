@@ -206,7 +206,7 @@ def convert(checkpoint, out_dir, dictionary=None, encoder_json=None, vocab_bpe=N
         raise ValueError("the tokenizer needs all three of dict.txt, encoder.json and vocab.bpe")
     os.makedirs(out_dir, exist_ok=True)
     if all(tokenizer_files):
-        write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, config.vocab_size)
+        write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, config.vocab_size, config.max_seq_len)
     model.save_pretrained(out_dir)
     return model
 
@@ -235,9 +235,10 @@ def fairseq_vocab(dictionary, encoder_json, vocab_size: int) -> dict:
     return vocab
 
 
-def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: int):
+def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: int, model_max_length: int = 512):
     """vocab.json (fairseq ids) + merges.txt (vocab.bpe), then the full tokenizer files via
-    RobertaTokenizer, so the directory loads in roberta_fast and transformers alike."""
+    RobertaTokenizer, so the directory loads in roberta_fast and transformers alike;
+    model_max_length: the model's longest sequence, which transformers truncates to."""
     from .tokenizer import RobertaTokenizer
 
     vocab = fairseq_vocab(dictionary, encoder_json, vocab_size)
@@ -245,7 +246,7 @@ def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: in
         with open(os.path.join(staging, "vocab.json"), "w", encoding="utf-8") as f:
             json.dump(vocab, f, ensure_ascii=False)
         shutil.copyfile(vocab_bpe, os.path.join(staging, "merges.txt"))
-        RobertaTokenizer.from_pretrained(staging).save(out_dir)
+        RobertaTokenizer.from_pretrained(staging).save(out_dir, model_max_length=model_max_length)
 
 
 def build_parser() -> argparse.ArgumentParser:

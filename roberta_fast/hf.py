@@ -212,6 +212,8 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
     architecture: the class name config.json gives (default: the model's)."""
     from safetensors.torch import save_file
 
+    from .files import atomic_path
+
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     prefix = "roberta." if hasattr(model, "roberta") else ""
@@ -220,8 +222,6 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
         state = {k: v for k, v in state.items() if not k.startswith(exclude_prefix)}
     hf_state = native_to_hf(state, prefix)
     hf_state = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
-    target = os.path.join(directory, "model.safetensors")
-    tmp = target + ".tmp"
-    save_file(hf_state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, target)
+    with atomic_path(os.path.join(directory, "model.safetensors")) as tmp:  # (save_file alone writes 0600)
+        save_file(hf_state, tmp, metadata={"format": "pt"})
     model.config.save_pretrained(directory, architectures=[architecture or type(model).__name__])

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .files import atomic_path
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -174,8 +176,7 @@ def plot_losses(metrics_path: str | os.PathLike, png_path: str | os.PathLike) ->
     ax.legend()
     fig.tight_layout()
     png_path = Path(png_path)
-    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(png_path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, png_path)
     return png_path

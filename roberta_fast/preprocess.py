@@ -24,7 +24,11 @@ Text is text: a literal "<mask>" or "</s>" inside a document is tokenized as cha
 (tokenizers' `encode_special_tokens`), so special ids only ever come from the pipeline.
 A document goes to the validation split when the CRC32 of its (first MiB of) text falls
 below --valid-fraction, so the split does not depend on chunking, ordering or workers,
-and duplicate documents land in the same split.
+and duplicate documents land in the same split. A split that comes out smaller than one
+batch of the tiny preset (MIN_VALID_TOKENS = 16 x 128 tokens; 168 documents at the
+default 0.005 expect fewer than one) takes the documents with the next-lowest CRCs until it has that
+many tokens, up to 10% of the documents (at most 64), still independent of chunking; the
+report says so. Inputs that yield no document at all are an error naming them.
 
 Streaming, bounded memory: files are read line by line in blocks of at most 1 MiB and
 long documents are tokenized in pieces of about 1 MiB cut at a single space between
@@ -38,14 +42,16 @@ read of them) and redoes the others, so a rerun also repairs a damaged dataset;
 different inputs or options are refused unless --overwrite.
 
 Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced by
-U+FFFD and counted (as are lone surrogates escaped in JSON), empty files and empty documents are skipped and counted, files with
-NUL bytes (binary) are refused by name, undecodable JSONL lines are counted with their
-byte offsets; the final report prints every count and the manifest keeps them.
+U+FFFD and counted, naming the files (as are lone surrogates escaped in JSON), empty files
+and empty documents are skipped and counted, files with NUL bytes (binary) are refused by
+name, undecodable JSONL lines are counted with their byte offsets; the final report prints
+every count and the manifest keeps them.
 """
 from __future__ import annotations
 
 import argparse
 import codecs
+import heapq
 import json
 import multiprocessing as mp
 import os
@@ -62,7 +68,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from roberta_fast.integrity import HashingWriter, sha256_file
-from roberta_fast.tokenizer import RobertaTokenizer, _write_atomic
+from roberta_fast.files import publish, temp_path_for, write_text_atomic
+from roberta_fast.tokenizer import RobertaTokenizer
 
 FORMAT = "roberta_fast.tokens"
 VERSION = 1
@@ -74,6 +81,8 @@ BATCH_CHARS = 1 << 20  # chars per encode_batch call
 SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary (as git does)
 BLANK = " \t\r\n\x0b\x0c"  # a line of only these separates documents
 MAX_EXAMPLES = 20  # file names / offsets kept per count in the report
+MIN_VALID_TOKENS = 16 * 128  # a valid split smaller than one batch of the tiny preset is topped up
+MAX_TOP_UP = 64  # documents a top-up may add (also at most 10% of them); each chunk keeps this many candidates
 
 
 # --------------------------------------------------------------------------- decoding
@@ -206,8 +215,8 @@ def _jsonl_pieces(f, start: int, end: int, field: str, name: str, stats: dict):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _note(stats: dict, key: str, example: str) -> None:
-    stats[key] += 1
+def _note(stats: dict, key: str, example: str, count: int = 1) -> None:
+    stats[key] += count
     examples = stats["examples"].setdefault(key, [])
     if len(examples) < MAX_EXAMPLES:
         examples.append(example)
@@ -219,7 +228,7 @@ class _ShardWriter:
 
     def __init__(self, bin_path: Path, dtype: np.dtype):
         self.bin_path, self.dtype = bin_path, dtype
-        self.tmp = bin_path.with_name(f".{bin_path.name}.{os.getpid()}.tmp")
+        self.tmp = temp_path_for(bin_path)
         self.f = HashingWriter(open(self.tmp, "wb"))  # the checksum, computed as the bytes go out
         self.offsets = [0]
         self.n = 0
@@ -235,24 +244,49 @@ class _ShardWriter:
     def close(self) -> dict:
         self.f.close()
         idx_path = self.bin_path.with_name(self.bin_path.stem + ".idx.npy")
-        idx_tmp = idx_path.with_name(f".{idx_path.name}.{os.getpid()}.tmp")
+        idx_tmp = temp_path_for(idx_path)
         with open(idx_tmp, "wb") as f:
             idx = HashingWriter(f)
             np.save(idx, np.asarray(self.offsets, dtype=np.int64))
-        os.replace(self.tmp, self.bin_path)
-        os.replace(idx_tmp, idx_path)
+        publish(self.tmp, self.bin_path)
+        publish(idx_tmp, idx_path)
         return {"tokens": self.n, "documents": len(self.offsets) - 1, "bin_bytes": self.f.size,
                 "bin_sha256": self.f.sha256, "idx_bytes": idx.size, "idx_sha256": idx.sha256}
 
 
 def _new_stats() -> dict:
     keys = ["bytes", "documents", "tokens", "pieces", "hard_splits", "invalid_utf8_replaced",
-            "lone_surrogates_replaced", "empty_documents", "blank_files", "bad_json_lines", "records_without_text", "blank_jsonl_lines"]
+            "lone_surrogates_replaced", "empty_documents", "blank_files", "bad_json_lines", "records_without_text",
+            "blank_jsonl_lines", "valid_added"]
     return {**{k: 0 for k in keys}, "examples": {}}
 
 
-def _valid_doc(text: str, fraction: float) -> bool:
-    return zlib.crc32(text[:PIECE_CHARS].encode("utf-8")) < fraction * 2**32
+def _crc(text: str) -> int:
+    """The document's hash that decides its split (of its first piece: at most PIECE_CHARS chars)."""
+    return zlib.crc32(text[:PIECE_CHARS].encode("utf-8"))
+
+
+class _Lowest:
+    """The `k` lowest CRCs added, each with its [documents, tokens] (duplicates summed); bounded memory."""
+
+    def __init__(self, k: int):
+        self.k, self.counts, self.heap = k, {}, []  # heap: the kept CRCs, negated (the largest on top)
+
+    def add(self, crc: int, tokens: int) -> None:
+        if crc in self.counts:
+            self.counts[crc][0] += 1
+            self.counts[crc][1] += tokens
+            return
+        if len(self.heap) == self.k:
+            if crc > -self.heap[0]:
+                return
+            del self.counts[-heapq.heappop(self.heap)]
+        heapq.heappush(self.heap, -crc)
+        self.counts[crc] = [1, tokens]
+
+    def lowest(self) -> list[list[int]]:
+        """[[crc, documents, tokens], ...] by increasing CRC."""
+        return [[crc, *self.counts[crc]] for crc in sorted(self.counts)]
 
 
 # worker globals (set once per process by _init_worker)
@@ -279,22 +313,31 @@ def _run_chunk(task: dict) -> dict:
     writers = {s: _ShardWriter(out / s / f"{index:05d}.bin", dtype) for s in ("train", "valid")}
     eos = _TOKENIZER.eos_id
     batch: list[tuple[str, bool, bool]] = []
-    state = {"split": "train", "chars": 0}
+    threshold = opts["valid_fraction"] * 2**32
+    forced = set(task.get("forced_valid", ()))  # CRCs a top-up of the valid split moved there
+    candidates = _Lowest(MAX_TOP_UP)  # the lowest CRCs of the documents not valid by their hash
+    state = {"split": "train", "crc": 0, "doc_tokens": 0, "chars": 0}
 
     def flush():
         ids = _TOKENIZER.encode_batch([p for p, _, _ in batch], add_special_tokens=False)
         n = 0
         for (piece, first, last), piece_ids in zip(batch, ids):
             if first:
-                state["split"] = "valid" if _valid_doc(piece, opts["valid_fraction"]) else "train"
+                crc = state["crc"] = _crc(piece)
+                state["split"] = "valid" if crc < threshold or crc in forced else "train"
+                state["doc_tokens"] = 0
             w = writers[state["split"]]
             w.write(piece_ids)
             n += len(piece_ids)
+            state["doc_tokens"] += len(piece_ids) + last
             if last:
                 w.write([eos])
                 w.end_document()
                 stats["documents"] += 1
                 n += 1
+                if state["crc"] >= threshold:
+                    candidates.add(state["crc"], state["doc_tokens"])
+                    stats["valid_added"] += state["crc"] in forced
         stats["pieces"] += len(batch)
         stats["tokens"] += n
         batch.clear()
@@ -302,7 +345,7 @@ def _run_chunk(task: dict) -> dict:
         return n
 
     for path, kind, start, end in task["segments"]:
-        name = os.path.basename(path)
+        name, invalid = os.path.basename(path), _INVALID[0]
         with open(path, "rb") as f:
             if kind == "jsonl":
                 pieces = _jsonl_pieces(f, start, end, opts["text_field"], name, stats)
@@ -325,10 +368,12 @@ def _run_chunk(task: dict) -> dict:
             if start == 0 and end == os.path.getsize(path) and kind == "text" and \
                     stats["documents"] + stats["empty_documents"] == docs_before:
                 _note(stats, "blank_files", path)  # only blank lines: nothing to keep
+        if _INVALID[0] > invalid:
+            _note(stats, "invalid_utf8_replaced", path, _INVALID[0] - invalid)
         stats["bytes"] += end - start
-    stats["invalid_utf8_replaced"] = _INVALID[0]
     stats["shards"] = {s: w.close() for s, w in writers.items()}
-    _write_atomic(out / "chunks" / f"{index:05d}.json", json.dumps(stats))
+    stats["candidates"], stats["forced_valid"] = candidates.lowest(), sorted(forced)
+    write_text_atomic(out / "chunks" / f"{index:05d}.json", json.dumps(stats))
     return stats
 
 
@@ -472,6 +517,9 @@ def preprocess(
         tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
     out = Path(out)
     files, refused = _collect(inputs, log)
+    if not files:
+        raise ValueError(_nothing_to_read(inputs, refused))
+    fresh = not out.exists() or not any(out.iterdir())  # removed again if it yields no document
     options = {"valid_fraction": valid_fraction, "text_field": text_field, "doc_per_file": doc_per_file,
                "shard_mb": shard_mb, "split_special_tokens": True}
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
@@ -488,12 +536,108 @@ def preprocess(
     tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": options}
              for i in todo]
     t0 = time.time()
-    _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
-             sum(e - s for i in todo for _, _, s, e in chunks[i]))
+
+    def run(tasks: list[dict]) -> None:
+        _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
+                 sum(e - s for t in tasks for _, _, s, e in t["segments"]))
+
+    run(tasks)
+    run(_top_up_valid(out, chunks, valid_fraction, log,
+                      {"out": str(out), "dtype": dtype, "options": options}))
     manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
-    _write_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
     _print_report(manifest, time.time() - t0, log)
+    splits = manifest["splits"]
+    if not splits["train"]["documents"] + splits["valid"]["documents"]:
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        raise ValueError(_nothing_to_read(inputs, refused, manifest["counts"]))
+    if not splits["valid"]["documents"]:
+        log(f"warning: the valid split is empty ({splits['train']['documents']} documents, --valid-fraction "
+            f"{valid_fraction}): python -m roberta_fast.train needs one; give more text or a larger --valid-fraction")
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
     return manifest
+
+
+def _nothing_to_read(inputs, refused: dict, counts: dict | None = None) -> str:
+    """The error for inputs that yield no document, naming them and what was skipped."""
+    names = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    why = [f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+           for k, v in refused.items() if v]
+    why += [f"{v} {k.replace('_', ' ')}" for k, v in (counts or {}).items()
+            if v and k in ("empty_documents", "blank_files", "bad_json_lines", "records_without_text")]
+    return (f"no document to read in {', '.join(names)}" + (f": {'; '.join(why)}" if why else "")
+            + f"; pass .txt files ({', '.join(sorted(TEXT_EXTS))}, documents separated by blank lines), .jsonl "
+              "files (the text under --text-field) or directories holding them")
+
+
+def read_documents(inputs: Sequence[str | os.PathLike], text_field: str = "text",
+                   log: Callable[[str], None] | None = None) -> Iterator[str]:
+    """The text of `inputs` as preprocess reads it (the files and directories it accepts, .jsonl
+    by `text_field`), document by document (pieces of about PIECE_CHARS for longer ones): what
+    `RobertaTokenizer.train` learns from. Inputs are checked now; a ValueError names inputs
+    that hold no file to read, or (when the iterator ends) no document."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    files, refused = _collect(inputs, log)
+    if not files:
+        raise ValueError(_nothing_to_read(inputs, refused))
+
+    def documents() -> Iterator[str]:
+        stats, n = _new_stats(), 0
+        for path, kind in files:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                if kind == "jsonl":
+                    pieces = _jsonl_pieces(f, 0, size, text_field, os.path.basename(path), stats)
+                else:
+                    pieces = _text_pieces(f, 0, size, False, stats)
+                for piece, _, _ in pieces:
+                    if piece.strip():
+                        n += 1
+                        yield piece
+        if not n:
+            raise ValueError(_nothing_to_read(inputs, refused, stats))
+
+    return documents()
+
+
+def _top_up_valid(out: Path, chunks: list, fraction: float, log: Callable, common: dict) -> list[dict]:
+    """The chunk tasks to (re)do so that a valid split smaller than MIN_VALID_TOKENS gets more
+    documents: those with the lowest CRCs, the next the hash rule would take, so that the choice,
+    like the split itself, depends on neither chunking nor workers. It adds at most MAX_TOP_UP
+    documents, and stops at 10% of all documents; a rerun redoes nothing."""
+    markers = [json.loads((out / "chunks" / f"{i:05d}.json").read_text()) for i in range(len(chunks))]
+    pool: dict[int, list[int]] = {}  # CRC -> [documents, tokens] of the train documents' lowest CRCs
+    valid_docs = valid_tokens = documents = 0
+    for m in markers:
+        forced = set(m.get("forced_valid", []))
+        documents += m["documents"]
+        valid_docs += m["shards"]["valid"]["documents"]
+        valid_tokens += m["shards"]["valid"]["tokens"]
+        for crc, docs, tokens in m.get("candidates", []):
+            pool.setdefault(crc, [0, 0])
+            pool[crc][0] += docs
+            pool[crc][1] += tokens
+            if crc in forced:  # count the split as the hash rule alone made it
+                valid_docs, valid_tokens = valid_docs - docs, valid_tokens - tokens
+    hashed = (valid_docs, valid_tokens)
+    room = min(MAX_TOP_UP, max(1, documents // 10)) - valid_docs if fraction > 0 and documents > 1 else 0
+    chosen = set()
+    for crc in sorted(pool):
+        docs, tokens = pool[crc]
+        if valid_tokens >= MIN_VALID_TOKENS or docs > room:
+            break
+        chosen.add(crc)
+        room, valid_docs, valid_tokens = room - docs, valid_docs + docs, valid_tokens + tokens
+    if chosen:
+        log(f"the valid split had {hashed[0]} documents ({hashed[1]} tokens) at --valid-fraction {fraction}, "
+            f"less than one batch ({MIN_VALID_TOKENS} tokens): moved {valid_docs - hashed[0]} documents "
+            f"({valid_tokens - hashed[1]} tokens) with the next-lowest hashes into it")
+    tasks = []
+    for i, m in enumerate(markers):
+        need = sorted(chosen & {crc for crc, _, _ in m.get("candidates", [])})
+        if need != m.get("forced_valid", []):
+            tasks.append({**common, "index": i, "segments": chunks[i], "forced_valid": need})
+    return tasks
 
 
 def _chunk_done(out: Path, index: int, log: Callable) -> bool:
@@ -546,7 +690,7 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
     for sub in ("train", "valid"):  # leftovers of an interrupted run
         for stale in (out / sub).glob(".*.tmp"):
             stale.unlink()
-    _write_atomic(plan_file, json.dumps(plan, indent=1))
+    write_text_atomic(plan_file, json.dumps(plan, indent=1))
 
 
 def _execute(tasks: list[dict], tokenizer_file: str, workers: int, progress: bool, total: int) -> None:
@@ -613,7 +757,7 @@ def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int,
     for i in range(n_chunks):
         stats = json.loads((out / "chunks" / f"{i:05d}.json").read_text())
         for k in counts:
-            counts[k] += stats[k]
+            counts[k] += stats.get(k, 0)  # (a marker of an older preprocess lacks the newer counts)
         for k, v in stats["examples"].items():
             examples.setdefault(k, []).extend(v[: MAX_EXAMPLES - len(examples.get(k, []))])
         for s, info in stats["shards"].items():

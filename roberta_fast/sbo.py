@@ -161,13 +161,13 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
         head beside it as sbo.safetensors (its parameter names without the "sbo." prefix)."""
         from safetensors.torch import save_file
 
+        from .files import atomic_path
         from .hf import save_pretrained
 
         save_pretrained(self, directory, exclude_prefix="sbo.", architecture="RobertaForMaskedLM")
-        target = os.path.join(directory, SBO_WEIGHTS)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.sbo.state_dict().items()}, target + ".tmp",
-                  metadata={"format": "pt", "max_offset": str(self.sbo.max_offset)})
-        os.replace(target + ".tmp", target)
+        with atomic_path(os.path.join(directory, SBO_WEIGHTS)) as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.sbo.state_dict().items()}, tmp,
+                      metadata={"format": "pt", "max_offset": str(self.sbo.max_offset)})
 
     @classmethod
     def from_pretrained(cls, path, backend: str = "auto", **kwargs):

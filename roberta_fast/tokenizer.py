@@ -27,12 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
+import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from .files import write_text_atomic
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0..3 in a trained vocabulary
 MASK_TOKEN = "<mask>"  # the last id
@@ -58,18 +60,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_LEVEL_WHITESPACE = frozenset(_bytes_to_unicode()[b] for b in b" \t\n\r\x0b\x0c")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write text to path via a temporary file and a rename, so no reader sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:  # (mkstemp would make it private: mode 0600)
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _pipeline(tok: Tokenizer) -> Tokenizer:
     """Give a BPE tokenizer roberta-base's pre-tokenizer, decoder and post-processor."""
     tok.normalizer = None
@@ -86,6 +76,40 @@ def _add_specials(tok: Tokenizer) -> None:
     """Register the special tokens (and `<mask>` with lstrip) as added tokens."""
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_special_tokens([AddedToken(MASK_TOKEN, lstrip=True, special=True, normalized=False)])
+
+
+def _read(file: Path, load):
+    """load(str(file)), or a ValueError naming the file when it is empty, truncated or damaged
+    (`tokenizers` raises a bare Exception such as "EOF while parsing a list at line 808")."""
+    if file.stat().st_size == 0:
+        raise ValueError(f"{file} is empty: it was not fully written or copied; {_REFETCH}")
+    try:
+        return load(str(file))
+    except Exception as err:  # noqa: BLE001 -- tokenizers' errors are plain Exceptions
+        raise ValueError(f"{file} cannot be read ({err}): it is truncated or damaged; {_REFETCH}") from None
+
+
+_REFETCH = "save the tokenizer again (RobertaTokenizer.save) or download its files again"
+
+
+def _read_bpe(vocab_file: Path, merges_file: Path) -> models.BPE:
+    """A BPE model from vocab.json + merges.txt; an empty, truncated or damaged file is a
+    ValueError naming it. (A merges.txt cut exactly at a line end still reads as a shorter list
+    of merges: nothing in the file tells them apart.)"""
+    def vocab_json(file):
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+
+    vocab = _read(vocab_file, vocab_json)
+    if not isinstance(vocab, dict):
+        raise ValueError(f"{vocab_file} holds a JSON {type(vocab).__name__}, not RoBERTa's token -> id map")
+    missing = [t for t in _ROLES.values() if t not in vocab]
+    if missing:
+        raise ValueError(f"{vocab_file} lacks the special tokens {missing}; RoBERTa's vocab.json "
+                         "holds <s>, <pad>, </s>, <unk> and <mask>")
+    bpe = _read(merges_file, lambda m: models.BPE.from_file(
+        str(vocab_file), m, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    return bpe
 
 
 class RobertaTokenizer:
@@ -106,20 +130,16 @@ class RobertaTokenizer:
     @classmethod
     def train(
         cls, files: Sequence[str | os.PathLike], vocab_size: int = 50265, min_frequency: int = 2,
-        show_progress: bool = False,
+        show_progress: bool = False, text_field: str = "text",
     ) -> "RobertaTokenizer":
-        """Train byte-level BPE on text files; `vocab_size` counts every id, `<mask>` included."""
-        if isinstance(files, (str, os.PathLike)):
-            files = [files]
-        files = [str(f) for f in files]
-        if not files:
-            raise ValueError("RobertaTokenizer.train needs at least one text file")
-        for f in files:
-            if not os.path.isfile(f):
-                raise ValueError(f"RobertaTokenizer.train: {f!r} is not a file")
+        """Train byte-level BPE on files and directories, read as `preprocess` reads them: .txt
+        as text, .jsonl by its `text_field`, directories searched for both (files it skips are
+        named on stderr). `vocab_size` counts every id, `<mask>` included."""
+        from .preprocess import read_documents
+
         tok, trainer = cls._untrained(vocab_size, min_frequency, show_progress)
-        tok.train(files, trainer)
-        return cls._finish(tok)
+        tok.train_from_iterator(read_documents(files, text_field=text_field), trainer)
+        return cls._finish(tok, vocab_size, min_frequency)
 
     @classmethod
     def train_from_iterator(
@@ -129,7 +149,7 @@ class RobertaTokenizer:
         """Train byte-level BPE on an iterable of strings (documents or batches of lines)."""
         tok, trainer = cls._untrained(vocab_size, min_frequency, show_progress)
         tok.train_from_iterator(texts, trainer)
-        return cls._finish(tok)
+        return cls._finish(tok, vocab_size, min_frequency)
 
     @staticmethod
     def _untrained(vocab_size: int, min_frequency: int, show_progress: bool):
@@ -153,8 +173,13 @@ class RobertaTokenizer:
         return tok, trainer
 
     @classmethod
-    def _finish(cls, tok: Tokenizer) -> "RobertaTokenizer":
+    def _finish(cls, tok: Tokenizer, vocab_size: int, min_frequency: int) -> "RobertaTokenizer":
         _add_specials(tok)
+        reached = tok.get_vocab_size(with_added_tokens=True)
+        if reached < vocab_size:  # a small corpus runs out of pairs to merge
+            warnings.warn(f"the tokenizer has {reached} ids, fewer than vocab_size={vocab_size}: the text has no "
+                          f"more pairs seen at least {min_frequency} times (min_frequency) to merge; give it more "
+                          f"text, or build the model with vocab_size={reached}", stacklevel=3)
         return cls(_pipeline(tok))
 
     @classmethod
@@ -169,20 +194,9 @@ class RobertaTokenizer:
         if not path.is_dir():
             raise ValueError(f"RobertaTokenizer.from_pretrained: {str(path)!r} is not a directory")
         if (path / "tokenizer.json").is_file():
-            tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tok = _read(path / "tokenizer.json", Tokenizer.from_file)
         elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            bpe = models.BPE.from_file(
-                str(path / "vocab.json"), str(path / "merges.txt"),
-                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-            )
-            tok = Tokenizer(bpe)
-            vocab = json.loads((path / "vocab.json").read_text(encoding="utf-8"))
-            missing = [t for t in _ROLES.values() if t not in vocab]
-            if missing:
-                raise ValueError(
-                    f"{path / 'vocab.json'} lacks the special tokens {missing}; RoBERTa's vocab.json "
-                    "holds <s>, <pad>, </s>, <unk> and <mask>"
-                )
+            tok = Tokenizer(_read_bpe(path / "vocab.json", path / "merges.txt"))
             _add_specials(tok)
             _pipeline(tok)
         else:
@@ -193,21 +207,27 @@ class RobertaTokenizer:
         return cls(tok)
 
     # ------------------------------------------------------------------ saving
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write tokenizer.json, vocab.json, merges.txt and the HF config files into `path`."""
+    def save(self, path: str | os.PathLike, model_max_length: int = 512) -> Path:
+        """Write tokenizer.json, vocab.json, merges.txt and the HF config files into `path`.
+
+        model_max_length: the most tokens the model takes (transformers truncates to it):
+        a model directory's is its config's `max_seq_len` (max_position_embeddings -
+        pad_token_id - 1); 512, roberta-base's, for a tokenizer saved alone."""
+        if not isinstance(model_max_length, int) or model_max_length < 3:
+            raise ValueError(f"model_max_length must be an int >= 3 (<s>, a token, </s>), got {model_max_length!r}")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path / "tokenizer.json", self.backend.to_str(pretty=True))
+        write_text_atomic(path / "tokenizer.json", self.backend.to_str(pretty=True))
         full = self.backend.get_vocab(with_added_tokens=True)
         vocab = dict(sorted(full.items(), key=lambda kv: kv[1]))
-        _write_atomic(path / "vocab.json", json.dumps(vocab, ensure_ascii=False) + "\n")
+        write_text_atomic(path / "vocab.json", json.dumps(vocab, ensure_ascii=False) + "\n")
         merges = self.merges()
-        _write_atomic(path / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+        write_text_atomic(path / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
         specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "sep_token": "</s>",
                     "pad_token": "<pad>", "cls_token": "<s>"}
         mask = {"content": MASK_TOKEN, "lstrip": True, "normalized": False, "rstrip": False,
                 "single_word": False, "special": True}
-        _write_atomic(path / "special_tokens_map.json", json.dumps({**specials, "mask_token": mask}, indent=2))
+        write_text_atomic(path / "special_tokens_map.json", json.dumps({**specials, "mask_token": mask}, indent=2))
         config = {
             "tokenizer_class": "RobertaTokenizer",  # transformers picks its fast variant
             **specials,
@@ -215,10 +235,10 @@ class RobertaTokenizer:
             "add_prefix_space": False,
             "trim_offsets": True,
             "errors": "replace",
-            "model_max_length": 512,
+            "model_max_length": model_max_length,
             "clean_up_tokenization_spaces": False,
         }
-        _write_atomic(path / "tokenizer_config.json", json.dumps(config, indent=2))
+        write_text_atomic(path / "tokenizer_config.json", json.dumps(config, indent=2))
         return path
 
     # ------------------------------------------------------------------ encoding

@@ -217,9 +217,9 @@ class TrainConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as JSON via a temporary file and a rename."""
-        from .tokenizer import _write_atomic
+        from .files import write_text_atomic
 
-        _write_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 # Recipe presets: training fields only; model sizes come from RobertaConfig.preset(model).

@@ -679,16 +679,17 @@ def export_pretrained(model, tokenizer, directory) -> Path:
     """Write `model` and `tokenizer` (a RobertaTokenizer, or a directory or Hub name to load one
     from) as one Hugging Face directory, atomically replacing `directory`: the exports of
     train and finetune, and any checkpoint's through `python -m roberta_fast.export`."""
+    from .files import temp_dir_for
     from .tokenizer import RobertaTokenizer
 
     if not isinstance(tokenizer, RobertaTokenizer):
         tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    tmp = temp_dir_for(directory)  # a plain mkdir's permissions: the export can be shared
     try:
         model.save_pretrained(tmp)
-        tokenizer.save(tmp)
+        tokenizer.save(tmp, model_max_length=model.config.max_seq_len)  # transformers truncates to it
         old = directory.with_name(f".{directory.name}.old")
         if directory.exists():
             shutil.rmtree(old, ignore_errors=True)

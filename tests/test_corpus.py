@@ -4,6 +4,8 @@ The caching tests build a small slice of the corpus (max_bytes) to stay fast; on
 builds the full default dataset (~10 s on 2 cores).
 """
 import json
+import os
+import stat
 import time
 
 from roberta_fast import corpus
@@ -38,7 +40,14 @@ def test_docstrings_are_read_without_importing(tmp_path):
 def test_default_dataset_is_built_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("ROBERTA_FAST_CACHE", str(tmp_path / "cache"))
     t0 = time.perf_counter()
-    path = corpus.default_dataset(vocab_size=700, max_bytes=200_000)
+    old_umask = os.umask(0o022)
+    try:
+        path = corpus.default_dataset(vocab_size=700, max_bytes=200_000)
+    finally:
+        os.umask(old_umask)
+    # built in a temporary directory (mkdtemp: 0700), yet as readable as a plain mkdir would make it
+    assert {stat.S_IMODE(p.stat().st_mode) for p in [path, *path.rglob("*")] if p.is_dir()} == {0o755}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in path.parent.rglob("*") if p.is_file()} == {0o644}
     assert path.parent == tmp_path / "cache" and (path / "manifest.json").is_file()
     stamp = (path / "manifest.json").stat().st_mtime_ns
     t1 = time.perf_counter()

@@ -258,6 +258,68 @@ def test_bad_arguments(tok, tmp_path):
     with pytest.raises(ValueError, match="valid_fraction"):
         pp.preprocess([tmp_path], tok, tmp_path / "o", valid_fraction=1.5)
     (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "junk").write_text("not mine")
+    (tmp_path / "x" / "junk.txt").write_text("not mine")
     with pytest.raises(ValueError, match="not a preprocess output"):
         pp.preprocess([tmp_path / "x"], tok, tmp_path / "x")
+
+
+def test_invalid_utf8_names_the_files(tok, tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "latin1.txt").write_bytes("café olé\n\nnaïve\n".encode("latin-1"))
+    (tmp_path / "in" / "clean.txt").write_text("plain text\n")
+    m, log = run([tmp_path / "in"], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["invalid_utf8_replaced"] == 3
+    assert m["examples"]["invalid_utf8_replaced"] == [str(tmp_path / "in" / "latin1.txt")]
+    assert f"invalid_utf8_replaced: {tmp_path / 'in' / 'latin1.txt'}" in log
+
+
+def test_inputs_without_a_document_are_an_error(tok, tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "blank.txt").write_text("\n  \n\n")
+    (tmp_path / "in" / "empty.jsonl").write_text(json.dumps({"title": "no text"}) + "\n")
+    with pytest.raises(ValueError, match=r"no document to read in .*in: .*1 blank files.*1 records without text"):
+        run([tmp_path / "in"], tok, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing half-made is left to refuse a corrected rerun
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data.csv").write_text("a,b\n")
+    tok.save(tmp_path / "tok")
+    assert pp.main(["--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "o"), "--quiet",
+                    str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no document to read in {tmp_path / 'other'}: 1 unsupported files ({tmp_path / 'other' / 'data.csv'})" in err
+
+
+def test_a_small_corpus_still_gets_a_validation_split(tok, tmp_path):
+    """At the default --valid-fraction 0.005, 60 documents expect 0.3 held out: the split is topped
+    up with the next-lowest hashes to one batch of tokens, the same whatever the chunking."""
+    from roberta_fast.data import PretrainingDataset
+
+    docs = list(iter_documents(max_bytes=60_000))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    hashes = sorted(zlib.crc32(d.encode()) for d in docs)
+    assert hashes[0] >= 0.005 * 2**32  # the hash rule alone holds out nothing
+    m, log = run([tmp_path / "docs.jsonl"], tok, tmp_path / "one", shard_mb=10.0, workers=1)
+    valid = m["splits"]["valid"]
+    assert 1 <= valid["documents"] <= len(docs) // 10 and m["counts"]["valid_added"] == valid["documents"]
+    assert valid["tokens"] >= pp.MIN_VALID_TOKENS or valid["documents"] == len(docs) // 10
+    assert "the valid split had 0 documents (0 tokens) at --valid-fraction 0.005" in log
+    assert len(PretrainingDataset(tmp_path / "one", "valid", seq_len=128)) > 0  # what training needs
+    assert set(tok.decode(d) for d in shard_docs(tmp_path / "one", "valid")) == {
+        d + "</s>" for d in docs if zlib.crc32(d.encode()) in hashes[:valid["documents"]]}
+    m4, _ = run([tmp_path / "docs.jsonl"], tok, tmp_path / "many", shard_mb=0.005, workers=2)
+    assert len(m4["splits"]["train"]["shards"]) > 4
+    assert shard_docs(tmp_path / "many", "valid") == shard_docs(tmp_path / "one", "valid")
+    assert shard_docs(tmp_path / "many", "train") == shard_docs(tmp_path / "one", "train")
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "many").rglob("*.bin")}
+    again, _ = run([tmp_path / "docs.jsonl"], tok, tmp_path / "many", shard_mb=0.005, workers=2)
+    assert again["splits"] == m4["splits"] and stamps == {p: p.stat().st_mtime_ns for p in stamps}
+
+
+def test_a_damaged_tokenizer_is_named_not_a_traceback(tok, tmp_path, capsys):
+    tok.save(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "truncation": null, "add')
+    (tmp_path / "a.txt").write_text("some text\n")
+    assert pp.main(["--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "o"), str(tmp_path / "a.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'tok' / 'tokenizer.json'} cannot be read (EOF while parsing" in err
+    assert "truncated or damaged" in err and err.count("\n") == 1

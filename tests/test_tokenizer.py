@@ -139,8 +139,15 @@ def test_word_starts_group_whitespace_words(tok):
 def test_bad_arguments(tok, tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):
         RobertaTokenizer.train_from_iterator(["some text"], vocab_size=100)
-    with pytest.raises(ValueError, match="not a file"):
+    with pytest.raises(ValueError, match="missing.txt' does not exist"):
         RobertaTokenizer.train([tmp_path / "missing.txt"], vocab_size=1000)
+    (tmp_path / "blank.txt").write_text("\n\n  \n")
+    with pytest.raises(ValueError, match="no document to read in .*blank.txt"):
+        RobertaTokenizer.train([tmp_path / "blank.txt"], vocab_size=1000)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "image.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="no document to read in .*d: 1 unsupported files"):
+        RobertaTokenizer.train([tmp_path / "d"], vocab_size=1000)
     with pytest.raises(ValueError, match="neither tokenizer.json nor vocab.json"):
         RobertaTokenizer.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a directory"):
@@ -149,3 +156,49 @@ def test_bad_arguments(tok, tmp_path):
         tok.encode(b"bytes")
     with pytest.raises(TypeError, match="list of str"):
         tok.encode_batch("one string")
+
+
+def test_train_reads_jsonl_text_and_directories_as_preprocess_does(tmp_path):
+    """A .jsonl trains on its text field (not the raw JSON lines), a directory on the files in it,
+    exactly as training on the documents preprocess reads from them."""
+    docs = list(iter_documents(max_bytes=40_000))
+    (tmp_path / "corpus" / "sub").mkdir(parents=True)
+    with open(tmp_path / "corpus" / "a.jsonl", "w", encoding="utf-8") as f:
+        for d in docs[::2]:
+            f.write(json.dumps({"text": d, "zqxmeta": "zqx"}) + "\n")  # the field must not be learnt
+    txt = [d.replace("\n\n", "\n") for d in docs[1::2]]  # blank lines separate documents
+    (tmp_path / "corpus" / "sub" / "b.txt").write_text("\n\n".join(txt) + "\n", encoding="utf-8")
+    tok = RobertaTokenizer.train([tmp_path / "corpus"], vocab_size=500)
+    assert not [t for t in tok.backend.get_vocab() if "zqx" in t or '\\"' in t]
+    expected = RobertaTokenizer.train_from_iterator(docs[::2] + txt, vocab_size=500)
+    assert tok.tokenizer_hash == expected.tokenizer_hash
+
+
+def test_a_vocabulary_smaller_than_asked_is_reported():
+    with pytest.warns(UserWarning, match=r"the tokenizer has (\d+) ids, fewer than vocab_size=50265") as record:
+        tok = RobertaTokenizer.train_from_iterator(["a small corpus, a small vocabulary"] * 3, vocab_size=50265)
+    assert f"has {tok.vocab_size} ids" in str(record[0].message) and tok.vocab_size < 300
+
+
+def test_save_states_the_model_max_length(tok, tmp_path):
+    assert json.loads((tok.save(tmp_path / "a") / "tokenizer_config.json").read_text())["model_max_length"] == 512
+    config = json.loads((tok.save(tmp_path / "b", model_max_length=128) / "tokenizer_config.json").read_text())
+    assert config["model_max_length"] == 128
+    with pytest.raises(ValueError, match="model_max_length"):
+        tok.save(tmp_path / "c", model_max_length=0)
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("tokenizer.json", "empty"), ("tokenizer.json", "truncated"),
+    ("vocab.json", "empty"), ("vocab.json", "truncated"), ("merges.txt", "empty"), ("merges.txt", "truncated"),
+])
+def test_an_empty_or_truncated_file_is_named(saved, tmp_path, name, damage):
+    """Not tokenizers' bare `Exception: Error while reading BPE files: EOF while parsing`."""
+    for f in saved.iterdir():
+        if f.name != "tokenizer.json" or name == "tokenizer.json":  # else vocab.json + merges.txt are read
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = (saved / name).read_bytes()
+    (tmp_path / name).write_bytes(b"" if damage == "empty" else data[: data.rfind(b"\n", 0, len(data) // 2) + 3])
+    problem = "is empty" if damage == "empty" else "cannot be read .*: it is truncated or damaged"
+    with pytest.raises(ValueError, match=f"{tmp_path / name} {problem}"):
+        RobertaTokenizer.from_pretrained(tmp_path)

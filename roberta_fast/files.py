@@ -1,0 +1,116 @@
+"""Atomic writes that end with the permissions a plain write would give.
+
+    with atomic_path(path) as tmp:        # any writer fills tmp (open, torch.save, save_file, savefig)
+        ...                               # then tmp is renamed onto path; on an error it is removed
+    write_text_atomic(path, text)
+    tmp = temp_dir_for(directory)         # a directory to fill, then os.replace it onto `directory`
+
+Every file the package writes goes through a temporary name and a rename, so no reader
+ever sees half a file. `tempfile.mkstemp` makes the temporary file private (0600) and
+`mkdtemp` its directory 0700, and a rename keeps those modes: exports were readable by
+their owner only, where a plain write gives 0644 / 0755 under the usual umask 022. So the
+file a rename publishes gets the mode a plain write would: an existing file's own mode,
+else 0666 less the umask (directories 0777 less the umask). Under umask 077 that is still
+owner-only, as the user asked.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def umask() -> int:
+    """The process's umask: read from /proc on Linux, else by setting and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # (briefly process-wide: only where /proc cannot tell)
+    os.umask(mask)
+    return mask
+
+
+def file_mode(path: str | os.PathLike) -> int:
+    """The mode a plain `open(path, "w")` leaves: the existing file's, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    """The mode a plain `mkdir` gives: 0777 less the umask."""
+    return 0o777 & ~umask()
+
+
+def temp_path_for(path: str | os.PathLike) -> Path:
+    """A new empty file beside `path` (`.NAME.XXXXXXXX.tmp`) to write before `publish`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike, durable: bool = False) -> None:
+    """Give `tmp` the mode a plain write of `path` would have and rename it onto `path`.
+
+    durable: fsync the file before the rename and the directory after it, so the new
+    content survives a power cut (checkpoints)."""
+    os.chmod(tmp, file_mode(path))
+    if durable:
+        _fsync(tmp)
+    os.replace(tmp, path)
+    if durable:
+        _fsync(Path(path).parent)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, durable: bool = False) -> Iterator[Path]:
+    """A temporary path beside `path` for the caller to write; published onto `path` when the
+    block ends, removed if it raises."""
+    tmp = temp_path_for(path)
+    try:
+        yield tmp
+        publish(tmp, path, durable)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, durable: bool = False) -> None:
+    """Write `text` (UTF-8) to `path` atomically, with a plain write's permissions."""
+    with atomic_path(path, durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def temp_dir_for(directory: str | os.PathLike) -> Path:
+    """A new directory beside `directory` (`.NAME.XXXXXXXX`) with a plain mkdir's mode, to fill
+    and then rename onto `directory` (mkdtemp alone would leave it 0700)."""
+    directory = Path(directory)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    os.chmod(tmp, dir_mode())
+    return tmp
+
+
+def _fsync(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (directories: skipped where the platform cannot open them)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if os.path.isdir(path):
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+    finally:
+        os.close(fd)
