@@ -519,7 +519,8 @@ def preprocess(
     files, refused = _collect(inputs, log)
     if not files:
         raise ValueError(_nothing_to_read(inputs, refused))
-    fresh = not out.exists() or not any(out.iterdir())  # removed again if it yields no document
+    existed = out.exists()
+    fresh = not existed or not any(out.iterdir())  # emptied again if the inputs yield no document
     options = {"valid_fraction": valid_fraction, "text_field": text_field, "doc_per_file": doc_per_file,
                "shard_mb": shard_mb, "split_special_tokens": True}
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
@@ -548,8 +549,10 @@ def preprocess(
     _print_report(manifest, time.time() - t0, log)
     splits = manifest["splits"]
     if not splits["train"]["documents"] + splits["valid"]["documents"]:
-        if fresh:
+        if fresh:  # leave nothing that would refuse a corrected rerun ("made from other inputs")
             shutil.rmtree(out, ignore_errors=True)
+            if existed:
+                out.mkdir()
         raise ValueError(_nothing_to_read(inputs, refused, manifest["counts"]))
     if not splits["valid"]["documents"]:
         log(f"warning: the valid split is empty ({splits['train']['documents']} documents, --valid-fraction "
@@ -758,8 +761,9 @@ def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int,
         stats = json.loads((out / "chunks" / f"{i:05d}.json").read_text())
         for k in counts:
             counts[k] += stats.get(k, 0)  # (a marker of an older preprocess lacks the newer counts)
-        for k, v in stats["examples"].items():
-            examples.setdefault(k, []).extend(v[: MAX_EXAMPLES - len(examples.get(k, []))])
+        for k, v in stats["examples"].items():  # (a file read in two chunks is named once)
+            kept = examples.setdefault(k, [])
+            kept += [e for e in v if e not in kept][: MAX_EXAMPLES - len(kept)]
         for s, info in stats["shards"].items():
             splits[s]["tokens"] += info["tokens"]
             splits[s]["documents"] += info["documents"]

@@ -265,10 +265,10 @@ def test_bad_arguments(tok, tmp_path):
 
 def test_invalid_utf8_names_the_files(tok, tmp_path):
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "latin1.txt").write_bytes("café olé\n\nnaïve\n".encode("latin-1"))
+    (tmp_path / "in" / "latin1.txt").write_bytes("café olé\n\nnaïve\n\n".encode("latin-1") * 20)
     (tmp_path / "in" / "clean.txt").write_text("plain text\n")
-    m, log = run([tmp_path / "in"], tok, tmp_path / "out", valid_fraction=0.0)
-    assert m["counts"]["invalid_utf8_replaced"] == 3
+    m, log = run([tmp_path / "in"], tok, tmp_path / "out", valid_fraction=0.0, shard_mb=0.0001)  # 100-byte chunks
+    assert m["counts"]["invalid_utf8_replaced"] == 60 and len(list((tmp_path / "out" / "chunks").iterdir())) > 3
     assert m["examples"]["invalid_utf8_replaced"] == [str(tmp_path / "in" / "latin1.txt")]
     assert f"invalid_utf8_replaced: {tmp_path / 'in' / 'latin1.txt'}" in log
 
@@ -280,6 +280,10 @@ def test_inputs_without_a_document_are_an_error(tok, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"no document to read in .*in: .*1 blank files.*1 records without text"):
         run([tmp_path / "in"], tok, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-made is left to refuse a corrected rerun
+    (tmp_path / "mine").mkdir()  # an empty directory made by the user stays, empty
+    with pytest.raises(ValueError, match="no document to read"):
+        run([tmp_path / "in"], tok, tmp_path / "mine")
+    assert not list((tmp_path / "mine").iterdir())
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "data.csv").write_text("a,b\n")
     tok.save(tmp_path / "tok")
