@@ -1,8 +1,8 @@
 """RoBERTa's byte-level BPE tokenizer, a thin wrapper over HF `tokenizers` (the Rust core).
 
-    tok = RobertaTokenizer.train(["a.txt", "b.txt"], vocab_size=50265, min_frequency=2)
+    tok = RobertaTokenizer.train(["corpus/", "b.jsonl"], vocab_size=50265, min_frequency=2)
     tok = RobertaTokenizer.from_pretrained(dir)  # tokenizer.json, or vocab.json + merges.txt
-    tok.save(dir)  # tokenizer.json, vocab.json, merges.txt + HF config files
+    tok.save(dir, model_max_length=512)  # tokenizer.json, vocab.json, merges.txt + HF config files
     ids = tok.encode("Hello world")              # [0, ..., 2]: <s> ... </s>
     ids, starts = tok.encode_batch(texts, word_starts=True)
 
@@ -18,6 +18,10 @@ that no word runs across a line break or a special token: a token begins a word 
 its text begins with whitespace, when it is a special token, or when the token
 before it ends with whitespace or is special. `word_start_tables()` gives the two
 per-id lookup tables, so the data pipeline computes the flags from ids alone.
+
+`train` reads its inputs as `preprocess` does (.txt, .jsonl by its text field, directories
+of them) and warns when the text runs out of merges before `vocab_size`. A damaged or
+empty tokenizer file is a ValueError naming it, wherever a tokenizer is loaded.
 
 `tokenizer_hash` identifies the vocabulary, merges and special tokens independently
 of the `tokenizers` version that serialised them; datasets record it in their manifest.
@@ -78,6 +82,9 @@ def _add_specials(tok: Tokenizer) -> None:
     tok.add_special_tokens([AddedToken(MASK_TOKEN, lstrip=True, special=True, normalized=False)])
 
 
+_REFETCH = "save the tokenizer again (RobertaTokenizer.save) or download its files again"
+
+
 def _read(file: Path, load):
     """load(str(file)), or a ValueError naming the file when it is empty, truncated or damaged
     (`tokenizers` raises a bare Exception such as "EOF while parsing a list at line 808")."""
@@ -87,9 +94,6 @@ def _read(file: Path, load):
         return load(str(file))
     except Exception as err:  # noqa: BLE001 -- tokenizers' errors are plain Exceptions
         raise ValueError(f"{file} cannot be read ({err}): it is truncated or damaged; {_REFETCH}") from None
-
-
-_REFETCH = "save the tokenizer again (RobertaTokenizer.save) or download its files again"
 
 
 def _read_bpe(vocab_file: Path, merges_file: Path) -> models.BPE:
@@ -107,9 +111,8 @@ def _read_bpe(vocab_file: Path, merges_file: Path) -> models.BPE:
     if missing:
         raise ValueError(f"{vocab_file} lacks the special tokens {missing}; RoBERTa's vocab.json "
                          "holds <s>, <pad>, </s>, <unk> and <mask>")
-    bpe = _read(merges_file, lambda m: models.BPE.from_file(
+    return _read(merges_file, lambda m: models.BPE.from_file(
         str(vocab_file), m, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    return bpe
 
 
 class RobertaTokenizer:
