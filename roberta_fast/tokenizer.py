@@ -181,8 +181,8 @@ class RobertaTokenizer:
         reached = tok.get_vocab_size(with_added_tokens=True)
         if reached < vocab_size:  # a small corpus runs out of pairs to merge
             warnings.warn(f"the tokenizer has {reached} ids, fewer than vocab_size={vocab_size}: the text has no "
-                          f"more pairs seen at least {min_frequency} times (min_frequency) to merge; give it more "
-                          f"text, or build the model with vocab_size={reached}", stacklevel=3)
+                          f"more pairs to merge that occur min_frequency={min_frequency} times or more; give it "
+                          f"more text, or build the model with vocab_size={reached}", stacklevel=3)
         return cls(_pipeline(tok))
 
     @classmethod
