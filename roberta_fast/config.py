@@ -13,8 +13,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Keys of an HF config.json that describe things this implementation does not model
-# (generation, decoder use, provenance). They are kept and written back unchanged.
+# (generation, provenance). They are kept and written back unchanged.
 _PASSTHROUGH_DEFAULTS = {"architectures": None, "tie_word_embeddings": True}
+# HF settings that make RoBERTa a causal decoder (with cross-attention): another model.
+DECODER_SETTINGS = ("is_decoder", "add_cross_attention")
+
+
+def decoder_error(settings: dict, what: str) -> str | None:
+    """The error for a config that makes RoBERTa a decoder (`settings`: HF field -> value), else None.
+
+    roberta_fast computes the bidirectional encoder only: run on a decoder's weights it
+    would silently give other outputs, so such configs are refused wherever they enter."""
+    on = [f"{name}=True" for name in DECODER_SETTINGS if settings.get(name)]
+    if not on:
+        return None
+    return (f"{what} sets {' and '.join(on)} (RoBERTa as a decoder: causal attention, as in RobertaForCausalLM, "
+            "or cross-attention to an encoder), but roberta_fast "
+            "computes only RoBERTa's bidirectional encoder, whose outputs would differ; run this model with "
+            "transformers itself, or load an encoder checkpoint (is_decoder and add_cross_attention false)")
 
 
 @dataclass
@@ -93,6 +109,9 @@ class RobertaConfig:
                 f"RoBERTa positions start at pad_token_id + 1 = {self.pad_token_id + 1}, so it must be at "
                 f"least {self.pad_token_id + 2} (for sequences of up to N tokens use N + {self.pad_token_id + 1})"
             )
+        decoder = decoder_error(self.extra, "the config")
+        if decoder:
+            errors.append(decoder)
         if errors:
             raise ValueError("Invalid RobertaConfig:\n  - " + "\n  - ".join(errors))
 
@@ -159,7 +178,10 @@ class RobertaConfig:
                 data = json.load(f)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path} is not valid JSON: {err}") from err
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, revision: str | None = None) -> "RobertaConfig":

@@ -111,8 +111,12 @@ def read_hf_checkpoint(path_or_model, revision: str | None = None) -> tuple[Robe
         if hf_config is None or not hasattr(hf_config, "to_dict"):
             raise ValueError("from_pretrained got a torch module without an HF `config`; pass a "
                              "transformers RoBERTa model or the path of an HF model directory")
+        try:
+            config = RobertaConfig.from_dict(hf_config.to_dict())
+        except ValueError as err:
+            raise ValueError(f"{type(path_or_model).__name__}'s config: {err}") from None
         state = {k: v.detach() for k, v in path_or_model.state_dict().items()}
-        return RobertaConfig.from_dict(hf_config.to_dict()), state
+        return config, state
 
     path = hub.model_dir(path_or_model, revision)
     if not os.path.isdir(path):

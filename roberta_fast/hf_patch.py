@@ -8,30 +8,60 @@ a mask function registered under the name "roberta_fast" (the mask stays the 2-D
 padding mask, as for flash-attention), selected with `set_attn_implementation`. The
 feed-forward's dense+GELU and the sublayers' dropout+residual+LayerNorm get fused
 forwards. No parameter is touched; the model keeps working with HF's trainer, saving
-and loading. The kernels run on CUDA tensors (on a CPU only under TRITON_INTERPRET=1).
+and loading, and gives transformers' outputs at every position, padded ones included.
+
+The kernels run on CUDA tensors (and on CPU ones under TRITON_INTERPRET=1); a patched
+model on the CPU computes with transformers' SDPA and roberta_fast's reference ops.
+`output_attentions=True` runs transformers' eager attention for that call, with a
+warning (no fused kernel stores the probabilities). `model.set_attn_implementation("sdpa")`
+(or "eager") switches attention back to transformers' own, and ("roberta_fast") to the
+fused one again; the fused feed-forward and LayerNorm, the same functions, stay.
 """
 from __future__ import annotations
 
+import os
 from types import MethodType
 
+import torch
+
 from . import ops
+from .config import DECODER_SETTINGS, decoder_error
+from .model import key_padding_mask
 
 IMPLEMENTATION = "roberta_fast"
+
+
+def _fused(tensor) -> bool:
+    """Whether the kernels run on tensor's device: CUDA, or the CPU under Triton's interpreter."""
+    return tensor.is_cuda or (tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention-interface function: q, k, v (batch, heads, seqlen, head_dim).
 
-    attention_mask is the 2-D (batch, seqlen) padding mask, or None. Returns the output in
-    (batch, seqlen, heads, head_dim), as transformers' own implementations do, and no weights.
+    attention_mask: the 2-D (batch, seqlen) padding mask, transformers' 4-D key-padding form
+    (batch, 1, 1, seqlen) of it (a caller's own mask, passed through as it is), or None.
+    Returns the output in (batch, seqlen, heads, head_dim), as transformers' own
+    implementations do, and the attention probabilities when output_attentions asks for them.
     """
+    mask = key_padding_mask(attention_mask, query.shape[0], key.shape[2])  # (batch, seqlen) or None
+    if kwargs.get("output_attentions"):
+        from transformers.models.roberta.modeling_roberta import eager_attention_forward
+
+        ops._warn_once("output_attentions=True: no fused kernel stores attention probabilities, so this "
+                       "call runs transformers' eager attention")
+        additive = None
+        if mask is not None:  # transformers' eager form: 0 to attend, the dtype's minimum to mask
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+            additive = additive.masked_fill(~mask.bool(), torch.finfo(query.dtype).min)[:, None, None, :]
+        return eager_attention_forward(module, query, key, value, additive, dropout=dropout, scaling=scaling)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, head_dim)
-    if q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS or q.shape[1] != k.shape[1]:
+    if not _fused(q) or q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS or q.shape[1] != k.shape[1]:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        mask = None if mask is None else mask[:, None, None, :].bool()
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
-    out = ops._kernels().attention(q, k, v, attention_mask, dropout_p=dropout, softmax_scale=scaling)
+    out = ops._kernels().attention(q, k, v, mask, dropout_p=dropout, softmax_scale=scaling)
     return out, None
 
 
@@ -43,23 +73,28 @@ def _register():
     AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
 
 
+def _backend(tensor) -> str:
+    return "fused" if _fused(tensor) else "reference"
+
+
 def _dense_dropout_add_norm(self, hidden_states, input_tensor):
     """RobertaSelfOutput / RobertaOutput: LayerNorm(dropout(dense(h)) + residual)."""
     p = self.dropout.p if self.training else 0.0
     return ops.dropout_add_layer_norm(self.dense(hidden_states), input_tensor, self.LayerNorm.weight,
-                                      self.LayerNorm.bias, self.LayerNorm.eps, p, "fused")
+                                      self.LayerNorm.bias, self.LayerNorm.eps, p, _backend(hidden_states))
 
 
 def _dense_gelu(self, hidden_states):
     """RobertaIntermediate: erf GELU(dense(h)) with the bias add fused into the GELU."""
-    return ops.linear_gelu(hidden_states, self.dense.weight, self.dense.bias, "fused")
+    return ops.linear_gelu(hidden_states, self.dense.weight, self.dense.bias, _backend(hidden_states))
 
 
 def _lm_head(self, features, **kwargs):
     """RobertaLMHead: dense + GELU fused, LayerNorm fused, then the (tied) decoder."""
-    x = ops.linear_gelu(features, self.dense.weight, self.dense.bias, "fused")
+    backend = _backend(features)
+    x = ops.linear_gelu(features, self.dense.weight, self.dense.bias, backend)
     x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
-                                  self.layer_norm.eps, 0.0, "fused")
+                                  self.layer_norm.eps, 0.0, backend)
     return self.decoder(x)
 
 
@@ -82,8 +117,10 @@ def patch(model):
             f"patch() takes a transformers RoBERTa model; got {type(model).__name__} with model_type "
             f"{getattr(config, 'model_type', None)!r}"
         )
-    if getattr(config, "is_decoder", False):
-        raise ValueError("patch() speeds up the bidirectional encoder; this model is configured as a decoder")
+    decoder = decoder_error({name: getattr(config, name, False) for name in DECODER_SETTINGS},
+                            f"patch(): {type(model).__name__}'s config")
+    if decoder:
+        raise ValueError(decoder)
     ops.check_backend("fused")  # a clear error when triton is missing
     try:
         _register()

@@ -67,16 +67,22 @@ class SequenceClassifierOutput(_Output):
 
 # ----------------------------------------------------------------- input checks
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
-                 position_ids=None, cu_seqlens=None, labels=None):
+                 position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None):
     """Raise ValueError naming the problem for inputs that would index out of range.
 
     Runs before any kernel, so a user mistake never becomes a device-side assert. On a
     GPU this costs one host synchronisation (the id range); models fed by a validated
     data pipeline can turn it off with `model.check_inputs = False`.
+    inputs_embeds (batch, seqlen, hidden) replaces input_ids, as in transformers.
     """
-    if not isinstance(input_ids, torch.Tensor):
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds (the word embeddings of the tokens)")
+    if inputs_embeds is not None:
+        _check_inputs_embeds(config, inputs_embeds)
+        input_ids = inputs_embeds[..., 0]  # stands for the ids in the shape and device checks below
+    elif not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+    elif input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(
             f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; "
             "convert with input_ids.long()"
@@ -111,16 +117,18 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids)
 
-    ranges = [("input_ids", input_ids, config.vocab_size, "vocab_size")]
+    ranges = []
+    if inputs_embeds is None:
+        ranges.append(("input_ids", input_ids, config.vocab_size, "vocab_size"))
     if token_type_ids is not None:
         ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"))
     if position_ids is not None:
         ranges.append(("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings"))
     if labels is not None:  # IGNORE_INDEX (nothing predicted) checks as 0
         ranges.append(("labels", labels.masked_fill(labels == IGNORE_INDEX, 0), config.vocab_size, "vocab_size"))
-    if input_ids.numel() == 0:
+    if input_ids.numel() == 0 or not ranges:
         return
-    for name, t, _, _ in ranges[1:]:
+    for name, t, _, _ in ranges:
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     # One host sync for every range check: [min, max] of each tensor.
@@ -132,6 +140,49 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
                 f"{name} holds values in [{low}, {high}] but must lie in [0, {limit}){ignored} "
                 f"({field}={limit}); check that the tokenizer matches the model"
             )
+
+
+def _check_inputs_embeds(config: RobertaConfig, inputs_embeds):
+    if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
+        raise ValueError("inputs_embeds must be a float tensor (batch, seqlen, hidden_size), got "
+                         f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}")
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        raise ValueError(f"inputs_embeds must have shape (batch, seqlen, hidden_size={config.hidden_size}), "
+                         f"got {tuple(inputs_embeds.shape)}")
+
+
+def key_padding_mask(attention_mask, batch: int, seqlen: int):
+    """transformers' 4-D key-padding mask (batch or 1, 1, 1, seqlen) as the 2-D (batch, seqlen) bool
+    mask, True = attend; a mask of fewer dimensions is returned as it is.
+
+    The 4-D forms are those transformers' attention takes: additive float (0 = attend, a
+    large negative number or -inf = masked, any float dtype; one host sync checks that) or
+    bool (True = attend, as SDPA reads it). Masks that differ per query or per head, and
+    integer 4-D masks (which transformers' eager attention would add to the scores), are refused.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return attention_mask
+    shape = tuple(attention_mask.shape)
+    if shape[1:] != (1, 1, seqlen) or shape[0] not in (1, batch):
+        raise ValueError(
+            f"a 4-D attention_mask must be transformers' key-padding form (batch, 1, 1, seqlen) = "
+            f"{(batch, 1, 1, seqlen)}, got {shape}: masks that differ per query or per head are not "
+            "supported; pass the 2-D (batch, seqlen) mask, 1 = attend")
+    mask = attention_mask[:, 0, 0, :].expand(batch, seqlen)
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.dtype.is_floating_point:
+        raise ValueError(
+            f"a 4-D attention_mask must be bool (True = attend) or additive float (0 = attend, a large "
+            f"negative number or -inf = masked), got dtype {mask.dtype}; pass a 0/1 mask in the 2-D "
+            "(batch, seqlen) form")
+    keep = mask == 0
+    if not torch.compiler.is_compiling() and bool((~keep & ~(mask <= -1e4)).any()):
+        raise ValueError(
+            "a 4-D float attention_mask must be additive: 0 where attended and a large negative number "
+            "(<= -1e4, e.g. torch.finfo(dtype).min) or -inf where masked; this one holds other values, an "
+            "attention bias roberta_fast does not compute. Pass the 2-D (batch, seqlen) mask, 1 = attend")
+    return keep
 
 
 def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
@@ -176,15 +227,23 @@ class RobertaEmbeddings(nn.Module):
         self.layer_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.dropout_p = config.hidden_dropout_prob
 
-    def position_ids(self, input_ids):
-        """RoBERTa positions: pads get padding_idx, tokens padding_idx + 1, + 2, ... (fairseq)."""
+    def position_ids(self, input_ids, inputs_embeds=None):
+        """RoBERTa positions: pads get padding_idx, tokens padding_idx + 1, + 2, ... (fairseq).
+
+        From inputs_embeds, where pads cannot be told apart, every position counts, as in
+        transformers' create_position_ids_from_inputs_embeds."""
+        if input_ids is None:
+            batch, seqlen = inputs_embeds.shape[:2]
+            start = self.padding_idx + 1
+            return torch.arange(start, start + seqlen, device=inputs_embeds.device).expand(batch, seqlen)
         not_pad = input_ids.ne(self.padding_idx).int()
         return (torch.cumsum(not_pad, dim=1).int() * not_pad).long() + self.padding_idx
 
-    def forward(self, input_ids, token_type_ids=None, position_ids=None, backend="reference"):
+    def forward(self, input_ids, token_type_ids=None, position_ids=None, backend="reference", inputs_embeds=None):
         if position_ids is None:
-            position_ids = self.position_ids(input_ids)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+            position_ids = self.position_ids(input_ids, inputs_embeds)
+        words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        x = words + self.position_embeddings(position_ids)
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]
         else:
@@ -288,6 +347,18 @@ class _PreTrained(nn.Module):
     def _backend_for(self, tensor) -> str:
         return ops.resolve_backend(self.backend, tensor.device)
 
+    def _checked_mask(self, input_ids, inputs_embeds, attention_mask, token_type_ids=None, position_ids=None,
+                      cu_seqlens=None, labels=None):
+        """The attention mask in its 2-D form (a 4-D key-padding mask reduced), once the inputs are
+        checked (when `check_inputs` is on)."""
+        shaped = input_ids if input_ids is not None else inputs_embeds
+        if isinstance(shaped, torch.Tensor) and shaped.dim() >= 2:
+            attention_mask = key_padding_mask(attention_mask, *shaped.shape[:2])
+        if self.check_inputs:
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens, labels,
+                         inputs_embeds)
+        return attention_mask
+
     @classmethod
     def from_pretrained(cls, path_or_model, backend: str = "auto", **kwargs):
         """Load an HF model directory (config.json + safetensors/bin) or a `transformers` model."""
@@ -314,19 +385,22 @@ class RobertaModel(_PreTrained):
         self.unpad = True
         self.apply(self._init_weights)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                output_hidden_states: bool = False, output_attentions: bool = False,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, output_hidden_states: bool = False, output_attentions: bool = False,
                 return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
-        if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens)
+        attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
+                                            cu_seqlens)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                          output_hidden_states, output_attentions, cu_seqlens, max_seqlen)
+                          output_hidden_states, output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
         return out if return_dict else out.to_tuple()
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                output_hidden_states: bool = False, output_attentions: bool = False,
-               cu_seqlens=None, max_seqlen: int | None = None) -> BaseModelOutput:
+               cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None) -> BaseModelOutput:
         """forward() without the input checks (for callers that have done them).
+
+        inputs_embeds (batch, seqlen, hidden) stands in for the word embeddings of
+        input_ids, as in transformers (positions then count every token, pads included).
 
         With the fused backend a padded batch runs unpadded: masked tokens are dropped
         once before the embeddings, the layers run on the packed tokens with
@@ -337,29 +411,31 @@ class RobertaModel(_PreTrained):
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
         keeps attention inside each segment, and `position_ids` restart per document.
         """
-        backend = self._backend_for(input_ids)
+        shaped = input_ids if inputs_embeds is None else inputs_embeds
+        shape = tuple(shaped.shape[:2])  # (batch, seqlen)
+        backend = self._backend_for(shaped)
         if output_attentions and backend == "fused":
             _warn_once("output_attentions=True: no fused kernel stores attention probabilities, "
                        "so this call runs the reference attention")
         if position_ids is None:
-            position_ids = self.embeddings.position_ids(input_ids)
+            position_ids = self.embeddings.position_ids(input_ids, inputs_embeds)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # once here, not a 0/1 check in every layer's kernel
         varlen = backend == "fused" and not output_attentions and self.config.head_dim in ops.fused_head_dims()
         packing = None
         if cu_seqlens is not None:
             if varlen:
-                packing = _Packing(input_ids.shape, cu_seqlens, max_seqlen)
+                packing = _Packing(shape, cu_seqlens, max_seqlen)
             else:  # the same attention as a dense (batch, seqlen, seqlen) block-diagonal mask
-                attention_mask = _segment_mask(cu_seqlens, *input_ids.shape)
+                attention_mask = _segment_mask(cu_seqlens, *shape)
         elif varlen and self.unpad and attention_mask is not None:
             packing = _Packing.from_mask(attention_mask)
             if packing is None:  # every token attended: the kernels need no mask either
                 attention_mask = None
         if packing is not None:
-            input_ids, position_ids, token_type_ids = (
-                packing.pack(t) for t in (input_ids, position_ids, token_type_ids))
-        x = self.embeddings(input_ids, token_type_ids, position_ids, backend)
+            input_ids, position_ids, token_type_ids, inputs_embeds = (
+                packing.pack(t) for t in (input_ids, position_ids, token_type_ids, inputs_embeds))
+        x = self.embeddings(input_ids, token_type_ids, position_ids, backend, inputs_embeds)
         packed = (packing.cu_seqlens, packing.max_seqlen) if packing is not None else None
         cast_dtype = ops.autocast_copy_dtype(x, backend)  # None unless fused under autocast
         states, attentions, x_cast = [x], [], None
@@ -451,10 +527,10 @@ class RobertaForMaskedLM(_PreTrained):
         self.apply(self._init_weights)
         nn.init.zeros_(self.lm_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                masked_only: bool = False, loss_reduction: str = "mean", return_dict: bool = True,
-                cu_seqlens=None, max_seqlen: int | None = None):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, output_hidden_states: bool = False,
+                output_attentions: bool = False, masked_only: bool = False, loss_reduction: str = "mean",
+                return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
@@ -463,28 +539,30 @@ class RobertaForMaskedLM(_PreTrained):
         normalise over several micro-batches or ranks themselves).
         cu_seqlens / max_seqlen (with position_ids, without attention_mask): packed rows,
         several documents per row attending only within themselves (RobertaModel.encode).
+        inputs_embeds (batch, seqlen, hidden) replaces input_ids, as in transformers.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if labels is not None:
-            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+        shaped = input_ids if input_ids is not None else inputs_embeds
+        if labels is not None and isinstance(shaped, torch.Tensor):
+            if not isinstance(labels, torch.Tensor) or labels.shape != shaped.shape[:2]:
                 raise ValueError(
-                    f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                    f"labels must be a tensor shaped like input_ids {tuple(shaped.shape[:2])}, got "
                     f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
                 )
-        elif masked_only:
+        elif masked_only and labels is None:
             raise ValueError("masked_only=True needs labels: they say which positions to predict")
-        if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens,
-                         labels)
+        attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
+                                            cu_seqlens, labels)
         if masked_only:
             # Flat indices of the predicted positions, found before the encoder runs: the one
             # host sync (for their count) then waits for the masking, not for the encoder.
             predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, cu_seqlens, max_seqlen)
+                                      output_hidden_states, output_attentions, cu_seqlens, max_seqlen,
+                                      inputs_embeds)
         x = encoded.last_hidden_state
-        backend = self._backend_for(input_ids)
+        backend = self._backend_for(x)
         if masked_only:
             x = x.reshape(-1, x.shape[-1]).index_select(0, predicted)  # (num_predicted, hidden), row-major order
             target = labels.reshape(-1).index_select(0, predicted)
@@ -539,13 +617,12 @@ class RobertaForSequenceClassification(_PreTrained):
         self.classifier = RobertaClassificationHead(config, num_labels)
         self.apply(self._init_weights)
 
-    def forward(self, input_ids, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True):
-        if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids)
+    def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, output_hidden_states: bool = False,
+                output_attentions: bool = False, return_dict: bool = True):
+        attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions)
+                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
         logits = self.classifier(encoded.last_hidden_state)
         loss = None if labels is None else self._loss(logits, labels)
         out = SequenceClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)

@@ -2,8 +2,15 @@
 
 RobertaModel and RobertaForSequenceClassification against HF on padded batches of every
 pattern, with the reference backend and with the fused one (padded and unpadded), and
-output_attentions / hidden states as HF returns them.
+output_attentions / hidden states as HF returns them; inputs_embeds and 4-D key-padding
+masks in every class and in rf.patch; decoder configurations refused; rf.patch's fidelity
+(padded positions, output_attentions, set_attn_implementation, a CPU without the interpreter).
 """
+import copy
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -20,7 +27,7 @@ PATTERNS = ["none", "right", "left", "holes"]
 
 def hf_model(cls, **extra):
     torch.manual_seed(0)
-    model = getattr(transformers, cls)(transformers.RobertaConfig(**FIELDS, **extra)).eval()
+    model = getattr(transformers, cls)(transformers.RobertaConfig(**{**FIELDS, **extra})).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -135,8 +142,6 @@ def test_return_dict_false_gives_a_tuple():
 @pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
 @pytest.mark.parametrize("pattern", ["right", "holes"])
 def test_patch_keeps_outputs_and_gradients(cls, pattern):
-    import copy
-
     original = hf_model(cls)
     patched = rf.patch(copy.deepcopy(original))
     assert patched.config._attn_implementation == "roberta_fast"
@@ -172,3 +177,174 @@ def test_patch_refuses_a_transformers_whose_roberta_ignores_attention_interface(
         rf.patch(model)
     assert model.config._attn_implementation != "roberta_fast"
     assert all(module.forward == forwards[name] for name, module in model.named_modules())
+
+
+# ------------------------------------------------------- decoder configurations (issue 16 §2)
+DECODERS = [{"is_decoder": True}, {"is_decoder": True, "add_cross_attention": True}]
+
+
+@pytest.mark.parametrize("flags", DECODERS, ids=["is_decoder", "add_cross_attention"])
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
+def test_dropin_refuses_a_decoder_from_a_model_or_a_directory(cls, flags, tmp_path):
+    """A RobertaForCausalLM body computes causal attention: loading it into the bidirectional
+    encoder would silently give other outputs, so every way in refuses it, naming the setting."""
+    decoder = hf_model("RobertaForCausalLM", **flags)
+    decoder.save_pretrained(tmp_path)
+    expected = " and ".join(f"{name}=True" for name in flags)
+    with pytest.raises(ValueError, match=f"(?s)RobertaForCausalLM's config: .*{expected}.*bidirectional encoder"):
+        getattr(rf, cls).from_pretrained(decoder)
+    with pytest.raises(ValueError, match=f"(?s)config.json: .*{expected}"):
+        getattr(rf, cls).from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=expected):
+        rf.RobertaConfig.from_dict(decoder.config.to_dict())
+    with pytest.raises(ValueError, match=expected):
+        rf.patch(decoder)
+
+
+# ---------------------------------------------------------- inputs_embeds (issue 16 §3)
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
+@pytest.mark.parametrize("backend, unpad", [("reference", False), ("fused", True)], ids=["reference", "fused"])
+def test_inputs_embeds_matches_transformers(cls, backend, unpad):
+    """inputs_embeds as transformers takes it: positions count every token from padding_idx + 1,
+    token type 0 is added; outputs and gradients (the embeddings' too) match."""
+    hf = hf_model(cls, type_vocab_size=2) if cls == "RobertaModel" else hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend=backend).eval()
+    if cls == "RobertaModel":
+        ours.unpad = unpad
+    ids, mask = padded_batch("right", seed=4)
+    embeds = [hf.get_input_embeddings()(ids).detach().requires_grad_() for _ in range(2)]
+    extra = {"token_type_ids": (torch.arange(22) > 10).long().expand(4, 22)} if cls == "RobertaModel" else {}
+    want = hf(inputs_embeds=embeds[0], attention_mask=mask, **extra)
+    got = ours(inputs_embeds=embeds[1], attention_mask=mask, **extra)
+    name = "last_hidden_state" if cls == "RobertaModel" else "logits"
+    want, got = getattr(want, name), getattr(got, name)
+    valid = mask.bool() if want.dim() == 3 else torch.ones(want.shape[0], dtype=torch.bool)
+    assert rel_err(got[valid], want[valid]) < 1e-5
+    weight = torch.randn_like(want) * (valid[..., None] if want.dim() == 3 else 1)
+    (want * weight).sum().backward()
+    (got * weight).sum().backward()
+    assert rel_err(embeds[1].grad, embeds[0].grad) < 2e-5
+    grads = native_to_hf({n: p.grad for n, p in ours.named_parameters()},
+                         prefix="" if cls == "RobertaModel" else "roberta.")
+    for n, p in hf.named_parameters():
+        if p.grad is not None and n in grads:
+            assert rel_err(grads[n], p.grad) < 2e-5, n
+
+
+def test_inputs_embeds_needs_exactly_one_input_and_the_hidden_size():
+    ours = rf.RobertaModel(rf.RobertaConfig(**FIELDS)).eval()
+    ids, _ = padded_batch("none")
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        ours(ids, inputs_embeds=torch.zeros(4, 22, 32))
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        ours()
+    with pytest.raises(ValueError, match=r"inputs_embeds must have shape \(batch, seqlen, hidden_size=32\)"):
+        ours(inputs_embeds=torch.zeros(4, 22, 16))
+
+
+# ------------------------------------------------------- 4-D key-padding masks (issue 16 §3)
+def extended_masks(mask):
+    """transformers' 4-D (batch, 1, 1, seqlen) forms of a 2-D 0/1 mask."""
+    keep = mask.bool()[:, None, None, :]
+    return {"additive-fp32-min": (~keep).float() * torch.finfo(torch.float32).min,
+            "additive-fp16-min": (~keep).half() * torch.finfo(torch.float16).min,
+            "additive-inf": torch.zeros(keep.shape).masked_fill(~keep, float("-inf")),
+            "additive-bert-10000": (~keep).float() * -10000.0,
+            "bool": keep}
+
+
+@pytest.mark.parametrize("form", list(extended_masks(torch.ones(1, 1))))
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
+def test_a_4d_key_padding_mask_is_the_2d_mask(cls, form):
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference").eval()
+    patched = rf.patch(hf_model(cls))
+    ids, mask = padded_batch("holes", seed=5)
+    mask4 = extended_masks(mask)[form]
+    name = "last_hidden_state" if cls == "RobertaModel" else "logits"
+    with torch.no_grad():
+        want = getattr(hf(input_ids=ids, attention_mask=mask), name)
+        assert rel_err(getattr(ours(ids, attention_mask=mask4), name), want) < 1e-5
+        assert rel_err(getattr(patched(input_ids=ids, attention_mask=mask4), name), want) < 1e-5
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda m: m.bool()[:, None, :, None].expand(4, 1, 22, 22), r"key-padding form \(batch, 1, 1, seqlen\)"),
+    (lambda m: m.bool()[:, None, None, :].expand(4, 2, 1, 22), r"key-padding form \(batch, 1, 1, seqlen\)"),
+    (lambda m: m[:, None, None, :], "must be bool .* or additive float"),
+    (lambda m: (1.0 - m[:, None, None, :].float()) * -0.5, "holds other values"),
+])
+def test_other_4d_masks_are_refused(bad, message):
+    ours = rf.RobertaModel.from_pretrained(hf_model("RobertaModel"), backend="reference").eval()
+    patched = rf.patch(hf_model("RobertaModel"))
+    ids, mask = padded_batch("holes", seed=5)
+    with pytest.raises(ValueError, match=message):
+        ours(ids, attention_mask=bad(mask))
+    with pytest.raises(ValueError, match=message):
+        patched(input_ids=ids, attention_mask=bad(mask))
+
+
+# ------------------------------------------------------ rf.patch fidelity (issue 16 §5, §7)
+def test_patch_gives_transformers_outputs_at_padded_positions_on_every_input_path():
+    """Unpadding is a speed-up, not a change of outputs: a patched model matches transformers
+    everywhere, masked positions included, from input_ids and from inputs_embeds."""
+    original = hf_model("RobertaModel")
+    patched = rf.patch(copy.deepcopy(original))
+    ids, mask = padded_batch("holes", seed=6)
+    embeds = original.get_input_embeddings()(ids)
+    with torch.no_grad():
+        for inputs in ({"input_ids": ids}, {"inputs_embeds": embeds}):
+            want = original(**inputs, attention_mask=mask).last_hidden_state
+            assert rel_err(patched(**inputs, attention_mask=mask).last_hidden_state, want) < 1e-5
+
+
+def test_patch_output_attentions_falls_back_to_eager_with_a_warning():
+    original = hf_model("RobertaForMaskedLM")
+    original.set_attn_implementation("eager")
+    patched = rf.patch(copy.deepcopy(original))
+    ids, mask = padded_batch("right", seed=7)
+    want = original(input_ids=ids, attention_mask=mask, output_attentions=True)
+    rf.ops._warn_once.cache_clear()
+    with pytest.warns(UserWarning, match="output_attentions=True"):
+        got = patched(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions) == FIELDS["num_hidden_layers"]
+    for a, b in zip(got.attentions, want.attentions):
+        assert rel_err(a, b) < 1e-5
+    assert rel_err(got.logits, want.logits) < 1e-5
+
+
+def test_set_attn_implementation_switches_a_patched_model(tmp_path):
+    """After patch(), set_attn_implementation switches attention everywhere, and back; the
+    saved model names no roberta_fast attention, so it loads anywhere."""
+    model = rf.patch(hf_model("RobertaForSequenceClassification"))
+    ids, mask = padded_batch("right", seed=8)
+    fused = model(input_ids=ids, attention_mask=mask).logits
+    for name in ("eager", "sdpa", "roberta_fast"):
+        model.set_attn_implementation(name)
+        configs = [m.config for m in model.modules() if hasattr(m, "config")]
+        assert {c._attn_implementation for c in configs} == {name}
+        assert rel_err(model(input_ids=ids, attention_mask=mask).logits, fused) < 1e-5
+    model.save_pretrained(tmp_path)
+    assert "roberta_fast" not in (tmp_path / "config.json").read_text()
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert loaded.config._attn_implementation == "sdpa"
+
+
+def test_patch_on_a_cpu_without_the_interpreter_runs_the_reference_ops():
+    """Without TRITON_INTERPRET (a plain CPU install) the Triton kernels cannot run on the CPU:
+    a patched CPU model computes with SDPA and the reference ops, as transformers would."""
+    code = (
+        "import torch, transformers, roberta_fast as rf\n"
+        "torch.manual_seed(0)\n"
+        "cfg = transformers.RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, "
+        "num_attention_heads=1, intermediate_size=40)\n"
+        "model = transformers.RobertaForMaskedLM(cfg).eval()\n"
+        "ids = torch.randint(3, 50, (2, 9)); mask = torch.ones(2, 9, dtype=torch.long); mask[1, 5:] = 0\n"
+        "want = model(input_ids=ids, attention_mask=mask).logits\n"
+        "got = rf.patch(model)(input_ids=ids, attention_mask=mask).logits\n"
+        "print('max diff', (got - want).abs().max().item())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.split("max diff")[1]) < 1e-5
