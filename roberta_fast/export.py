@@ -20,6 +20,7 @@ from pathlib import Path
 from .checkpoint import load_checkpoint
 from .config import RobertaConfig
 from .model import RobertaForMaskedLM, RobertaForSequenceClassification
+from .sbo import RobertaForSpanBERT
 from .trainer import export_pretrained
 
 
@@ -46,13 +47,19 @@ def run_tokenizer(state: dict) -> str:
 
 
 def model_from_checkpoint(state: dict):
-    """The model whose weights `state` holds: RobertaForMaskedLM (pretraining) or
-    RobertaForSequenceClassification (fine-tuning), on the reference backend."""
+    """The model whose weights `state` holds: RobertaForMaskedLM (pretraining),
+    RobertaForSpanBERT (pretraining with the SBO) or RobertaForSequenceClassification
+    (fine-tuning), on the reference backend."""
     if "model_config" not in state:
         raise ValueError("the checkpoint records no model config (a fine-tuning checkpoint written before "
                          "roberta_fast.export existed); export the run's best epoch from its model/ directory")
     config = RobertaConfig.from_dict(state["model_config"])
-    cls = RobertaForSequenceClassification if "labels" in state else RobertaForMaskedLM
+    if "labels" in state:
+        cls = RobertaForSequenceClassification
+    elif any(key.startswith("sbo.") for key in state["model"]):  # --objective mlm+sbo: sbo.safetensors too
+        cls = RobertaForSpanBERT
+    else:
+        cls = RobertaForMaskedLM
     model = cls(config, backend="reference")
     model.load_state_dict(state["model"])
     return model.eval()

@@ -122,7 +122,8 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
         if record["kind"] == "train":
-            shown = {"loss": record.get("loss"), "tok/s": record.get("tokens_per_s"), "lr": record.get("lr")}
+            shown = {"loss": record.get("loss"), "sbo": record.get("sbo_loss"), "tok/s": record.get("tokens_per_s"),
+                     "lr": record.get("lr")}  # sbo: with the span boundary objective only
             shown = {k: f"{v:.4g}" for k, v in shown.items() if v is not None}
             if self.bar is not None:
                 self.bar.set_postfix(shown, refresh=False)

@@ -13,7 +13,10 @@ Presets (`TRAIN_PRESETS`): "tiny" trains on 2 CPU cores in minutes; "base" and "
 are the RoBERTa paper's pretraining hyperparameters (Liu et al. 2019, appendix table 9:
 batch 8K sequences of 512 tokens, 500k steps, peak LR 6e-4 / 4e-4, warmup 24k / 30k,
 Adam β 0.9/0.98, ε 1e-6, weight decay 0.01, no gradient clipping); "base_fairseq" is
-fairseq's single-node base recipe (batch 2048, LR 5e-4, warmup 10k, 125k updates).
+fairseq's single-node base recipe (batch 2048, LR 5e-4, warmup 10k, 125k updates);
+"spanbert" is SpanBERT's (Joshi et al. 2019, and the command in its released code: BERT-large
+sizes, batch 256 x 512 tokens, 2.4M steps, LR 1e-4, warmup 10k, Adam β2 0.999 ε 1e-8, clipping
+1.0, span masking + the span boundary objective).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 MASKINGS = ("token", "whole_word", "span")
+OBJECTIVES = ("mlm", "mlm+sbo")  # mlm+sbo: SpanBERT (roberta_fast.sbo)
 MODES = ("full", "doc")  # FULL-SENTENCES, DOC-SENTENCES (roberta_fast.data)
 MODEL_PRESETS = ("tiny", "base", "large")
 # Permissions for one invocation: given on the command line only, never saved with the
@@ -58,6 +62,7 @@ class TrainConfig:
     pack: bool = False  # doc mode: pack several documents per row, attention kept inside each
     data_checksums: bool = True  # verify the shards' checksums at start: one read of the data (sizes: always)
     masking: str = "token"  # token | whole_word | span
+    objective: str = "mlm"  # mlm | mlm+sbo (SpanBERT's span boundary objective beside the MLM; needs --masking span)
     mlm_probability: float = 0.15  # share of tokens predicted
     mask_replace_prob: float = 0.8  # of those, replaced by <mask>
     random_replace_prob: float = 0.1  # of those, replaced by a random token
@@ -154,6 +159,10 @@ class TrainConfig:
               f"backend must be auto, fused or reference, got {self.backend!r}")
         check(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         check(self.masking in MASKINGS, f"masking must be one of {MASKINGS}, got {self.masking!r}")
+        check(self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        check(self.objective != "mlm+sbo" or self.masking == "span",
+              f"objective mlm+sbo needs --masking span (the SBO predicts masked spans from their "
+              f"boundaries), got masking {self.masking!r}")
         check(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
         check(not self.pack or self.mode == "doc", "pack packs whole documents into rows: use it with --mode doc")
         check(0.0 < self.mlm_probability < 1.0, f"mlm_probability must be in (0, 1), got {self.mlm_probability!r}")
@@ -240,6 +249,13 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
                          max_steps=125_000, lr=5e-4, warmup_steps=10_000, clip_grad_norm=0.0,
                          eval_every=2000, eval_batches=50, log_every=50, save_every=2000,
                          keep_checkpoints=3),
+    # SpanBERT (Joshi et al. 2019; its released pretraining command): BERT-large sizes, 256 x 512
+    # tokens (DOC-SENTENCES), 2.4M steps, peak 1e-4 after 10k warmup, Adam beta2 0.999 eps 1e-8,
+    # clipping at 1.0, geometric span masking with the span boundary objective.
+    "spanbert": dict(model="large", seq_len=512, mode="doc", masking="span", objective="mlm+sbo", batch_size=8,
+                     global_batch_size=256, max_steps=2_400_000, lr=1e-4, warmup_steps=10_000, beta2=0.999,
+                     eps=1e-8, weight_decay=0.01, clip_grad_norm=1.0, eval_every=2000, eval_batches=50,
+                     log_every=50, save_every=2000, keep_checkpoints=3),
 }
 
 

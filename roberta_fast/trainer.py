@@ -46,6 +46,7 @@ from .config import RobertaConfig
 from .hub import model_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
+from .sbo import RobertaForSpanBERT
 from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
 from .train_config import TrainConfig
@@ -256,10 +257,12 @@ class Trainer:
 
         # model, optimizer and the state that checkpoints carry
         seed_everything(cfg.seed)
+        self.with_sbo = cfg.objective == "mlm+sbo"  # SpanBERT: the span boundary head beside the MLM head
+        model_class = RobertaForSpanBERT if self.with_sbo else RobertaForMaskedLM
         if cfg.init_from:
-            self.model = self._init_model(RobertaForMaskedLM)
+            self.model = self._init_model(model_class)
         else:
-            self.model = RobertaForMaskedLM(self.model_config, backend=cfg.backend)
+            self.model = model_class(self.model_config, backend=cfg.backend)
         self.model.to(self.device)
         self.model.check_inputs = False  # ids come from a dataset checked against the vocabulary
         self.ddp = None
@@ -356,7 +359,8 @@ class Trainer:
         """(inputs, labels, the model's other inputs) on the device for one micro-batch.
 
         The other inputs: attention_mask where there is padding, or, for packed rows,
-        position_ids, cu_seqlens and max_seqlen (attention kept inside each document).
+        position_ids, cu_seqlens and max_seqlen (attention kept inside each document);
+        with the SBO, the masked spans' boundaries (`spans`).
         """
         from .masking import mask_tokens
 
@@ -373,12 +377,27 @@ class Trainer:
         if word_starts is not None:
             word_starts = word_starts.to(self.device, non_blocking=True)
         m, c = self.manifest, self.cfg
-        inputs, labels = mask_tokens(
+        inputs, labels, *spans = mask_tokens(
             ids, seed=seed, step=step, vocab_size=m["vocab_size"], mask_token_id=m["mask_id"],
             pad_token_id=m["pad_id"], special_token_ids=self.special_ids, mlm_probability=c.mlm_probability,
             mask_replace_prob=c.mask_replace_prob, random_replace_prob=c.random_replace_prob,
-            strategy=c.masking, word_starts=word_starts, sample_offset=sample_offset)
+            strategy=c.masking, word_starts=word_starts, sample_offset=sample_offset, return_spans=self.with_sbo)
+        if spans:
+            extra["spans"] = spans[0]
         return inputs, labels, extra
+
+    def predicted_counts(self, labels, extra) -> torch.Tensor:
+        """(tokens the MLM predicts, tokens the SBO predicts) of one micro-batch, on the device."""
+        mlm = labels.ne(IGNORE_INDEX).sum()
+        sbo = self.model.sbo.target_mask(labels, extra["spans"]).sum() if self.with_sbo else torch.zeros_like(mlm)
+        return torch.stack([mlm, sbo]).float()
+
+    @staticmethod
+    def loss_sums(out) -> torch.Tensor:
+        """(MLM loss sum, SBO loss sum) of a forward with loss_reduction="sum"."""
+        if hasattr(out, "sbo_loss"):
+            return torch.stack([out.mlm_loss.float(), out.sbo_loss.float()])
+        return torch.stack([out.loss.float(), torch.zeros_like(out.loss, dtype=torch.float32)])
 
     def next_micro_batches(self) -> list[dict]:
         """This rank's `grad_accum` micro-batches of the next step, from the prefetching loader."""
@@ -392,25 +411,27 @@ class Trainer:
         model = self.ddp or self.model
         model.train()
         per_micro = cfg.batch_size * w  # sequences of one micro-step over all ranks
-        masked, count = [], torch.zeros((), dtype=torch.float32, device=self.device)
+        # counts and loss sums: (MLM, SBO); each loss is a mean over its own predicted tokens
+        masked, counts = [], torch.zeros(2, dtype=torch.float32, device=self.device)
         tokens = 0
         for m, batch in enumerate(micro_batches):
             offset = m * per_micro + self.dist.rank * batch["input_ids"].shape[0]  # global row index
             inputs, labels, extra = self.mask(batch, self.step, offset, cfg.seed)
-            count += labels.ne(IGNORE_INDEX).sum()
+            counts += self.predicted_counts(labels, extra)
             tokens += int(batch["attention_mask"].sum())
             masked.append((inputs, labels, extra))
-        self.dist.all_reduce(count)  # predicted tokens of the whole step, all ranks
-        factor = (w * self.scaler.scale) / count.clamp_min(1.0)  # DDP averages: x world_size
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.dist.all_reduce(counts)  # predicted tokens of the whole step, all ranks
+        factors = (w * self.scaler.scale) / counts.clamp_min(1.0)  # DDP averages: x world_size
+        loss_sums = torch.zeros(2, dtype=torch.float32, device=self.device)
         for m, (inputs, labels, extra) in enumerate(masked):
             last = m == len(masked) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
                 with autocast(self.precision, self.device):
                     out = model(inputs, labels=labels, masked_only=True, loss_reduction="sum", **extra)
-                (out.loss * factor).backward()
-            loss_sum += out.loss.detach().float()
+                sums = self.loss_sums(out)
+                (sums * factors).sum().backward()
+            loss_sums += sums.detach()
         lr = self.schedule.lr()
         grad_norm, found_inf = self.optimizer.step(lr, self.scaler.scale)
         self.optimizer.zero_grad()
@@ -419,28 +440,34 @@ class Trainer:
             self.schedule.step()
         self.step += 1
         self.tokens_seen += tokens * w
-        return {"loss_sum": loss_sum, "count": count, "lr": lr, "grad_norm": grad_norm,
-                "skipped": found_inf, "tokens": tokens * w}
+        return {"loss_sum": loss_sums[0], "count": counts[0], "sbo_loss_sum": loss_sums[1], "sbo_count": counts[1],
+                "lr": lr, "grad_norm": grad_norm, "skipped": found_inf, "tokens": tokens * w}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Validation MLM loss, perplexity and masked-token accuracy over the fixed eval set."""
+        """Validation MLM loss, perplexity and masked-token accuracy over the fixed eval set
+        (and the SBO loss, with the SBO)."""
         self.model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct
+        # MLM loss sum, SBO loss sum, MLM predicted, SBO predicted, MLM correct
+        totals = torch.zeros(5, dtype=torch.float64, device=self.device)
         for batch in self.eval_batches:
             inputs, labels, extra = self.mask(batch, 0, batch["sample_offset"], EVAL_MASK_SEED)
             with autocast(self.precision, self.device):
                 out = self.model(inputs, labels=labels, masked_only=True, loss_reduction="sum", **extra)
             predicted = labels.ne(IGNORE_INDEX)
             correct = out.logits.argmax(-1).eq(labels[predicted])  # logits: (num_predicted, vocab)
-            totals += torch.stack([out.loss.double(), predicted.sum().double(), correct.sum().double()])
+            totals += torch.cat([self.loss_sums(out), self.predicted_counts(labels, extra),
+                                 correct.sum().float()[None]]).double()
         self.dist.all_reduce(totals)
         self.model.train()
-        loss_sum, count, correct = totals.tolist()
+        loss_sum, sbo_loss_sum, count, sbo_count, correct = totals.tolist()
         loss = loss_sum / max(count, 1.0)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / max(count, 1.0),
-                "predicted_tokens": int(count)}
+        result = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / max(count, 1.0),
+                  "predicted_tokens": int(count)}
+        if self.with_sbo:
+            result.update(sbo_loss=sbo_loss_sum / max(sbo_count, 1.0), sbo_predicted_tokens=int(sbo_count))
+        return result
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -455,7 +482,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "loader": self.loader.state_dict(),
             # the log interval in progress, so the first line after a resume averages the same steps
-            "window": {k: self.window[k] for k in ("loss", "count")},
+            "window": {k: self.window[k] for k in ("loss", "count", "sbo_loss", "sbo_count")},
             "rng": rngs,
             "world_size": self.dist.world_size,
             "config": self.cfg.to_dict(),
@@ -486,8 +513,7 @@ class Trainer:
             batches.close()
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.window = self._new_window()
-        self.window.update(loss=state["window"]["loss"].to(self.device),  # tokens/s restarts: new clock
-                           count=state["window"]["count"].to(self.device))
+        self.window.update({k: v.to(self.device) for k, v in state["window"].items()})  # tokens/s: new clock
         rngs = state["rng"]
         if len(rngs) == self.dist.world_size:
             set_rng_state(rngs[self.dist.rank], self.device)
@@ -564,7 +590,8 @@ class Trainer:
                         last_eval = self.evaluate()
                         log.log({"kind": "eval", "step": self.step, **last_eval})
                         log.write(f"step {self.step}: validation loss {last_eval['loss']:.4f}, "
-                                  f"perplexity {last_eval['perplexity']:.1f}, accuracy {last_eval['accuracy']:.3f}")
+                                  f"perplexity {last_eval['perplexity']:.1f}, accuracy {last_eval['accuracy']:.3f}"
+                                  + (f", SBO loss {last_eval['sbo_loss']:.4f}" if self.with_sbo else ""))
                     stopped_by = self._stop_requested(stop)
                     if self.step % cfg.save_every == 0 or self.step == end or stopped_by:
                         path = self.save_checkpoint()
@@ -606,31 +633,37 @@ class Trainer:
 
     def _new_window(self) -> dict:
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return {"tokens": 0, "loss": zero, "count": zero.clone(), "t0": time.perf_counter()}
+        return {"tokens": 0, "loss": zero, "count": zero.clone(), "sbo_loss": zero.clone(), "sbo_count": zero.clone(),
+                "t0": time.perf_counter()}
 
     def _accumulate(self, stats: dict) -> None:
         window = self.window
         window["tokens"] += stats["tokens"]
         window["loss"] += stats["loss_sum"]
         window["count"] += stats["count"]
+        window["sbo_loss"] += stats["sbo_loss_sum"]
+        window["sbo_count"] += stats["sbo_count"]
 
     def _train_record(self, stats: dict) -> dict:
         window = self.window
-        loss_sum = self.dist.all_reduce(window["loss"].clone())
-        count = float(window["count"])
+        # counts were summed over ranks at each step; the loss sums are summed here
+        loss_sum, sbo_loss_sum = self.dist.all_reduce(torch.stack([window["loss"], window["sbo_loss"]])).tolist()
+        count, sbo_count = float(window["count"]), float(window["sbo_count"])
         elapsed = time.perf_counter() - window["t0"]
         tokens_per_s = window["tokens"] / max(elapsed, 1e-9)
         predicted_per_s = count / max(elapsed, 1e-9)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         w = self.dist.world_size
         record = {
-            "kind": "train", "step": self.step, "loss": float(loss_sum) / max(count, 1.0),
+            "kind": "train", "step": self.step, "loss": loss_sum / max(count, 1.0),
             "lr": stats["lr"], "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
             "grad_norm": stats["grad_norm"], "tokens_per_s": tokens_per_s,
             "mfu": estimate_mfu(self.model_config, tokens_per_s / w, predicted_per_s / w, self.cfg.seq_len,
                                 device_name),
             "memory_gb": memory_gb(self.device), "tokens_seen": self.tokens_seen,
         }
+        if self.with_sbo:
+            record["sbo_loss"] = sbo_loss_sum / max(sbo_count, 1.0)
         self.window = self._new_window()
         return record
 
@@ -650,7 +683,8 @@ class Trainer:
             "effective config:\n" + json.dumps(c.to_dict(), indent=1) + "\n"
             f"model: {c.model} (L={mc.num_hidden_layers} H={mc.hidden_size} A={mc.num_attention_heads} "
             f"FFN={mc.intermediate_size} vocab={mc.vocab_size}), {n / 1e6:.2f}M parameters, backend "
-            f"{self.model.backend}\n"
+            f"{self.model.backend}, objective "
+            + ("MLM + span boundary (SpanBERT)" if self.with_sbo else "MLM") + "\n"
             f"device {self.device} x {self.dist.world_size} process(es), precision {self.precision}; "
             f"batch {c.batch_size} x accum {self.grad_accum} x world {self.dist.world_size} = "
             f"{self.global_batch} sequences of {c.seq_len} tokens per step\n"

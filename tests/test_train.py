@@ -452,3 +452,43 @@ def test_fused_backend_trains_like_the_reference(dataset, tmp_path, pack):
             trainer.close()
         losses[backend] = torch.tensor([float(s["loss_sum"]) / float(s["count"]) for s in steps])
     torch.testing.assert_close(losses["fused"], losses["reference"], rtol=1e-4, atol=1e-4)
+
+
+def test_spanbert_objective_lowers_both_losses_resumes_exactly_and_exports(dataset, tmp_path):
+    """--objective mlm+sbo: MLM and SBO losses both logged and falling; a run stopped at
+    step 6 and resumed equals a straight one (SBO head and its Adam state included);
+    the export loads in transformers with the SBO head beside it."""
+    transformers = pytest.importorskip("transformers")
+    spanbert = dict(masking="span", objective="mlm+sbo", max_steps=12, eval_every=12, dropout=0.0)
+    whole, _ = run(small_config(dataset, tmp_path / "whole", **spanbert))
+    run(small_config(dataset, tmp_path / "split", stop_at=6, **spanbert))
+    resumed, summary = run(small_config(dataset, tmp_path / "split", **spanbert))
+    assert summary["status"] == "finished"
+    records = lambda out: [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]  # noqa: E731
+    assert records(tmp_path / "split") and [(r["loss"], r["sbo_loss"]) for r in records(tmp_path / "split")] == \
+        [(r["loss"], r["sbo_loss"]) for r in records(tmp_path / "whole")]
+    for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert any(k.startswith("sbo.") for k in whole.model.state_dict())
+    first, last = records(tmp_path / "whole")[:3], records(tmp_path / "whole")[-3:]
+    for key in ("loss", "sbo_loss"):
+        assert sum(r[key] for r in last) < sum(r[key] for r in first), key
+    evals = [r for r in read_metrics(tmp_path / "whole" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals[-1]["sbo_loss"] < evals[0]["sbo_loss"] and evals[-1]["sbo_predicted_tokens"] > 0
+    final = tmp_path / "whole" / "final"
+    assert (final / "sbo.safetensors").is_file()
+    hf, info = transformers.AutoModelForMaskedLM.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    from roberta_fast.export import main as export_main  # a checkpoint exports the same two files
+    from roberta_fast.sbo import RobertaForSpanBERT
+
+    assert export_main([str(tmp_path / "whole" / "checkpoints" / "step_00000012.pt"), "--out",
+                        str(tmp_path / "exported")]) == 0
+    reloaded = RobertaForSpanBERT.from_pretrained(tmp_path / "exported", backend="reference")
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, whole.model.state_dict()[name].cpu()), name
+
+
+def test_sbo_needs_span_masking(dataset, tmp_path):
+    with pytest.raises(ValueError, match="objective mlm\\+sbo needs --masking span"):
+        Trainer(small_config(dataset, tmp_path / "o", objective="mlm+sbo"))
