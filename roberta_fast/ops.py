@@ -63,6 +63,31 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+# Triton >= 3.2 lowers tl.dot to FMA below sm_80 (triton-lang/triton PR #5066: MMAv1 dropped),
+# so the Triton attention has no tensor cores on a V100 (sm_70) or T4 (sm_75).
+TRITON_DOT_MIN_CAPABILITY = (8, 0)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for any other device. Tests fake it here."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def attention_impl(device: torch.device) -> str:
+    """The one place that picks the fused backend's attention for a device:
+    "triton" (the flash-style kernel, tensor cores through tl.dot) on CUDA sm_80+ and ROCm,
+    "sdpa" (PyTorch's memory-efficient SDPA, tensor cores from sm_50) on older CUDA GPUs,
+    where Triton's tl.dot runs on FMA units; "sdpa" on the CPU too."""
+    capability = device_capability(device)
+    if capability is None:
+        return "sdpa"
+    if torch.version.hip or capability >= TRITON_DOT_MIN_CAPABILITY:
+        return "triton"
+    return "sdpa"
+
+
 def fused_head_dims() -> tuple[int, ...]:
     """Head dims the fused attention kernel supports."""
     return _kernels().ATTENTION_HEAD_DIMS
