@@ -15,6 +15,10 @@ FULL-SENTENCES-like batches (no padding):
 
   rf-fused      roberta_fast's trainer step (below) with backend="fused" (Triton kernels)
   rf-reference  the same step with backend="reference" (the model in plain PyTorch)
+  rf-fused+sbo  rf-fused with SpanBERT's objective (--masking span --objective mlm+sbo): span
+                masking returning the span boundaries, and the span boundary head's loss beside
+                the MLM's, each scaled by its own predicted count; its MFU credits the MLM
+                model's FLOPs only, so its tokens/s against rf-fused is the objective's cost
   hf-eager      transformers RobertaForMaskedLM (SDPA attention), torch AdamW(fused=True on CUDA,
                 foreach on CPU), torch.autocast (+ GradScaler for fp16), batches masked on the
                 host by DataCollatorForLanguageModeling from tokenizer-style examples with
@@ -69,7 +73,7 @@ from plot import atomic_write, throughput_chart  # noqa: E402
 bc.use_interpreter_without_gpu()  # before triton is imported (only --interpret uses it)
 
 SCHEMA = "roberta_fast.throughput/1"
-CONTENDERS = ("rf-fused", "rf-reference", "hf-eager", "hf-compile")
+CONTENDERS = ("rf-fused", "rf-reference", "rf-fused+sbo", "hf-eager", "hf-compile")
 PEERS = {"hf-eager": "vs_hf_eager", "hf-compile": "vs_hf_compile"}  # ratio key per peer
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLM_PROBABILITY = 0.15
@@ -169,6 +173,7 @@ class Run:
     notes: str = ""  # what exactly ran (optimizer, library version), kept in the report
     close: Callable[[], None] = lambda: None
     facts: dict = field(default_factory=dict)  # extra figures for the report row
+    model: object = None  # the module it trains (roberta_fast's contenders), for tests
 
 
 def _scaler(dtype: str, device):
@@ -176,14 +181,16 @@ def _scaler(dtype: str, device):
     return torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
 
 
-def build_rf(setting: Setting, device, backend: str, interpret: bool) -> Run:
+def build_rf(setting: Setting, device, backend: str, interpret: bool, sbo: bool = False) -> Run:
     """roberta_fast's training step, as `roberta_fast.trainer.Trainer.train_step` runs it.
 
     Built from the trainer's parts (its Optimizer: FusedAdam with the gradient norm read
     once per step; its DynamicLossScaler, autocast, and mask_tokens called with its
     arguments) because train_step is a method of a Trainer that must own a preprocessed
-    dataset; this is one micro-batch on one process. The two contenders differ only in
-    the model's backend.
+    dataset; this is one micro-batch on one process. rf-fused and rf-reference differ only
+    in the model's backend; sbo=True adds SpanBERT's objective as `--objective mlm+sbo` does
+    (span masking over word starts at every ordinary token, as for a byte-level BPE of
+    space-separated words, and the span boundary head).
     """
     if backend == "fused" and device.type != "cuda" and not interpret:
         raise Skip("the fused backend's Triton kernels need a CUDA GPU (on a CPU they run only in "
@@ -196,10 +203,12 @@ def build_rf(setting: Setting, device, backend: str, interpret: bool) -> Run:
 
     cfg = model_config(setting.model)
     train_cfg = TrainConfig.preset(setting.model, backend=backend, precision=setting.dtype,
-                                   seq_len=setting.seq_len, batch_size=setting.batch, masking="token",
+                                   seq_len=setting.seq_len, batch_size=setting.batch,
+                                   masking="span" if sbo else "token", objective="mlm+sbo" if sbo else "mlm",
                                    mlm_probability=MLM_PROBABILITY)
+    model_class = rf.RobertaForSpanBERT if sbo else rf.RobertaForMaskedLM
     try:
-        model = rf.RobertaForMaskedLM(cfg, backend=backend).to(device).train()
+        model = model_class(cfg, backend=backend).to(device).train()
     except NotImplementedError as err:
         raise Skip(f"backend={backend!r} is unfinished: {err}") from err
     model.check_inputs = False  # the batches are valid by construction, as the trainer's are
@@ -214,26 +223,33 @@ def build_rf(setting: Setting, device, backend: str, interpret: bool) -> Run:
     batches = HostBatches(cfg.vocab_size, setting.batch, setting.seq_len, pin=device.type == "cuda")
     special = [BOS, PAD, EOS, UNK, cfg.vocab_size - 1]
     counter = iter(range(1 << 62))
+    word_starts = (batches.next() > UNK).to(device) if sbo else None  # every ordinary token starts a word
 
     def step():
         ids = batches.next().to(device, non_blocking=True)
-        inputs, labels = mask_tokens(
+        inputs, labels, *spans = mask_tokens(
             ids, seed=train_cfg.seed, step=next(counter), vocab_size=cfg.vocab_size,
             mask_token_id=cfg.vocab_size - 1, pad_token_id=PAD, special_token_ids=special,
             mlm_probability=train_cfg.mlm_probability, mask_replace_prob=train_cfg.mask_replace_prob,
-            random_replace_prob=train_cfg.random_replace_prob, strategy="token", word_starts=None,
-            sample_offset=0)
+            random_replace_prob=train_cfg.random_replace_prob, strategy=train_cfg.masking,
+            word_starts=word_starts, sample_offset=0, return_spans=sbo)
         count = labels.ne(IGNORE_INDEX).sum().float()
-        factor = scaler.scale / count.clamp_min(1.0)
         with autocast(setting.dtype, device):
-            out = model(inputs, attention_mask=None, labels=labels, masked_only=True, loss_reduction="sum")
-        (out.loss * factor).backward()
+            out = model(inputs, attention_mask=None, labels=labels, masked_only=True, loss_reduction="sum",
+                        **({"spans": spans[0]} if sbo else {}))
+        if sbo:  # each loss a mean over its own predicted tokens, as Trainer.train_step
+            sbo_count = model.sbo.target_mask(labels, spans[0]).sum().float()
+            loss = out.mlm_loss / count.clamp_min(1.0) + out.sbo_loss / sbo_count.clamp_min(1.0)
+        else:
+            loss = out.loss / count.clamp_min(1.0)
+        (loss * scaler.scale).backward()
         _, found_inf = optimizer.step(train_cfg.lr, scaler.scale)
         optimizer.zero_grad()
         scaler.update(found_inf)
         return count
 
-    return Run(step, notes=f"backend={backend}, trainer Optimizer ({type(optimizer.opt).__name__})")
+    return Run(step, notes=f"backend={backend}, trainer Optimizer ({type(optimizer.opt).__name__})"
+                           + (", span masking + span boundary objective" if sbo else ""), model=model)
 
 
 def build_hf(setting: Setting, device, compile_model: bool) -> Run:
@@ -290,6 +306,8 @@ def build(name: str, setting: Setting, device, args) -> Run:
         return build_rf(setting, device, "fused", args.interpret)
     if name == "rf-reference":
         return build_rf(setting, device, "reference", args.interpret)
+    if name == "rf-fused+sbo":
+        return build_rf(setting, device, "fused", args.interpret, sbo=True)
     if name == "hf-eager":
         return build_hf(setting, device, compile_model=False)
     if name == "hf-compile":

@@ -257,6 +257,18 @@ def test_profile_shares_add_up():
     assert prof["categories"].get("matmul", 0) > 0  # the encoder's linears ran
 
 
+def test_sbo_contender_trains_both_heads_in_the_interpreter():
+    """rf-fused+sbo (skipped on a CPU without --interpret) builds and steps: span masking
+    returns boundaries, and the optimizer moves the SBO head as well as the encoder."""
+    run = T.build_rf(T.Setting("tiny", 32, "fp32", 2), torch.device("cpu"), "fused", interpret=True, sbo=True)
+    model = run.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counts = [float(run.step()) for _ in range(2)]
+    assert all(c > 0 for c in counts)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert any(n.startswith("sbo.") for n in moved) and any(n.startswith("roberta.") for n in moved)
+
+
 def test_chart_without_matplotlib_is_svg(quick_report, tmp_path, monkeypatch):
     _, _, report = quick_report
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
