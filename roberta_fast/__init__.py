@@ -18,6 +18,7 @@ _LAZY = {
     "RobertaModel": "model",
     "RobertaForMaskedLM": "model",
     "RobertaForSequenceClassification": "model",
+    "RobertaForTokenClassification": "model",
     "RobertaForSpanBERT": "sbo",
     "RobertaTokenizer": "tokenizer",
     "mask_tokens": "masking",

@@ -28,7 +28,7 @@ _LAYER_RENAMES = {
     "ffn_norm": "output.LayerNorm",
 }
 _QKV = ("query", "key", "value")
-_HEADS = ("lm_head.", "classifier.", "sbo.")  # task heads: same names in HF and here
+_HEADS = ("lm_head.", "classifier.", "qa_outputs.", "sbo.")  # task heads: same names in HF and here
 # HF keys that carry no weights of ours: buffers, and the decoder tied to the embeddings.
 _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_head\.decoder\.(weight|bias)$")
 

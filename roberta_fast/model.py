@@ -65,6 +65,31 @@ class SequenceClassifierOutput(_Output):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
+@dataclass
+class TokenClassifierOutput(_Output):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class QuestionAnsweringModelOutput(_Output):
+    loss: torch.Tensor | None = None
+    start_logits: torch.Tensor | None = None
+    end_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MultipleChoiceModelOutput(_Output):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
 # ----------------------------------------------------------------- input checks
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
                  position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None):
@@ -577,6 +602,32 @@ class RobertaForMaskedLM(_PreTrained):
         return out if return_dict else out.to_tuple()
 
 
+def _num_labels(config: RobertaConfig, num_labels: int | None) -> int:
+    """The argument, else the config's `id2label` (HF config.json), else 2; the config's
+    id2label / label2id are made to match (transformers reads num_labels from them)."""
+    if num_labels is None:
+        num_labels = len(config.extra.get("id2label") or {}) or config.extra.get("num_labels", 2)
+    if num_labels < 1:
+        raise ValueError(f"num_labels must be >= 1, got {num_labels}")
+    if len(config.extra.get("id2label") or {}) != num_labels:
+        config.extra["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        config.extra["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    return num_labels
+
+
+def _check_class_labels(labels, num_classes: int, name: str = "labels"):
+    """Class ids must lie in [0, num_classes) or be -100 (ignored, as cross-entropy does), not become a
+    device-side assert; one host sync, skipped under torch.export / torch.compile (data-dependent)."""
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer class ids, got dtype {labels.dtype}; convert with .long()")
+    if torch.compiler.is_compiling() or not labels.numel():
+        return
+    low, high = torch.stack([labels.masked_fill(labels == IGNORE_INDEX, 0).min(), labels.max()]).tolist()
+    if low < 0 or high >= num_classes:
+        raise ValueError(f"{name} must lie in [0, {num_classes}) for {num_classes} classes (or be "
+                         f"{IGNORE_INDEX} where ignored), got values in [{low}, {high}]")
+
+
 class RobertaClassificationHead(nn.Module):
     """HF's sentence head on the <s> token: dropout, dense, tanh, dropout, out_proj."""
 
@@ -604,17 +655,10 @@ class RobertaForSequenceClassification(_PreTrained):
 
     def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
         super().__init__()
-        if num_labels is None:
-            num_labels = len(config.extra.get("id2label") or {}) or config.extra.get("num_labels", 2)
-        if num_labels < 1:
-            raise ValueError(f"num_labels must be >= 1, got {num_labels}")
-        if len(config.extra.get("id2label") or {}) != num_labels:
-            config.extra["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-            config.extra["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
         self._setup(config, backend)
-        self.num_labels = num_labels
+        self.num_labels = _num_labels(config, num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
-        self.classifier = RobertaClassificationHead(config, num_labels)
+        self.classifier = RobertaClassificationHead(config, self.num_labels)
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
@@ -642,13 +686,47 @@ class RobertaForSequenceClassification(_PreTrained):
                 return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
             return F.mse_loss(logits, labels.to(logits.dtype))
         if problem == "single_label_classification":
-            if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_labels):
-                raise ValueError(f"labels must lie in [0, {self.num_labels}) for {self.num_labels} classes, "
-                                 f"got values in [{int(labels.min())}, {int(labels.max())}]")
+            _check_class_labels(labels, self.num_labels)
             return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         if problem == "multi_label_classification":
             return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
         raise ValueError(f"unknown problem_type {problem!r}")
+
+
+class RobertaForTokenClassification(_PreTrained):
+    """Encoder + dropout + a linear classifier on every token, as HF's (NER, POS tagging).
+
+    num_labels as RobertaForSequenceClassification; loss = cross-entropy over the tokens
+    whose label is not -100 (sub-tokens after the first, special tokens, padding)."""
+
+    def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
+        super().__init__()
+        self._setup(config, backend)
+        self.num_labels = _num_labels(config, num_labels)
+        self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
+        dropout = config.classifier_dropout
+        self.dropout_p = config.hidden_dropout_prob if dropout is None else dropout
+        self.classifier = nn.Linear(config.hidden_size, self.num_labels)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False,
+                output_attentions: bool = False, return_dict: bool = True):
+        """Logits (batch, seqlen, num_labels); labels (batch, seqlen) give the loss."""
+        attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
+        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
+                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+        p = self.dropout_p if self.training else 0.0
+        logits = self.classifier(F.dropout(encoded.last_hidden_state, p=p, training=p > 0))
+        loss = None
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels must be a tensor shaped like input_ids {tuple(logits.shape[:2])}, got "
+                                 f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
+            _check_class_labels(labels, self.num_labels)
+            loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.reshape(-1))
+        out = TokenClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
+        return out if return_dict else out.to_tuple()
 
 
 # -------------------------------------------------------------------------- MFU
