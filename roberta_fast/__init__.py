@@ -19,6 +19,8 @@ _LAZY = {
     "RobertaForMaskedLM": "model",
     "RobertaForSequenceClassification": "model",
     "RobertaForTokenClassification": "model",
+    "RobertaForQuestionAnswering": "model",
+    "RobertaForMultipleChoice": "model",
     "RobertaForSpanBERT": "sbo",
     "RobertaTokenizer": "tokenizer",
     "mask_tokens": "masking",

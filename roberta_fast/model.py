@@ -729,6 +729,110 @@ class RobertaForTokenClassification(_PreTrained):
         return out if return_dict else out.to_tuple()
 
 
+class RobertaForQuestionAnswering(_PreTrained):
+    """Encoder + a linear layer giving each token a start and an end logit (extractive QA, SQuAD), as HF's.
+
+    The loss is HF's: the mean of the start and end cross-entropies, positions clamped to
+    [0, seqlen] and seqlen ignored (an answer outside this window of a long context).
+    Run unpadded (fused backend), padded positions' logits are the qa_outputs bias (a
+    zero hidden state), not HF's values from the pad tokens; the loss's softmax spans
+    them either way, so set `model.roberta.unpad = False` to reproduce HF's loss on padded batches.
+    """
+
+    def __init__(self, config: RobertaConfig, backend: str = "auto"):
+        super().__init__()
+        self._setup(config, backend)
+        self.num_labels = _num_labels(config, 2)  # start, end (transformers sizes qa_outputs by num_labels)
+        self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
+        self.qa_outputs = nn.Linear(config.hidden_size, self.num_labels)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states: bool = False,
+                output_attentions: bool = False, return_dict: bool = True):
+        """start_logits, end_logits (batch, seqlen); start/end_positions (batch,) give the loss."""
+        attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
+        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
+                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+        logits = self.qa_outputs(encoded.last_hidden_state)  # (batch, seqlen, 2)
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]  # seqlen: where clamped out-of-window answers land
+            losses = []
+            for name, positions, scores in (("start_positions", start_positions, start_logits),
+                                            ("end_positions", end_positions, end_logits)):
+                positions = _answer_positions(name, positions, start_logits.shape[0])
+                losses.append(F.cross_entropy(scores, positions.clamp(0, ignored), ignore_index=ignored))
+            loss = (losses[0] + losses[1]) / 2
+        out = QuestionAnsweringModelOutput(loss, start_logits, end_logits, encoded.hidden_states, encoded.attentions)
+        return out if return_dict else out.to_tuple()
+
+
+def _answer_positions(name: str, positions, batch: int):
+    """(batch,) or (batch, 1) integer token indices -> (batch,)."""
+    if isinstance(positions, torch.Tensor) and positions.dim() > 1:
+        positions = positions.squeeze(-1)
+    if (not isinstance(positions, torch.Tensor) or positions.shape != (batch,) or positions.dtype.is_floating_point
+            or positions.dtype == torch.bool):
+        raise ValueError(f"{name} must be an integer tensor of one token index per sequence, shape ({batch},), got "
+                         f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}")
+    return positions
+
+
+class RobertaForMultipleChoice(_PreTrained):
+    """Encoder with pooler + dropout + one score per choice, as HF's (RACE, SWAG).
+
+    Inputs are (batch, num_choices, seqlen), each choice encoded as its own sequence
+    (batch·num_choices rows); logits (batch, num_choices); labels (batch,) the right choice.
+    """
+
+    def __init__(self, config: RobertaConfig, backend: str = "auto"):
+        super().__init__()
+        self._setup(config, backend)
+        self.roberta = RobertaModel(config, add_pooling_layer=True, backend=backend)
+        self.dropout_p = config.hidden_dropout_prob
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids=None, token_type_ids=None, attention_mask=None, labels=None, position_ids=None,
+                inputs_embeds=None, output_hidden_states: bool = False, output_attentions: bool = False,
+                return_dict: bool = True):
+        shaped = input_ids if input_ids is not None else inputs_embeds
+        dims = 3 if input_ids is not None else 4
+        if not isinstance(shaped, torch.Tensor) or shaped.dim() != dims:
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            want = "(batch, num_choices, seqlen)" + (", hidden" if dims == 4 else "")
+            raise ValueError(f"{name} must have shape {want} for multiple choice, got "
+                             f"{tuple(getattr(shaped, 'shape', ())) or type(shaped).__name__}")
+        batch, num_choices, seqlen = shaped.shape[:3]
+
+        def flat(t):  # (batch, num_choices, seqlen, ...) -> (batch·num_choices, seqlen, ...)
+            if t is None:
+                return None
+            if not isinstance(t, torch.Tensor) or tuple(t.shape[:3]) != (batch, num_choices, seqlen)[:t.dim()]:
+                raise ValueError(f"every input must have the shape of input_ids {(batch, num_choices, seqlen)}, "
+                                 f"got {tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+            return t.reshape(batch * num_choices, *t.shape[2:])
+
+        input_ids, token_type_ids, attention_mask, position_ids, inputs_embeds = (
+            flat(t) for t in (input_ids, token_type_ids, attention_mask, position_ids, inputs_embeds))
+        attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
+        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
+                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+        p = self.dropout_p if self.training else 0.0
+        logits = self.classifier(F.dropout(encoded.pooler_output, p=p, training=p > 0)).view(batch, num_choices)
+        loss = None
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != (batch,):
+                raise ValueError(f"labels must be a tensor of one choice index per question, shape ({batch},), got "
+                                 f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
+            _check_class_labels(labels, num_choices)
+            loss = F.cross_entropy(logits, labels)
+        out = MultipleChoiceModelOutput(loss, logits, encoded.hidden_states, encoded.attentions)
+        return out if return_dict else out.to_tuple()
+
+
 # -------------------------------------------------------------------------- MFU
 # Datasheet dense fp16/bf16 peaks, matched by substring of the device name, first match wins
 # (so the PCIe and NVL H100s and the NVL H200 are not taken for the SXM part).

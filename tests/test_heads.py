@@ -50,12 +50,13 @@ def batch(fields, shape=(3, 13), seed=0):
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=types)
 
 
-def check_parity(cls, config, backend, inputs, outputs, tmp_path, **extra):
-    """ours vs transformers: `outputs` (names, compared where `valid`), the loss and every gradient,
-    then save_pretrained -> transformers' Auto class with no missing or unexpected key."""
+def check_parity(cls, config, backend, inputs, outputs, tmp_path, unpad=True, **extra):
+    """ours vs transformers: `outputs` (names; per-token ones where attended), the loss and every
+    gradient, then save_pretrained -> transformers' Auto class with no missing or unexpected key."""
     fields = CONFIGS[config]
     hf = hf_model(cls, fields, **extra)
     ours = getattr(rf, cls).from_pretrained(hf, backend=backend).eval()
+    ours.roberta.unpad = unpad
     expected, actual = hf(**inputs), ours(**inputs)
     valid = inputs["attention_mask"].bool()
     for name in outputs:
@@ -109,3 +110,29 @@ def test_token_classification_from_a_directory_and_its_refusals(tmp_path):
         ours(**inputs, labels=torch.zeros(3, dtype=torch.long))
     out = ours(**inputs, return_dict=False)
     assert isinstance(out, tuple) and out[0].shape == (3, 13, 4)
+
+
+@pytest.mark.parametrize("config, backend", RUNS)
+def test_question_answering_matches_transformers(config, backend, tmp_path):
+    inputs = batch(CONFIGS[config])
+    start = torch.tensor([2, 40, -3])  # 40: past the window, clamped to seqlen and ignored; -3: clamped to 0
+    end = torch.tensor([[5], [40], [0]])  # (batch, 1), as HF squeezes it
+    # the loss's softmax spans padded positions, whose logits unpadding does not compute as HF does
+    ours, _ = check_parity("RobertaForQuestionAnswering", config, backend,
+                           {**inputs, "start_positions": start, "end_positions": end},
+                           ["start_logits", "end_logits"], tmp_path, unpad=False)
+    with pytest.raises(ValueError, match=r"start_positions must be an integer tensor .* shape \(3,\)"):
+        ours(**inputs, start_positions=torch.zeros(2, dtype=torch.long), end_positions=end)
+
+
+@pytest.mark.parametrize("config, backend", RUNS)
+def test_multiple_choice_matches_transformers(config, backend, tmp_path):
+    inputs = batch(CONFIGS[config], shape=(2, 3, 11))  # 2 questions of 3 choices, padded per choice
+    ours, _ = check_parity("RobertaForMultipleChoice", config, backend, {**inputs, "labels": torch.tensor([2, 0])},
+                           ["logits"], tmp_path)
+    with pytest.raises(ValueError, match=r"input_ids must have shape \(batch, num_choices, seqlen\)"):
+        ours(inputs["input_ids"][0])
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
+        ours(**inputs, labels=torch.tensor([3, 0]))
+    with pytest.raises(ValueError, match="the shape of input_ids"):
+        ours(inputs["input_ids"], attention_mask=inputs["attention_mask"][:, :2])
