@@ -41,7 +41,14 @@ class _Output:
         return tuple(v for _, v in self._items())
 
 
-@dataclass
+def _output(cls):
+    """@dataclass, and registered as a pytree node so torch.export / torch.onnx.export can return it."""
+    cls = dataclass(cls)
+    torch.utils._pytree.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    return cls
+
+
+@_output
 class BaseModelOutput(_Output):
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
@@ -49,7 +56,7 @@ class BaseModelOutput(_Output):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@_output
 class MaskedLMOutput(_Output):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -57,7 +64,7 @@ class MaskedLMOutput(_Output):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@_output
 class SequenceClassifierOutput(_Output):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -65,7 +72,7 @@ class SequenceClassifierOutput(_Output):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@_output
 class TokenClassifierOutput(_Output):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -73,7 +80,7 @@ class TokenClassifierOutput(_Output):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@_output
 class QuestionAnsweringModelOutput(_Output):
     loss: torch.Tensor | None = None
     start_logits: torch.Tensor | None = None
@@ -82,7 +89,7 @@ class QuestionAnsweringModelOutput(_Output):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@_output
 class MultipleChoiceModelOutput(_Output):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -156,6 +163,8 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
     for name, t, _, _ in ranges:
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if torch.compiler.is_compiling():  # torch.export / torch.compile: values are symbolic, shapes checked above
+        return
     # One host sync for every range check: [min, max] of each tensor.
     bounds = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, _, _ in ranges]).tolist()
     for (name, _, limit, field), (low, high) in zip(ranges, bounds):
@@ -226,6 +235,8 @@ def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
     total, seqlen = input_ids.numel(), input_ids.shape[1]
     if cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens needs at least two boundaries, 0 and batch·seqlen")
+    if torch.compiler.is_compiling():  # the boundaries' values are symbolic under torch.export / torch.compile
+        return
     row_starts = torch.arange(0, total + 1, seqlen, device=cu_seqlens.device, dtype=torch.int32)
     first, last, smallest_step, rows_kept = torch.stack([
         cu_seqlens[0], cu_seqlens[-1], cu_seqlens.diff().min(), torch.isin(row_starts, cu_seqlens).all().int()
@@ -370,6 +381,10 @@ class _PreTrained(nn.Module):
             nn.init.zeros_(module.bias)
 
     def _backend_for(self, tensor) -> str:
+        """The backend for `tensor`'s device; torch.export traces the reference one (plain aten ops,
+        which ONNX and any device take; the fused path's unpadding syncs on data)."""
+        if torch.compiler.is_exporting():
+            return "reference"
         return ops.resolve_backend(self.backend, tensor.device)
 
     def _checked_mask(self, input_ids, inputs_embeds, attention_mask, token_type_ids=None, position_ids=None,

@@ -1,8 +1,16 @@
 """python -m roberta_fast.export: a step checkpoint of a training run becomes the same
-Hugging Face directory as the run's final export, and loads in transformers."""
+Hugging Face directory as the run's final export, and loads in transformers.
+
+Export for serving: torch.export.export and torch.onnx.export of every drop-in class give
+a program that computes what the eager model does (the ONNX one run in onnxruntime, with
+dynamic batch and sequence length)."""
+import warnings
+
 import pytest
 import torch
 from malicious_checkpoint import write_malicious_checkpoint
+
+import roberta_fast as rf
 
 from roberta_fast.export import main
 from roberta_fast.train_config import TrainConfig
@@ -75,3 +83,65 @@ def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
     assert "the run's dataset is not readable here" in capsys.readouterr().err
     argv = [str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o"), "--tokenizer", str(data / "tokenizer")]
     assert main(argv) == 0 and (tmp_path / "o" / "tokenizer.json").is_file()
+
+
+# ------------------------------------------------------------------ export for serving
+DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
+          "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
+TINY = dict(vocab_size=67, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+            max_position_embeddings=20, type_vocab_size=3)
+
+
+def serving_inputs(cls, batch=2, seqlen=7, seed=0):
+    """(input_ids, {attention_mask, token_type_ids}) with a padded row; multiple choice gets 3 choices."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, 3, seqlen) if cls == "RobertaForMultipleChoice" else (batch, seqlen)
+    ids = torch.randint(3, TINY["vocab_size"], shape, generator=g)
+    mask = torch.ones(shape, dtype=torch.long)
+    mask[-1, ..., seqlen - 2:] = 0
+    ids[mask == 0] = 1
+    return ids, dict(attention_mask=mask, token_type_ids=torch.randint(0, 3, shape, generator=g))
+
+
+def exportable(cls):
+    """A fused-backend model: export traces its reference ops (plain aten, which ONNX takes)."""
+    return getattr(rf, cls)(rf.RobertaConfig(**TINY), backend="fused").eval()
+
+
+def assert_equal_to_eager(model, got, ids, kwargs):
+    """`got` (the exported program's outputs, flat) equals the eager model's (reference backend)."""
+    model.backend = "reference"
+    want = model(ids, **kwargs).to_tuple()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_torch_export_equals_eager(cls):
+    model = exportable(cls)
+    ids, kwargs = serving_inputs(cls)
+    got = torch.export.export(model, (ids,), kwargs).module()(ids, **kwargs)
+    assert_equal_to_eager(model, got.to_tuple(), ids, kwargs)
+    assert type(got) is type(model(ids, **kwargs))  # the output class comes back, not a flat tuple
+
+
+@pytest.mark.parametrize("cls, dynamic", [(cls, cls == "RobertaModel") for cls in DROPIN])
+def test_onnx_export_runs_in_onnxruntime_as_eager(cls, dynamic, tmp_path):
+    """Every class exports; the encoder with dynamic batch and sequence length runs at another shape."""
+    for package in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(package, reason=f"ONNX export needs {package}: pip install -e .[export]")
+    model = exportable(cls)
+    ids, kwargs = serving_inputs(cls)
+    dynamic_shapes = None
+    if dynamic:
+        dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+        dynamic_shapes = {"input_ids": dims, **{k: dims for k in kwargs}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.onnx's notes on its own internals
+        program = torch.onnx.export(model, (ids,), kwargs=kwargs, dynamo=True, verbose=False,
+                                    dynamic_shapes=dynamic_shapes)
+    program.save(tmp_path / "model.onnx")
+    if dynamic:
+        ids, kwargs = serving_inputs(cls, batch=3, seqlen=11, seed=1)  # another shape than the traced one
+    assert_equal_to_eager(model, program(ids, **kwargs), ids, kwargs)
