@@ -790,8 +790,9 @@ def _answer_positions(name: str, positions, batch: int):
         positions = positions.squeeze(-1)
     if (not isinstance(positions, torch.Tensor) or positions.shape != (batch,) or positions.dtype.is_floating_point
             or positions.dtype == torch.bool):
-        raise ValueError(f"{name} must be an integer tensor of one token index per sequence, shape ({batch},), got "
-                         f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}")
+        got = f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}"
+        raise ValueError(f"{name} must be an integer tensor of one token index per sequence, shape ({batch},), "
+                         f"got {got}")
     return positions
 
 
