@@ -1,7 +1,8 @@
-"""RoBERTa in one readable file: embeddings, post-LN encoder, pooler and MLM head.
+"""RoBERTa in one readable file: embeddings, post-LN encoder, pooler, MLM head and the task
+heads (sequence and token classification, question answering, multiple choice).
 
-Computes exactly Hugging Face's `RobertaModel` / `RobertaForMaskedLM` (tested against
-`transformers` itself), with two layout differences that `roberta_fast.hf` converts:
+Computes exactly Hugging Face's `RobertaModel`, `RobertaForMaskedLM` and `RobertaFor*` heads
+(tested against `transformers` itself; outputs are pytree dataclasses, so torch.export takes them), with two layout differences that `roberta_fast.hf` converts:
 Q, K and V are one fused (3·hidden, hidden) projection, and the MLM decoder has no
 weight of its own (it reads the word embeddings, i.e. is tied by construction).
 
