@@ -325,8 +325,10 @@ class RobertaLayer(nn.Module):
         # (batch, seqlen, 3, heads, head_dim), or (tokens, 3, heads, head_dim) when packed
         qkv = qkv.view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
         probs = None
-        if packed is not None:
+        if packed is not None and backend == "fused":
             a = ops.attention_varlen(qkv, *packed, attention_p)
+        elif packed is not None:
+            a = ops.attention_varlen_sdpa(qkv, packed[0], attention_p)
         elif output_attentions:
             a, probs = ops.attention_with_probs(qkv, attention_mask, attention_p)
         else:
@@ -443,7 +445,8 @@ class RobertaModel(_PreTrained):
         inputs_embeds (batch, seqlen, hidden) stands in for the word embeddings of
         input_ids, as in transformers (positions then count every token, pads included).
 
-        With the fused backend a padded batch runs unpadded: masked tokens are dropped
+        With the fused backend, and on the CPU under torch.no_grad / torch.inference_mode
+        (ops.unpad_impl decides), a padded batch runs unpadded: masked tokens are dropped
         once before the embeddings, the layers run on the packed tokens with
         variable-length attention, and the outputs are re-padded with zeros at masked
         positions (set `model.unpad = False` to compute those positions as HF does).
@@ -462,7 +465,7 @@ class RobertaModel(_PreTrained):
             position_ids = self.embeddings.position_ids(input_ids, inputs_embeds)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # once here, not a 0/1 check in every layer's kernel
-        varlen = backend == "fused" and not output_attentions and self.config.head_dim in ops.fused_head_dims()
+        varlen = not output_attentions and ops.unpad_impl(backend, shaped.device, self.config.head_dim) is not None
         packing = None
         if cu_seqlens is not None:
             if varlen:

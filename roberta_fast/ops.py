@@ -140,6 +140,61 @@ def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float):
                                           validate=False)
 
 
+def unpad_impl(backend: str, device: torch.device, head_dim: int) -> str | None:
+    """The one place that decides whether a padded batch runs unpadded (padding dropped at the
+    embeddings, the layers on the packed real tokens) and whose attention then runs:
+
+    "triton": the fused backend's variable-length kernel, training included (head dims it supports);
+    "sdpa": the reference backend on the CPU when no gradient is recorded (torch.no_grad /
+    torch.inference_mode, as inference and evaluation run), each sequence its own SDPA call
+    (attention_varlen_sdpa; measured against nested tensors and re-padding per layer in
+    docs/inference.md); None: the batch runs padded, as transformers runs it.
+    Never under torch.export / tracing, whose graphs cannot depend on how much is padded.
+    """
+    if torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return None
+    if backend == "fused":
+        return "triton" if head_dim in fused_head_dims() else None
+    if backend == "reference" and device.type == "cpu" and not torch.is_grad_enabled():
+        return "sdpa"
+    return None
+
+
+def _sdpa_per_sequence(q, k, v, cu_seqlens, dropout_p: float):
+    """q, k, v: (total_tokens, heads, head_dim); sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+    bounds = cu_seqlens.tolist()
+    outs = [F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), dropout_p=dropout_p)
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]  # each (heads, length, head_dim)
+    if not outs:  # every row fully padded: no token to attend
+        return torch.empty_like(q)
+    return torch.cat(outs, dim=1).transpose(0, 1)  # (total_tokens, heads, head_dim)
+
+
+@torch.library.custom_op("roberta_fast::sdpa_varlen", mutates_args=())
+def _sdpa_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                    dropout_p: float) -> torch.Tensor:
+    return _sdpa_per_sequence(q, k, v, cu_seqlens, dropout_p).contiguous()
+
+
+@_sdpa_varlen_op.register_fake
+def _(q, k, v, cu_seqlens, dropout_p):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def attention_varlen_sdpa(qkv, cu_seqlens, dropout_p: float):
+    """attention_varlen without Triton: qkv (total_tokens, 3, heads, head_dim) -> (total_tokens, heads,
+    head_dim), one SDPA call per sequence, so no work or memory goes to padding.
+
+    Under torch.compile it is one opaque op (roberta_fast::sdpa_varlen): the Python loop over
+    sequences would otherwise make the graph depend on every length; eager runs it directly
+    (autograd included).
+    """
+    q, k, v = qkv.unbind(1)  # each (total_tokens, heads, head_dim)
+    if torch.compiler.is_compiling():
+        return _sdpa_varlen_op(q, k, v, cu_seqlens, dropout_p)
+    return _sdpa_per_sequence(q, k, v, cu_seqlens, dropout_p)
+
+
 def attention_with_probs(qkv, attention_mask, dropout_p: float):
     """Reference attention that also returns the probabilities (batch, heads, seqlen, seqlen).
 

@@ -1,0 +1,117 @@
+"""CPU inference runs padded batches unpadded (ops.unpad_impl): parity with transformers.
+
+Under torch.no_grad / torch.inference_mode the reference backend on the CPU drops the
+padding at the embeddings and runs attention per sequence (ops.attention_varlen_sdpa);
+real positions equal transformers', padded ones are zeros (as the fused unpadded path
+gives them). With gradients recorded, uniform lengths, or output_attentions, the batch
+runs padded as before. torch.compile on this path (no recompile per batch shape) is
+checked by benchmarks/bench_inference.py's rf-compile contender: compiling takes ~35 s here.
+"""
+import pytest
+import torch
+
+import roberta_fast as rf
+from roberta_fast import ops
+
+transformers = pytest.importorskip("transformers")
+
+FIELDS = dict(vocab_size=71, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+              intermediate_size=48, max_position_embeddings=24, type_vocab_size=1, layer_norm_eps=1e-5)
+
+
+def hf_model(cls, **extra):
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(transformers.RobertaConfig(**{**FIELDS, **extra})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def batch(pattern, seed=0):
+    """(ids, mask) of 4 rows of 22 tokens, padded right, left, with holes, or one row fully padded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, FIELDS["vocab_size"], (4, 22), generator=g)
+    lengths = torch.tensor([22, 1, 9, 17])
+    pos = torch.arange(22)[None]
+    mask = {"right": pos < lengths[:, None],
+            "left": pos >= 22 - lengths[:, None],
+            "holes": torch.rand(4, 22, generator=g) < 0.5,
+            "empty-row": pos < torch.tensor([22, 0, 9, 17])[:, None]}[pattern]
+    if pattern == "holes":
+        mask[:, 0] = True
+    else:
+        ids[~mask] = 1
+    return ids, mask.long()
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """How many layers ran the unpadded CPU attention."""
+    calls = []
+    original = ops.attention_varlen_sdpa
+    monkeypatch.setattr(ops, "attention_varlen_sdpa", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("pattern", ["right", "left", "holes", "empty-row"])
+def test_encoder_runs_unpadded_and_matches_transformers(pattern, sdpa_calls):
+    hf = hf_model("RobertaModel")
+    ours = rf.RobertaModel.from_pretrained(hf).eval()  # backend "auto": the reference one on the CPU
+    ids, mask = batch(pattern)
+    with torch.inference_mode():
+        want = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        got = ours(ids, attention_mask=mask, output_hidden_states=True)
+    assert len(sdpa_calls) == FIELDS["num_hidden_layers"]
+    real = mask.bool()
+    for a, b in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert max_rel(a[real], b[real]) < 1e-5
+        assert (a[~real] == 0).all()  # re-padded with zeros, as the fused unpadded path
+    if pattern in ("right", "holes"):  # the pooler reads position 0, real in these rows
+        assert max_rel(got.pooler_output, want.pooler_output) < 1e-5
+
+
+def test_every_row_fully_padded_gives_zeros(sdpa_calls):
+    ours = rf.RobertaModel.from_pretrained(hf_model("RobertaModel")).eval()
+    with torch.no_grad():
+        out = ours(torch.ones(3, 5, dtype=torch.long), attention_mask=torch.zeros(3, 5, dtype=torch.long))
+    assert len(sdpa_calls) == FIELDS["num_hidden_layers"]
+    assert (out.last_hidden_state == 0).all()
+
+
+@pytest.mark.parametrize("cls", ["RobertaForSequenceClassification", "RobertaForMaskedLM"])
+def test_classifier_and_mlm_run_unpadded(cls, sdpa_calls):
+    hf = hf_model(cls, num_labels=3)
+    ours = getattr(rf, cls).from_pretrained(hf).eval()
+    ids, mask = batch("right", seed=1)
+    with torch.no_grad():
+        want, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert len(sdpa_calls) == FIELDS["num_hidden_layers"]
+    real = mask.bool() if want.dim() == 3 else slice(None)
+    assert max_rel(got[real], want[real]) < 1e-5
+
+
+def test_padded_path_where_unpadding_does_not_apply(sdpa_calls):
+    """Gradients recorded, nothing padded, output_attentions, or unpad off: transformers' values everywhere."""
+    hf = hf_model("RobertaModel")
+    hf.set_attn_implementation("eager")  # returns the attention probabilities
+    ours = rf.RobertaModel.from_pretrained(hf).eval()
+    ids, mask = batch("right", seed=2)
+    want = hf(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert max_rel(ours(ids, attention_mask=mask).last_hidden_state, want.last_hidden_state) < 1e-5
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask, output_attentions=True)
+        assert max_rel(got.last_hidden_state, want.last_hidden_state) < 1e-5
+        for a, b in zip(got.attentions, want.attentions, strict=True):
+            assert max_rel(a, b) < 1e-5
+        uniform = torch.ones_like(mask)
+        assert max_rel(ours(ids, attention_mask=uniform).last_hidden_state,
+                       hf(input_ids=ids, attention_mask=uniform).last_hidden_state) < 1e-5
+        ours.unpad = False
+        assert max_rel(ours(ids, attention_mask=mask).last_hidden_state, want.last_hidden_state) < 1e-5
+    assert not sdpa_calls
+
