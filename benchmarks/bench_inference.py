@@ -1,23 +1,39 @@
-"""Benchmark: encoder inference on mixed-length batches, roberta_fast against transformers.
+"""Benchmark: encoder inference on mixed-length batches, roberta_fast against transformers and ONNX Runtime.
 
-    python benchmarks/bench_inference.py [--quick] [--json PATH] [--skip-compile]
+    python benchmarks/bench_inference.py [--device cpu|cuda] [--quick] [--json PATH] [--skip-compile]
+                                         [--lengths uniform,corpus] [--dtypes fp32,bf16] [--batches N] [--repeats N]
 
-The drop-in case (issue 8): batches of 32 sentences whose lengths are drawn uniformly
-between 8 and 512 tokens, right-padded to the longest, through roberta-base's encoder
-(random weights) in bf16 on a GPU. Tokens/s counts real tokens only, so running the
-padding is not counted as work. Contenders on the same weights in the same run:
-  rf-fused      roberta_fast.RobertaModel, fused kernels, padded batches run unpadded
-  rf-reference  roberta_fast.RobertaModel, plain PyTorch
-  hf-patched    transformers RobertaModel after roberta_fast.patch(model)
-  hf-sdpa       transformers RobertaModel, attn_implementation="sdpa" (the peer; ratios are to it)
-  hf-eager      transformers RobertaModel, attn_implementation="eager"
-  hf-compile    hf-sdpa under torch.compile (skipped with --skip-compile)
-Target on a GPU: rf-fused >= 2x hf-sdpa. --quick: a tiny model and short lengths,
-fp32 on the CPU (the fused contenders under the Triton interpreter).
+The drop-in case (issues 8 and 18): batches of 32 sequences, right-padded to the longest,
+through roberta-base's encoder (random weights). Lengths: "uniform" in 8..512, or "corpus",
+drawn from the token counts of the embedded corpus's documents (roberta_fast.corpus,
+truncated at 512 as a tokenizer would). Tokens/s counts real tokens only, so running the
+padding is not counted as work. Contenders on the same weights, timed interleaved (one
+pass over the batches each in turn, median of --repeats, after one warm-up pass):
+  on the CPU (issue 18)
+    rf-unpadded   roberta_fast.RobertaModel under inference_mode: padding dropped at the embeddings
+    rf-padded     the same model with unpad = False (the padded reference path)
+    rf-compile    rf-unpadded under torch.compile(dynamic=True); `graphs` counts its compiled
+                  graphs after the warm-up and after the timed passes (equal: no recompile per shape)
+    onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
+  on a GPU (issue 8)
+    rf-fused      fused kernels, padded batches run unpadded;  rf-reference  plain PyTorch
+    hf-patched    transformers RobertaModel after roberta_fast.patch(model)
+  both
+    hf-sdpa       transformers RobertaModel, attn_implementation="sdpa" (the peer; ratios are to it)
+    hf-eager      transformers RobertaModel, attn_implementation="eager"
+    hf-compile    hf-sdpa under torch.compile(dynamic=True)
+Per contender: ms per batch, real tokens/s, the ratio to hf-sdpa, peak RSS (the process's
+high-water mark while it ran, every model loaded; CPU) and max |difference| to transformers
+fp32 over real positions. Targets: on a GPU rf-fused >= 2x hf-sdpa; on the CPU rf-unpadded >=
+1.6x hf-sdpa and >= 1.0x onnxruntime on the uniform mix, at <= 1e-5 fp32 difference.
+--quick (CI): a tiny model, uniform lengths 4..64, fp32, no compile contenders.
 """
 import copy
+import json
 import os
+import tempfile
 import time
+import warnings
 
 import torch
 
@@ -26,13 +42,19 @@ import _common as bc
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def batches(count, batch_size, low, high, vocab, seed=0):
-    """`count` (input_ids, attention_mask) batches of right-padded random sentences."""
+
+def batches(count, batch_size, low, high, vocab, seed=0, lengths_from=None):
+    """`count` (input_ids, attention_mask) batches of right-padded random sentences; lengths uniform in
+    [low, high], or drawn from the tensor `lengths_from` when given."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        lengths = torch.randint(low, high + 1, (batch_size,), generator=g)
+        if lengths_from is None:
+            lengths = torch.randint(low, high + 1, (batch_size,), generator=g)
+        else:
+            lengths = lengths_from[torch.randint(0, len(lengths_from), (batch_size,), generator=g)]
         longest = int(lengths.max())
         ids = torch.randint(3, vocab, (batch_size, longest), generator=g)
         mask = torch.arange(longest)[None] < lengths[:, None]
@@ -42,89 +64,237 @@ def batches(count, batch_size, low, high, vocab, seed=0):
     return out
 
 
-def contenders(cfg, device, dtype, skip_compile):
-    """name -> callable(ids, mask), or name -> reason it cannot run."""
+def corpus_lengths(max_len):
+    """Token counts (with <s> and </s>, truncated at max_len) of the embedded corpus's documents."""
+    from roberta_fast.corpus import cache_root, default_dataset
+
+    dataset = default_dataset()
+    tok = rf.RobertaTokenizer.from_pretrained(dataset / "tokenizer")
+    corpus = next(cache_root().glob(dataset.name.split("-vocab")[0].replace("default", "corpus") + ".jsonl"))
+    docs = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
+    return torch.tensor([len(ids) + 2 for ids in tok.encode_batch(docs)]).clamp(max=max_len)
+
+
+def hidden(out):
+    return out.last_hidden_state
+
+
+def onnx_runner(model, example):
+    """The rf encoder exported by torch.onnx.export (dynamic batch and length) in an onnxruntime CPU
+    session with all graph optimisations; a string saying why when it cannot run."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "onnxruntime not installed (pip install -e .[export])"
+    ids, mask = example
+    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
+                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_inference_"), "encoder.onnx")
+    program.save(path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+
+    def run(ids, mask):
+        feeds = dict(zip(names, (ids.numpy(), mask.numpy())))
+        return torch.from_numpy(session.run(None, feeds)[0])
+    return run
+
+
+def hf_sdpa(cfg, device, dtype):
+    """transformers' RobertaModel with SDPA attention; the same random weights at every call."""
     import transformers
 
-    hf_config = transformers.RobertaConfig(**cfg.to_dict())
     torch.manual_seed(0)
-    sdpa = transformers.RobertaModel(hf_config).eval().to(device, dtype)
-    sdpa.set_attn_implementation("sdpa")
+    model = transformers.RobertaModel(transformers.RobertaConfig(**cfg.to_dict())).eval().to(device, dtype)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def contenders(cfg, device, dtype, skip_compile, example):
+    """name -> callable(ids, mask) -> last hidden state, or name -> the reason it cannot run."""
+    sdpa = hf_sdpa(cfg, device, dtype)
     eager = copy.deepcopy(sdpa)
     eager.set_attn_implementation("eager")
-    runs = {"hf-sdpa": lambda ids, mask: sdpa(input_ids=ids, attention_mask=mask).last_hidden_state,
-            "hf-eager": lambda ids, mask: eager(input_ids=ids, attention_mask=mask).last_hidden_state}
-    fused_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    for backend in ("fused", "reference"):
-        if backend == "fused" and not fused_ok:
-            runs["rf-fused"] = "the fused kernels need a CUDA GPU (or TRITON_INTERPRET=1)"
-            continue
+    runs = {"hf-sdpa": lambda ids, mask: hidden(sdpa(input_ids=ids, attention_mask=mask)),
+            "hf-eager": lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))}
+
+    def ours(backend, unpad=True):
         model = rf.RobertaModel.from_pretrained(sdpa, backend=backend).eval().to(device, dtype)
-        model.check_inputs = False
-        runs[f"rf-{backend}"] = (lambda m: lambda ids, mask: m(ids, attention_mask=mask).last_hidden_state)(model)
-    if fused_ok:
+        model.check_inputs, model.unpad = False, unpad
+        return model
+
+    if device.type == "cpu":
+        unpadded = ours("reference")
+        runs["rf-unpadded"] = lambda ids, mask: hidden(unpadded(ids, attention_mask=mask))
+        padded = ours("reference", unpad=False)
+        runs["rf-padded"] = lambda ids, mask: hidden(padded(ids, attention_mask=mask))
+        if skip_compile:
+            runs["rf-compile"] = "skipped (--skip-compile or --quick)"
+        else:
+            compiled_rf = torch.compile(unpadded, dynamic=True)
+            runs["rf-compile"] = lambda ids, mask: hidden(compiled_rf(ids, attention_mask=mask))
+        runs["onnxruntime"] = (onnx_runner(ours("reference"), example) if dtype == torch.float32
+                               else "fp32 only (onnxruntime's CPU provider has no bf16 matmul)")
+    else:
+        for backend in ("fused", "reference"):
+            model = ours(backend)
+            runs[f"rf-{backend}"] = (lambda m: lambda ids, mask: hidden(m(ids, attention_mask=mask)))(model)
         patched = rf.patch(copy.deepcopy(sdpa))
-        runs["hf-patched"] = lambda ids, mask: patched(input_ids=ids, attention_mask=mask).last_hidden_state
+        runs["hf-patched"] = lambda ids, mask: hidden(patched(input_ids=ids, attention_mask=mask))
     if skip_compile:
-        runs["hf-compile"] = "skipped (--skip-compile)"
+        runs["hf-compile"] = "skipped (--skip-compile or --quick)"
     else:
         compiled = torch.compile(sdpa, dynamic=True)
-        runs["hf-compile"] = lambda ids, mask: compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+        runs["hf-compile"] = lambda ids, mask: hidden(compiled(input_ids=ids, attention_mask=mask))
     return runs
 
 
-def time_run(fn, data, device, repeats):
-    """Median seconds to run every batch of `data` once, after one warm-up pass."""
-    def once():
-        for ids, mask in data:
-            fn(ids, mask)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    once()
-    times = []
+def _rss_mb(field="VmRSS"):
+    """This process's resident set (or its high-water mark, VmHWM) in MB; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) // 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_peak_rss():
+    """Start a new VmHWM measurement (Linux: writing 5 to clear_refs resets the peak RSS)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def one_pass(fn, data, device):
+    """Run every batch once; (seconds, outputs)."""
+    start = time.perf_counter()
+    outs = [fn(ids, mask) for ids, mask in data]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, outs
+
+
+def max_diff(outs, reference, data):
+    """max |out - reference| over real (attended) positions of every batch."""
+    return max(float((o.float() - r.float())[mask.bool()].abs().max()) for o, r, (_, mask) in zip(outs, reference, data))
+
+
+def graph_count():
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def measure(runs, data, device, repeats, reference):
+    """Warm-up pass (outputs checked against `reference`), then `repeats` interleaved timed passes."""
+    rows, times, peaks = {}, {}, {}
+    for name, fn in runs.items():
+        if isinstance(fn, str):
+            rows[name] = {"contender": name, "status": fn}
+            continue
+        _, outs = one_pass(fn, data, device)
+        rows[name] = {"contender": name, "status": "ok",
+                      "max_abs_diff_vs_hf_fp32": bc.sig(max_diff(outs, reference, data))}
+        if name.endswith("compile"):
+            rows[name]["graphs_after_warmup"] = graph_count()
+        times[name], peaks[name] = [], 0
+        del outs
     for _ in range(repeats):
-        start = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for name in times:
+            _reset_peak_rss()
+            seconds, _ = one_pass(runs[name], data, device)
+            times[name].append(seconds)
+            peaks[name] = max(peaks[name], _rss_mb("VmHWM") or 0)
+    for name, ts in times.items():
+        seconds = sorted(ts)[len(ts) // 2]
+        rows[name].update(ms_per_batch=bc.sig(1e3 * seconds / len(data)), seconds_all=[bc.sig(t) for t in ts])
+        if device.type == "cpu":
+            rows[name]["peak_rss_mb"] = peaks[name]
+        if name.endswith("compile"):
+            rows[name]["graphs_after_timing"] = graph_count()
+    return rows, times
 
 
 def main():
     p = bc.parser(__doc__.splitlines()[0])
-    p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile contender")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile contenders")
+    p.add_argument("--lengths", default=None, help="comma-separated: uniform, corpus (default: both on the CPU)")
+    p.add_argument("--dtypes", default=None, help="comma-separated: fp32, bf16 (default: fp32,bf16 on the CPU)")
+    p.add_argument("--batches", type=int, default=None, help="batches of 32 per pass")
+    p.add_argument("--repeats", type=int, default=None, help="timed passes per contender (median)")
     args = p.parse_args()
-    device = bc.default_device()
-    quick = args.quick or device.type != "cuda"
+    device = torch.device(args.device) if args.device else bc.default_device()
+    quick = args.quick
     if quick:
         cfg = rf.RobertaConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                intermediate_size=128, max_position_embeddings=66)
-        dtype, shape, repeats = torch.float32, dict(count=2, batch_size=4, low=4, high=64), 1
+        shape, lengths, dtypes, repeats = dict(count=2, batch_size=4, low=4, high=64), ["uniform"], ["fp32"], 1
     else:
-        cfg, dtype = rf.RobertaConfig.preset("base"), torch.bfloat16
-        shape, repeats = dict(count=8, batch_size=32, low=8, high=512), 5
-    data = [(ids.to(device), mask.to(device)) for ids, mask in batches(vocab=cfg.vocab_size, **shape)]
-    real_tokens = sum(int(mask.sum()) for _, mask in data)
-    padded_tokens = sum(mask.numel() for _, mask in data)
-    print(f"device: {bc.device_facts(device)['name']}  dtype: {dtype}  real tokens/pass: {real_tokens} "
-          f"(padded to {padded_tokens})")
+        cfg = rf.RobertaConfig.preset("base")
+        shape, repeats = dict(count=2, batch_size=32, low=8, high=512), 3
+        lengths = ["uniform", "corpus"] if device.type == "cpu" else ["uniform"]
+        dtypes = ["fp32", "bf16"] if device.type == "cpu" else ["bf16"]
+    lengths = args.lengths.split(",") if args.lengths else lengths
+    dtypes = args.dtypes.split(",") if args.dtypes else dtypes
+    shape["count"] = args.batches or shape["count"]
+    repeats = args.repeats or repeats
+    skip_compile = args.skip_compile or quick
+    facts = bc.device_facts(device)
+    print(f"device: {facts['name']} ({facts.get('cores', '')} cores, {torch.get_num_threads()} threads)  "
+          f"load before: {os.getloadavg()}")
 
-    results = []
-    with torch.inference_mode():
-        for name, run in contenders(cfg, device, dtype, args.skip_compile or quick).items():
-            if isinstance(run, str):
-                results.append({"contender": name, "status": run})
-                continue
-            seconds = time_run(run, data, device, repeats)
-            results.append({"contender": name, "status": "ok", "ms_per_batch": bc.sig(1e3 * seconds / len(data)),
-                            "tokens_per_s": bc.sig(real_tokens / seconds)})
-    peer = next((r["tokens_per_s"] for r in results if r["contender"] == "hf-sdpa"), None)
-    for r in results:
-        if r["status"] == "ok" and peer:
-            r["vs_hf_sdpa"] = bc.sig(r["tokens_per_s"] / peer)
-    bc.print_rows(results, ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa"])
-    if args.json:
-        bc.write_json(args.json, bc.environment(device), results, config=dict(shape, dtype=str(dtype)),
-                      target={"rf-fused vs hf-sdpa": 2.0})
+    results, configs = [], {}
+    for dist in lengths:
+        draw = corpus_lengths(cfg.max_seq_len) if dist == "corpus" else None
+        data = [(ids.to(device), mask.to(device))
+                for ids, mask in batches(vocab=cfg.vocab_size, lengths_from=draw, **shape)]
+        real_tokens = sum(int(mask.sum()) for _, mask in data)
+        padded_tokens = sum(mask.numel() for _, mask in data)
+        configs[dist] = dict(shape, real_tokens=real_tokens, padded_tokens=padded_tokens)
+        print(f"\n== lengths {dist}: {shape['count']} batches of {shape['batch_size']}, real tokens/pass "
+              f"{real_tokens} (padded to {padded_tokens})")
+        reference = None
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            runs = contenders(cfg, device, dtype, skip_compile, data[0])
+            with torch.inference_mode():
+                if reference is None:  # transformers SDPA in fp32 on the same weights
+                    ref_model = hf_sdpa(cfg, device, torch.float32)
+                    reference = [hidden(ref_model(input_ids=ids, attention_mask=mask)) for ids, mask in data]
+                    del ref_model
+                rows, _ = measure(runs, data, device, repeats, reference)
+            del runs
+            peer = rows["hf-sdpa"].get("ms_per_batch")
+            for row in rows.values():
+                row.update(lengths=dist, dtype=dtype_name)
+                if row["status"] == "ok":
+                    row["tokens_per_s"] = bc.sig(real_tokens / (row["ms_per_batch"] * len(data) / 1e3))
+                    row["vs_hf_sdpa"] = bc.sig(peer / row["ms_per_batch"])
+            print(f"-- {dist} {dtype_name}  (load after: {os.getloadavg()})")
+            bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
+                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb"])
+            results += list(rows.values())
+    if args.json or quick:
+        path = args.json
+    elif device.type == "cuda":
+        path = bc.record_path(args, "inference", device)
+    else:  # CPU records are labelled as such
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                            f"inference-cpu-{facts['cores']}cores-{bc.environment(device)['date'][:10]}.json")
+    if path:
+        targets = ({"rf-unpadded vs hf-sdpa (uniform, fp32)": 1.6, "rf-unpadded vs onnxruntime (uniform, fp32)": 1.0,
+                    "max |diff| fp32": 1e-5} if device.type == "cpu" else {"rf-fused vs hf-sdpa": 2.0})
+        bc.write_json(path, bc.environment(device), results, config=dict(lengths=configs, model="tiny" if quick
+                      else "roberta-base shape, random weights", threads=torch.get_num_threads(),
+                      load_after=os.getloadavg()), target=targets)
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

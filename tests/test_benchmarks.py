@@ -54,6 +54,8 @@ def runs(tmp_path_factory):
     for name in KERNEL_BENCHES:
         if (BENCH / f"{name}.py").exists():
             jobs[name] = [f"benchmarks/{name}.py", "--quick"]
+    if "bench_inference" in jobs:
+        jobs["bench_inference"] += ["--device", "cpu", "--json", str(out / "inference.json")]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_run, args) for name, args in jobs.items()}
         return out, {name: f.result() for name, f in futures.items()}
@@ -137,6 +139,23 @@ def test_kernel_benchmark_quick(name, runs):
         pytest.skip(f"benchmarks/{name}.py is not written yet")
     proc = procs[name]
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
+    """bench_inference --quick --device cpu: the unpadded and padded encoders, transformers and
+    onnxruntime (when installed) run and agree with transformers fp32 at real positions."""
+    out, procs = runs
+    assert procs["bench_inference"].returncode == 0, procs["bench_inference"].stderr
+    rows = {r["contender"]: r for r in json.loads((out / "inference.json").read_text())["results"]}
+    expected = ["hf-sdpa", "hf-eager", "rf-unpadded", "rf-padded"]
+    if importlib.util.find_spec("onnxruntime") is not None:
+        expected.append("onnxruntime")
+    else:
+        assert "not installed" in rows["onnxruntime"]["status"]
+    for name in expected:
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["max_abs_diff_vs_hf_fp32"] <= 1e-5 and rows[name]["tokens_per_s"] > 0, rows[name]
+    assert rows["rf-compile"]["status"].startswith("skipped")
 
 
 # ---------------------------------------------------------------- bookkeeping
