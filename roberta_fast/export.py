@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .checkpoint import load_checkpoint
 from .config import RobertaConfig
-from .model import RobertaForMaskedLM, RobertaForSequenceClassification
+from .model import RobertaForMaskedLM
 from .sbo import RobertaForSpanBERT
 from .trainer import export_pretrained
 
@@ -48,14 +48,16 @@ def run_tokenizer(state: dict) -> str:
 
 def model_from_checkpoint(state: dict):
     """The model whose weights `state` holds: RobertaForMaskedLM (pretraining),
-    RobertaForSpanBERT (pretraining with the SBO) or RobertaForSequenceClassification
-    (fine-tuning), on the reference backend."""
+    RobertaForSpanBERT (pretraining with the SBO) or the fine-tuning task's model
+    (RobertaForSequenceClassification, ...ForTokenClassification, ...), on the reference backend."""
     if "model_config" not in state:
         raise ValueError("the checkpoint records no model config (a fine-tuning checkpoint written before "
                          "roberta_fast.export existed); export the run's best epoch from its model/ directory")
     config = RobertaConfig.from_dict(state["model_config"])
-    if "labels" in state:
-        cls = RobertaForSequenceClassification
+    if "labels" in state:  # fine-tuning: the task's model (checkpoints before --task: classify)
+        from .tasks import TASKS
+
+        cls = TASKS[state.get("task", "classify")].model_class
     elif any(key.startswith("sbo.") for key in state["model"]):  # --objective mlm+sbo: sbo.safetensors too
         cls = RobertaForSpanBERT
     else:

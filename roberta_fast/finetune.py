@@ -1,22 +1,30 @@
-"""`python -m roberta_fast.finetune`: sequence classification from a RoBERTa checkpoint.
+"""`python -m roberta_fast.finetune`: fine-tune a RoBERTa checkpoint on a classification,
+token classification, question answering or multiple-choice task.
 
     python -m roberta_fast.finetune --model runs/tiny/final --train train.csv --valid dev.csv \
         --text-field sentence --label-field label --out runs/cls
+    python -m roberta_fast.finetune --task token --train train.conll --valid dev.conll ...
+    python -m roberta_fast.finetune --task qa --train train-v2.0.json --valid dev-v2.0.json ...
+    python -m roberta_fast.finetune --task choice --train race_train.jsonl --valid race_dev.jsonl ...
 
-Input: CSV (with a header) or JSONL rows holding a text, optionally a second text (a
-pair, encoded `<s> a </s></s> b </s>` as RoBERTa does) and a label (any strings or
-integers; sorted, they become class ids and the config's id2label). The model is any
-local HF-format RoBERTa checkpoint (ours or transformers'); the tokenizer comes from
-that directory or --tokenizer. It reuses the pretraining machinery: fused backend on a
-GPU (padded batches run unpadded), FusedAdam, mixed precision with loss scaling,
-warmup + linear decay, atomic checkpoints with exact resume (also mid-epoch), progress
-and metrics.jsonl; each epoch reports validation loss, accuracy and macro-F1, and the
-best epoch is exported as an HF classifier (config.json + model.safetensors +
-tokenizer) that `transformers.AutoModelForSequenceClassification` loads.
+--task classify (the default): CSV (with a header) or JSONL rows holding a text, optionally a
+second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa does) and a label (any strings
+or integers; sorted, they become class ids and the config's id2label); validation loss,
+accuracy and macro-F1. The other tasks' formats and metrics are described in tasks.py: CoNLL or
+JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa), RACE-style JSONL (choice).
+
+The model is any local HF-format RoBERTa checkpoint (ours or transformers'); the tokenizer
+comes from that directory or --tokenizer. It reuses the pretraining machinery: fused backend
+on a GPU (padded batches run unpadded), FusedAdam, mixed precision with loss scaling, warmup +
+linear decay, atomic checkpoints with exact resume (also mid-epoch), progress and
+metrics.jsonl; each epoch reports the task's validation metrics, and the best epoch (the
+task's main metric: accuracy, entity F1, SQuAD F1) is exported as an HF model (config.json +
+model.safetensors + tokenizer) that transformers' Auto class and pipeline for the task load.
 Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
-model's own limit (at most 512). A run that never beats predicting the majority class says so.
+model's own limit (at most 512; 384 for qa, as run_qa). A classifier that never beats
+predicting the majority class says so.
 
 SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal's number (143,
 130); the same command then resumes, and refuses a checkpoint trained on another LR
@@ -25,9 +33,7 @@ schedule unless --allow-schedule-change. Bad input exits with status 2 and one m
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
 import math
 import signal
 import sys
@@ -40,9 +46,9 @@ import torch
 
 from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
 from .metrics import MetricsLogger
-from .model import RobertaForSequenceClassification
 from .precision import DynamicLossScaler, autocast, resolve_precision
 from .schedule import WarmupLinearDecay
+from .tasks import TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
 from .train_config import COMMAND_LINE_ONLY
 from .trainer import (Optimizer, check_schedule, export_pretrained, resolve_device, rng_state, seed_everything,
@@ -58,14 +64,19 @@ class FinetuneConfig:
     """Every option of the fine-tuning job (each is a --flag of the CLI; its comment is the help)."""
 
     model: str = ""  # HF-format RoBERTa directory or Hub name to start from (required)
-    train: str = ""  # CSV (with a header row) or JSONL file of training examples (required)
+    train: str = ""  # training file: see --task for its format (required)
+    task: str = "classify"  # classify (CSV/JSONL rows) | token (CoNLL, JSONL) | qa (SQuAD JSON) | choice (RACE JSONL)
     out: str = "runs/finetune"  # output directory: checkpoints, metrics.jsonl and the exported model/
-    valid: str | None = None  # held-out CSV/JSONL file (default: a deterministic 10% of --train, held out)
+    valid: str | None = None  # held-out file, as --train (default: a deterministic 10% of --train, held out)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
-    text_field: str = "text"  # column / JSON field holding the text
-    pair_field: str | None = None  # column / field of a second text, for pair tasks such as NLI (default: none)
-    label_field: str = "label"  # column / field holding the label (any strings or integers)
-    max_len: int | None = None  # tokens per example, special tokens included (default: the model's limit, <= 512)
+    text_field: str = "text"  # classify: column / JSON field holding the text
+    pair_field: str | None = None  # classify: column / field of a second text, for pairs such as NLI (default: none)
+    label_field: str = "label"  # classify: column / field holding the label (any strings or integers)
+    max_len: int | None = None  # tokens per sequence with the special ones (default: the model's limit, <= 512; qa <= 384)
+    doc_stride: int = 128  # qa: tokens shared by consecutive windows over a long context (run_qa's doc_stride)
+    max_answer_len: int = 30  # qa: longest predicted answer, in tokens
+    n_best: int = 20  # qa: start and end candidates tried per window
+    null_threshold: float = 0.0  # qa, SQuAD v2.0: answer nothing when the null score beats the best span by more
     epochs: int = 10  # passes over the training examples (RoBERTa's GLUE recipe: 10)
     batch_size: int = 16  # examples per optimizer step
     lr: float | None = None  # peak learning rate (default: 2e-5 * (768 / hidden size)^2, at most 1e-3; printed)
@@ -97,99 +108,17 @@ def default_lr(hidden_size: int) -> float:
     return min(1e-3, 2e-5 * (768 / hidden_size) ** 2)
 
 
-# ------------------------------------------------------------------------- data
-def read_examples(path: str | Path, cfg: FinetuneConfig) -> list[tuple[str, str | None, str]]:
-    """(text, pair or None, label as a string) of every row of a CSV or JSONL file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such data file: {path}")
-    fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
-    if path.suffix.lower() == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(enumerate(csv.DictReader(f), start=2))
-    elif path.suffix.lower() in (".jsonl", ".json"):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append((number, json.loads(line)))
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
-    else:
-        raise ValueError(f"{path}: expected a .csv (with a header row) or .jsonl file")
-    examples = []
-    for number, row in rows:
-        missing = [name for name in fields if not isinstance(row, dict) or name not in row]
-        if missing:
-            present = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"{path}:{number}: missing {missing} (the row has {present}); "
-                             "name the columns with --text-field / --pair-field / --label-field")
-        empty = [name for name in fields if row[name] is None or not str(row[name]).strip()]
-        if empty:  # a CSV row short of columns reads None, an empty cell ""
-            what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
-            raise ValueError(f"{path}:{number}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
-                             "is empty on this line; fill it in or remove the row")
-        pair = str(row[cfg.pair_field]) if cfg.pair_field else None
-        examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
-    if not examples:
-        raise ValueError(f"{path} holds no examples")
-    return examples
-
-
-def label_names(labels) -> list[str]:
-    """Class names in id order: numerically sorted when every label is an integer."""
-    names = set(labels)
-    if all(n.lstrip("-").isdigit() for n in names):
-        return sorted(names, key=int)
-    return sorted(names)
-
-
-def encode(tokenizer: RobertaTokenizer, examples, max_len: int) -> list[np.ndarray]:
-    """Token ids per example, pairs as `<s> a </s></s> b </s>`, truncated to max_len."""
-    backend = tokenizer.backend
-    backend.enable_truncation(max_len, strategy="longest_first")
-    try:
-        inputs = [(t, p) if p is not None else t for t, p, _ in examples]
-        return [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch(inputs)]
-    finally:
-        backend.no_truncation()
-
-
-def batches(ids, labels, batch_size: int, pad_id: int, order):
-    """Padded (input_ids, attention_mask, labels) tensors, `batch_size` examples at a time in `order`."""
-    for start in range(0, len(order), batch_size):
-        chosen = order[start:start + batch_size]
-        longest = max(len(ids[i]) for i in chosen)
-        x = np.full((len(chosen), longest), pad_id, dtype=np.int64)
-        for row, i in enumerate(chosen):
-            x[row, :len(ids[i])] = ids[i]
-        x = torch.from_numpy(x)
-        yield x, (x != pad_id).long(), torch.tensor([labels[i] for i in chosen])
-
-
-def accuracy_and_macro_f1(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[float, float]:
-    """Accuracy, and F1 averaged over the classes present in labels or predictions."""
-    accuracy = float((predictions == labels).mean())
-    f1s = []
-    for c in range(num_classes):
-        tp = np.sum((predictions == c) & (labels == c))
-        fp = np.sum((predictions == c) & (labels != c))
-        fn = np.sum((predictions != c) & (labels == c))
-        if tp + fp + fn:
-            f1s.append(2 * tp / (2 * tp + fp + fn))
-    return accuracy, float(np.mean(f1s))
-
-
 # ---------------------------------------------------------------------- the job
 class Finetuner:
-    """Owns the model, data, optimizer and state of one fine-tuning run."""
+    """Owns the model, data (a tasks.Task), optimizer and state of one fine-tuning run."""
 
     def __init__(self, cfg: FinetuneConfig, log=print):
         self.cfg, self.log = cfg, log
         for name in ("model", "train"):
             if not getattr(cfg, name):
                 raise ValueError(f"--{name} is required")
+        if cfg.task not in TASKS:
+            raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
         if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
                 or not (cfg.lr is None or cfg.lr > 0)):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4 and lr > 0")
@@ -199,33 +128,23 @@ class Finetuner:
         seed_everything(cfg.seed)
 
         self.tokenizer = RobertaTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
-        train = read_examples(cfg.train, cfg)
-        if cfg.valid:
-            valid = read_examples(cfg.valid, cfg)
-        else:  # a deterministic 10% of the training file
-            held = np.random.default_rng(cfg.seed).permutation(len(train))[: max(1, len(train) // 10)]
-            held_set = set(held.tolist())
-            valid = [train[i] for i in sorted(held_set)]
-            train = [e for i, e in enumerate(train) if i not in held_set]
-        self.names = label_names([e[2] for e in train + valid])
+        self.task = task = TASKS[cfg.task](cfg)
+        self.names = task.names
         with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
             warnings.simplefilter("always")
-            self.model = RobertaForSequenceClassification.from_pretrained(
-                cfg.model, backend=cfg.backend, num_labels=len(self.names))
+            self.model = task.model_class.from_pretrained(cfg.model, backend=cfg.backend, **task.model_kwargs())
         for w in caught:
             log(f"note: {w.message}")
         limit = self.model.config.max_seq_len
         if cfg.max_len is not None and cfg.max_len > limit:
             raise ValueError(f"--max-len {cfg.max_len} exceeds the model's {limit} positions; "
                              f"use --max-len {limit} or less (or leave it out: the model's limit is the default)")
-        self.max_len = cfg.max_len or min(limit, 512)
-        index = {name: i for i, name in enumerate(self.names)}
-        self.train_ids, self.valid_ids = (encode(self.tokenizer, data, self.max_len) for data in (train, valid))
-        self.train_labels = [index[e[2]] for e in train]
-        self.valid_labels = [index[e[2]] for e in valid]
-        extra = self.model.config.extra
-        extra["id2label"] = {str(i): n for i, n in enumerate(self.names)}
-        extra["label2id"] = {n: i for i, n in enumerate(self.names)}
+        self.max_len = cfg.max_len or min(limit, task.max_len)
+        task.encode(self.tokenizer, self.max_len)
+        if getattr(task, "truncated", 0):
+            log(f"note: {task.truncated} sentences are longer than --max-len {self.max_len} tokens: "
+                "their words past it are not trained on or scored; raise --max-len to keep them")
+        self.model.config.extra.update(task.config_extra())
         self.model.to(self.device)
         self.model.check_inputs = False  # ids come from the model's own tokenizer, lengths are truncated
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
@@ -238,7 +157,7 @@ class Finetuner:
             log(f"--lr not given: {cfg.lr:.3g} for hidden size {hidden} (2e-5 * (768 / {hidden})^2, "
                 "at most 1e-3; pass --lr to choose)")
 
-        self.steps_per_epoch = math.ceil(len(self.train_ids) / cfg.batch_size)
+        self.steps_per_epoch = math.ceil(len(task) / cfg.batch_size)
         total = self.steps_per_epoch * cfg.epochs
         self.schedule = WarmupLinearDecay(cfg.lr, round(cfg.warmup_ratio * total), total)
         self.optimizer = Optimizer(self.model, cfg)  # reads lr, betas, eps, weight_decay, clip_grad_norm
@@ -247,17 +166,21 @@ class Finetuner:
         self.step, self.best = 0, None
 
     def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train_ids))
+        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.task))
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "best": self.best, "rng": rng_state(self.device),
-                "labels": self.names,
+                "labels": self.names, "task": self.cfg.task,
                 "config": {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in COMMAND_LINE_ONLY},
                 "model_config": self.model.config.to_dict()}  # python -m roberta_fast.export rebuilds from it
 
     def load_state_dict(self, state: dict) -> None:
+        task = state.get("task", "classify")
+        if task != self.cfg.task:
+            raise ValueError(f"the checkpoint in {self.out} is of --task {task}, this run is --task "
+                             f"{self.cfg.task}: use another --out")
         if state["labels"] != self.names:
             raise ValueError(f"the checkpoint in {self.out} was trained on labels {state['labels']}, "
                              f"this data has {self.names}: use another --out")
@@ -272,10 +195,10 @@ class Finetuner:
         self.step, self.best = state["step"], state["best"]
         set_rng_state(state["rng"], self.device)
 
-    def train_step(self, x, mask, y) -> tuple[float, float, bool]:
+    def train_step(self, batch: dict) -> tuple[float, float, bool]:
         self.model.train()
         with autocast(self.precision, self.device):
-            loss = self.model(x, attention_mask=mask, labels=y).loss
+            loss = self.model(**{k: v.to(self.device) for k, v in batch.items()}).loss
         (loss * self.scaler.scale).backward()
         norm, skipped = self.optimizer.step(self.schedule.lr(), self.scaler.scale)
         self.optimizer.zero_grad()
@@ -286,18 +209,14 @@ class Finetuner:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """The task's validation metrics (loss first) at the current weights."""
         self.model.eval()
-        losses, predictions = [], []
-        order = np.arange(len(self.valid_ids))
-        for x, mask, y in batches(self.valid_ids, self.valid_labels, self.cfg.batch_size, self.pad_id, order):
-            x, mask, y = x.to(self.device), mask.to(self.device), y.to(self.device)
+
+        def run(batch):
             with autocast(self.precision, self.device):
-                out = self.model(x, attention_mask=mask, labels=y)
-            losses.append(float(out.loss) * len(y))
-            predictions.append(out.logits.argmax(-1).cpu().numpy())
-        predictions = np.concatenate(predictions)
-        accuracy, f1 = accuracy_and_macro_f1(predictions, np.asarray(self.valid_labels), len(self.names))
-        return {"loss": sum(losses) / len(self.valid_ids), "accuracy": accuracy, "f1": f1}
+                return self.model(**{k: v.to(self.device) for k, v in batch.items()})
+
+        return self.task.evaluate(run, self.cfg.batch_size, self.pad_id)
 
     def export(self, directory: Path) -> None:
         export_pretrained(self.model, self.tokenizer, directory)
@@ -309,19 +228,19 @@ class Finetuner:
             self.load_state_dict(load_checkpoint(latest, trust=self.cfg.trust_checkpoint))
             self.log(f"resumed from {latest} at step {self.step}")
         total = self.steps_per_epoch * self.cfg.epochs
+        key = self.task.best_metric
         metrics = MetricsLogger(self.out, total, start_step=self.step)
-        self.log(f"fine-tuning on {len(self.train_ids)} examples ({len(self.valid_ids)} held out), "
-                 f"{len(self.names)} classes {self.names}, {total} steps, {self.precision} on {self.device}")
+        self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training sequences "
+                 f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
+                 f"{self.precision} on {self.device}")
         result = None
         try:
             with StopSignal() as stop:
                 while self.step < total:
                     epoch, position = divmod(self.step, self.steps_per_epoch)
                     order = self.order(epoch)[position * self.cfg.batch_size:]
-                    for x, mask, y in batches(self.train_ids, self.train_labels, self.cfg.batch_size,
-                                              self.pad_id, order):
-                        loss, norm, skipped = self.train_step(x.to(self.device), mask.to(self.device),
-                                                              y.to(self.device))
+                    for batch in self.task.batches(order, self.cfg.batch_size, self.pad_id):
+                        loss, norm, skipped = self.train_step(batch)
                         self.step += 1
                         metrics.advance(self.step)
                         if self.step % self.cfg.log_every == 0:
@@ -335,20 +254,19 @@ class Finetuner:
                                     "signal": signal.Signals[stop.requested] if stop.requested else None}
                     result = self.evaluate()
                     metrics.log({"kind": "eval", "step": self.step, "epoch": epoch + 1, **result})
-                    metrics.write(f"epoch {epoch + 1}: valid loss {result['loss']:.4f}, "
-                                  f"accuracy {result['accuracy']:.4f}, macro-F1 {result['f1']:.4f}")
-                    if self.best is None or result["accuracy"] > self.best["accuracy"]:
+                    metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+                    if self.best is None or result[key] > self.best[key]:
                         self.best = {"epoch": epoch + 1, **result}
                         self.export(self.out / "model")
                     self.checkpoints.save(self.step, self.state_dict())
         finally:
             metrics.close()
-        self.log(f"best epoch {self.best['epoch']}: accuracy {self.best['accuracy']:.4f}, "
-                 f"macro-F1 {self.best['f1']:.4f}; exported to {self.out / 'model'}")
-        majority = max(np.bincount(self.valid_labels)) / len(self.valid_labels)
-        if self.best["accuracy"] <= majority:
-            self.log(f"warning: no epoch beat always predicting the most frequent class ({majority:.4f}): "
-                     f"the model has not learned the task. Try a larger --lr (this run: {self.cfg.lr:.3g}), "
+        self.log(f"best epoch {self.best['epoch']}: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in self.best.items() if k not in ("epoch", "loss")) +
+            f"; exported to {self.out / 'model'}")
+        warning = self.task.baseline_warning(self.best)
+        if warning:
+            self.log(f"warning: {warning}. Try a larger --lr (this run: {self.cfg.lr:.3g}), "
                      "more --epochs, more data or a better-pretrained model")
         return {"best": self.best, "last": result}
 

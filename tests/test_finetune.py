@@ -215,7 +215,7 @@ def test_max_len_defaults_to_the_models_limit(task, tmp_path):
     job = Finetuner(config(task, tmp_path / "run", max_len=None, epochs=1), log=lambda *_: None)
     assert job.max_len == 32
     long_text = [(" ".join(["alpha"] * 100), None, "pos")]
-    assert len(job.train_ids[0]) <= 32 and len(encode(job.tokenizer, long_text, job.max_len)[0]) == 32
+    assert len(job.task.train_ids[0]) <= 32 and len(encode(job.tokenizer, long_text, job.max_len)[0]) == 32
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

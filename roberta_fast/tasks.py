@@ -1,0 +1,703 @@
+"""The fine-tuning tasks of `python -m roberta_fast.finetune --task classify|token|qa|choice`:
+their file formats, encoding, batches and metrics. The training loop is finetune.py's.
+
+- classify: CSV / JSONL rows of a text, an optional pair text and a label; accuracy, macro-F1.
+- token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
+  column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
+  `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
+  RobertaTokenizerFast(add_prefix_space=True) encodes `is_split_into_words` input: each word
+  with a space before it; the tag goes to its first sub-token, -100 to the others (as
+  run_ner). Accuracy over words, and entity precision/recall/F1 with seqeval's default
+  (conlleval) chunking of BIO / IOB2 / IOBES tags, when every tag is `O` or `X-TYPE`.
+- qa: SQuAD v1.1 / v2.0 JSON. Long contexts are cut into windows of --max-len tokens that
+  overlap by --doc-stride tokens (transformers' run_qa); an answer outside a window, or an
+  unanswerable v2.0 question, points at `<s>` (position 0). Predictions are run_qa's
+  postprocessing (n best starts x ends, at most --max-answer-len tokens, v2.0: the empty
+  answer when the null score beats the best span by more than --null-threshold), scored with
+  the official SQuAD v2.0 script's exact match and F1 (x100; on answerable questions the
+  same as v1.1's).
+- choice: RACE-style JSONL, `{"article", "question", "options": [...], "answer": "A"}` per
+  question, or RACE's own per-article layout (`"questions"`, `"options"`, `"answers"` lists).
+  Each option is encoded `<s> article </s></s> question option </s>` (an `_` in the question
+  is replaced by the option, as fairseq's RACE preprocessing), the article truncated; accuracy.
+
+Bad input is a ValueError naming the file and line (or question id) and the fix.
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, RobertaForSequenceClassification,
+                    RobertaForTokenClassification)
+
+IGNORE = -100  # label of the tokens the loss skips
+
+
+# ------------------------------------------------------------------ shared helpers
+def data_file(path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such data file: {path}")
+    return path
+
+
+def json_lines(path: Path):
+    """(line number, object) of every non-blank line of a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{number}: a JSON {type(row).__name__}, expected an object")
+                yield number, row
+
+
+def hold_out(train: list, seed: int) -> tuple[list, list]:
+    """(train, valid): a deterministic 10% of the examples held out, for runs without --valid."""
+    held = set(np.random.default_rng(seed).permutation(len(train))[: max(1, len(train) // 10)].tolist())
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+def pad(rows, pad_id: int) -> torch.Tensor:
+    """Equal-length id arrays of any leading shape, padded on the right to the longest: (n, ..., longest)."""
+    longest = max(r.shape[-1] for r in rows)
+    out = np.full((len(rows), *rows[0].shape[:-1], longest), pad_id, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, ..., :r.shape[-1]] = r
+    return torch.from_numpy(out)
+
+
+def label_names(labels) -> list[str]:
+    """Class names in id order: numerically sorted when every label is an integer."""
+    names = set(labels)
+    if all(n.lstrip("-").isdigit() for n in names):
+        return sorted(names, key=int)
+    return sorted(names)
+
+
+class Task:
+    """One task's data and metrics; finetune.Finetuner runs the loop.
+
+    Subclasses read --train / --valid in __init__, set `names` (the labels a checkpoint must
+    match), build the model's inputs in `encode(tokenizer, max_len)`, and give batches of
+    model keyword arguments and the validation metrics (`best_metric` picks the best epoch)."""
+
+    name = model_class = best_metric = None
+    max_len = 512  # default tokens per sequence, capped by the model's positions
+
+    def model_kwargs(self) -> dict:
+        return {}
+
+    def config_extra(self) -> dict:
+        """Fields for the exported config.json (id2label for the pipelines)."""
+        if not self.names:
+            return {}
+        return {"id2label": {str(i): n for i, n in enumerate(self.names)},
+                "label2id": {n: i for i, n in enumerate(self.names)}}
+
+    def describe(self) -> str:
+        return f"{len(self.names)} labels {self.names}"
+
+    def baseline_warning(self, best: dict) -> str | None:
+        return None
+
+
+# ------------------------------------------------------------- classification
+def read_examples(path, cfg) -> list[tuple[str, str | None, str]]:
+    """(text, pair or None, label as a string) of every row of a CSV or JSONL file."""
+    path = data_file(path)
+    fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(enumerate(csv.DictReader(f), start=2))
+    elif path.suffix.lower() in (".jsonl", ".json"):
+        rows = list(json_lines(path))
+    else:
+        raise ValueError(f"{path}: expected a .csv (with a header row) or .jsonl file")
+    examples = []
+    for number, row in rows:
+        missing = [name for name in fields if name not in row]
+        if missing:
+            raise ValueError(f"{path}:{number}: missing {missing} (the row has {sorted(row)}); "
+                             "name the columns with --text-field / --pair-field / --label-field")
+        empty = [name for name in fields if row[name] is None or not str(row[name]).strip()]
+        if empty:  # a CSV row short of columns reads None, an empty cell ""
+            what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
+            raise ValueError(f"{path}:{number}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
+                             "is empty on this line; fill it in or remove the row")
+        pair = str(row[cfg.pair_field]) if cfg.pair_field else None
+        examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
+    if not examples:
+        raise ValueError(f"{path} holds no examples")
+    return examples
+
+
+def encode(tokenizer, examples, max_len: int) -> list[np.ndarray]:
+    """Token ids per example, pairs as `<s> a </s></s> b </s>`, truncated to max_len."""
+    backend = tokenizer.backend
+    backend.enable_truncation(max_len, strategy="longest_first")
+    try:
+        inputs = [(t, p) if p is not None else t for t, p, _ in examples]
+        return [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch(inputs)]
+    finally:
+        backend.no_truncation()
+
+
+def accuracy_and_macro_f1(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[float, float]:
+    """Accuracy, and F1 averaged over the classes present in labels or predictions."""
+    accuracy = float((predictions == labels).mean())
+    f1s = []
+    for c in range(num_classes):
+        tp = np.sum((predictions == c) & (labels == c))
+        fp = np.sum((predictions == c) & (labels != c))
+        fn = np.sum((predictions != c) & (labels == c))
+        if tp + fp + fn:
+            f1s.append(2 * tp / (2 * tp + fp + fn))
+    return accuracy, float(np.mean(f1s))
+
+
+class ClassifyTask(Task):
+    name, model_class, best_metric = "classify", RobertaForSequenceClassification, "accuracy"
+
+    def __init__(self, cfg):
+        train = read_examples(cfg.train, cfg)
+        valid = read_examples(cfg.valid, cfg) if cfg.valid else None
+        if valid is None:
+            train, valid = hold_out(train, cfg.seed)
+        self.train, self.valid = train, valid
+        self.names = label_names([e[2] for e in train + valid])
+
+    def model_kwargs(self):
+        return {"num_labels": len(self.names)}
+
+    def describe(self):
+        return f"{len(self.names)} classes {self.names}"
+
+    def encode(self, tokenizer, max_len):
+        index = {name: i for i, name in enumerate(self.names)}
+        self.train_ids, self.valid_ids = (encode(tokenizer, data, max_len) for data in (self.train, self.valid))
+        self.train_labels = [index[e[2]] for e in self.train]
+        self.valid_labels = [index[e[2]] for e in self.valid]
+
+    def __len__(self):
+        return len(self.train_ids)
+
+    def batches(self, order, batch_size, pad_id, train=True):
+        ids, labels = (self.train_ids, self.train_labels) if train else (self.valid_ids, self.valid_labels)
+        for start in range(0, len(order), batch_size):
+            chosen = order[start:start + batch_size]
+            x = pad([ids[i] for i in chosen], pad_id)
+            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+                   "labels": torch.tensor([labels[i] for i in chosen])}
+
+    def evaluate(self, run, batch_size, pad_id):
+        losses, predictions = [], []
+        for batch in self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False):
+            out = run(batch)
+            losses.append(float(out.loss) * len(batch["labels"]))
+            predictions.append(out.logits.argmax(-1).cpu().numpy())
+        accuracy, f1 = accuracy_and_macro_f1(np.concatenate(predictions), np.asarray(self.valid_labels),
+                                             len(self.names))
+        return {"loss": sum(losses) / len(self.valid_ids), "accuracy": accuracy, "f1": f1}
+
+    def baseline_warning(self, best):
+        majority = max(np.bincount(self.valid_labels)) / len(self.valid_labels)
+        if best["accuracy"] <= majority:
+            return (f"no epoch beat always predicting the most frequent class ({majority:.4f}): "
+                    "the model has not learned the task")
+        return None
+
+
+# --------------------------------------------------------- token classification
+def read_tagged(path) -> list[tuple[list[str], list[str]]]:
+    """(words, tags) of every sentence of a CoNLL-style file or a JSONL file (by suffix .jsonl / .json)."""
+    path = data_file(path)
+    sentences = []
+    if path.suffix.lower() in (".jsonl", ".json"):
+        for number, row in json_lines(path):
+            words, tags = row.get("tokens"), row.get("tags")
+            if not isinstance(words, list) or not isinstance(tags, list):
+                raise ValueError(f"{path}:{number}: expected {{\"tokens\": [...], \"tags\": [...]}} "
+                                 f"(the object has {sorted(row)})")
+            if len(words) != len(tags) or not words:
+                raise ValueError(f"{path}:{number}: {len(words)} tokens and {len(tags)} tags; "
+                                 "give one tag per token, at least one token")
+            if not all(isinstance(w, str) and w and not w.isspace() for w in words):
+                raise ValueError(f"{path}:{number}: every token must be a non-blank string")
+            sentences.append((words, [str(t) for t in tags]))
+    else:
+        words, tags = [], []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                columns = line.split()
+                if columns and columns[0] == "-DOCSTART-":
+                    continue
+                if not columns:
+                    if words:
+                        sentences.append((words, tags))
+                    words, tags = [], []
+                    continue
+                if len(columns) < 2:
+                    raise ValueError(f"{path}:{number}: {line.strip()!r} has a word and no tag; CoNLL lines are "
+                                     "'word<TAB or space>tag' (the tag in the last column), a blank line "
+                                     "between sentences")
+                words.append(columns[0])
+                tags.append(columns[-1])
+        if words:
+            sentences.append((words, tags))
+    if not sentences:
+        raise ValueError(f"{path} holds no sentences")
+    return sentences
+
+
+def encode_words(tokenizer, sentences, max_len: int) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+    """(ids, word index per token (-1 on `<s>`, `</s>`), sentences truncated) for word lists.
+
+    As RobertaTokenizerFast(add_prefix_space=True) with is_split_into_words=True: each word
+    is encoded with a space before it (the byte-level pre-tokenizer splits at spaces anyway,
+    so no token spans two words); at most max_len tokens with `<s>` and `</s>`."""
+    flat = [" " + w for words, _ in sentences for w in words]
+    pieces = iter(tokenizer.encode_batch(flat, add_special_tokens=False))
+    ids, word_index, truncated = [], [], 0
+    for words, _ in sentences:
+        tokens, owner = [tokenizer.bos_id], [-1]
+        for i in range(len(words)):
+            piece = next(pieces)
+            tokens += piece
+            owner += [i] * len(piece)
+        if len(tokens) + 1 > max_len:
+            tokens, owner = tokens[:max_len - 1], owner[:max_len - 1]
+            truncated += 1
+        ids.append(np.asarray(tokens + [tokenizer.eos_id], dtype=np.int64))
+        word_index.append(np.asarray(owner + [-1], dtype=np.int64))
+    return ids, word_index, truncated
+
+
+def first_subtoken_labels(word_index: np.ndarray, tag_ids) -> np.ndarray:
+    """Each word's tag id on its first sub-token, -100 on the other sub-tokens and the special tokens."""
+    first = (word_index >= 0) & np.r_[True, word_index[1:] != word_index[:-1]]
+    labels = np.full(len(word_index), IGNORE, dtype=np.int64)
+    labels[first] = np.asarray(tag_ids)[word_index[first]]
+    return labels
+
+
+def chunks(tags: list[str]) -> set[tuple[str, int, int]]:
+    """(type, first, last) of the entities in one sentence's tags, as seqeval's default mode
+    (conlleval): an I- or E- after O or another type starts an entity, a change of type ends one."""
+    found, start, prev, prev_type = set(), 0, "O", ""
+    for i, tag in enumerate(list(tags) + ["O"]):
+        kind, entity = (tag[0], tag[2:]) if tag != "O" else ("O", "")
+        ends = (prev in "ES" or (prev in "BI" and kind in "BSO")) or (prev != "O" and prev_type != entity)
+        if ends and prev != "O":
+            found.add((prev_type, start, i - 1))
+        if (kind in "BS" or (prev in "ESO" and kind in "EI")) or (kind != "O" and prev_type != entity):
+            start = i
+        prev, prev_type = kind, entity
+    return found
+
+
+def is_chunked(names) -> bool:
+    """Whether tags name entities (O, or B-/I-/E-/S- and a type) rather than, say, POS tags."""
+    return all(n == "O" or re.fullmatch(r"[BIES]-.+", n) for n in names)
+
+
+def entity_scores(gold: list[list[str]], predicted: list[list[str]]) -> dict:
+    """Micro precision, recall and F1 of the entities (seqeval's classification_report 'micro avg')."""
+    true = {(s, *c) for s, tags in enumerate(gold) for c in chunks(tags)}
+    pred = {(s, *c) for s, tags in enumerate(predicted) for c in chunks(tags)}
+    correct = len(true & pred)
+    p = correct / len(pred) if pred else 0.0
+    r = correct / len(true) if true else 0.0
+    return {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0}
+
+
+class TokenTask(Task):
+    name, model_class = "token", RobertaForTokenClassification
+
+    def __init__(self, cfg):
+        train = read_tagged(cfg.train)
+        valid = read_tagged(cfg.valid) if cfg.valid else None
+        if valid is None:
+            train, valid = hold_out(train, cfg.seed)
+        self.train, self.valid = train, valid
+        self.names = label_names([t for _, tags in train + valid for t in tags])
+        self.chunked = is_chunked(self.names)
+        self.best_metric = "f1" if self.chunked else "accuracy"
+
+    def model_kwargs(self):
+        return {"num_labels": len(self.names)}
+
+    def describe(self):
+        return f"{len(self.names)} tags {self.names}" + ("" if self.chunked else " (not BIO: accuracy only)")
+
+    def encode(self, tokenizer, max_len):
+        index = {n: i for i, n in enumerate(self.names)}
+        self.truncated = 0
+        for split in ("train", "valid"):
+            sentences = getattr(self, split)
+            ids, owners, truncated = encode_words(tokenizer, sentences, max_len)
+            labels = [first_subtoken_labels(o, [index[t] for t in tags]) for o, (_, tags) in zip(owners, sentences)]
+            setattr(self, f"{split}_ids", ids)
+            setattr(self, f"{split}_labels", labels)
+            self.truncated += truncated
+
+    def __len__(self):
+        return len(self.train_ids)
+
+    def batches(self, order, batch_size, pad_id, train=True):
+        ids, labels = (self.train_ids, self.train_labels) if train else (self.valid_ids, self.valid_labels)
+        for start in range(0, len(order), batch_size):
+            chosen = order[start:start + batch_size]
+            x = pad([ids[i] for i in chosen], pad_id)
+            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+                   "labels": pad([labels[i] for i in chosen], IGNORE)}
+
+    def evaluate(self, run, batch_size, pad_id):
+        """Loss, accuracy over the (untruncated) words, and entity scores when the tags are BIO-like."""
+        loss, gold, predicted = 0.0, [], []
+        for batch in self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False):
+            out = run(batch)
+            loss += float(out.loss) * len(batch["labels"])
+            labels, guesses = batch["labels"].numpy(), out.logits.argmax(-1).cpu().numpy()
+            for row, guess in zip(labels, guesses):
+                kept = row != IGNORE
+                gold.append([self.names[i] for i in row[kept]])
+                predicted.append([self.names[i] for i in guess[kept]])
+        words = sum(len(g) for g in gold)
+        result = {"loss": loss / len(self.valid_ids),
+                  "accuracy": sum(a == b for g, p in zip(gold, predicted) for a, b in zip(g, p)) / words}
+        if self.chunked:
+            result.update(entity_scores(gold, predicted))
+        return result
+
+
+# ------------------------------------------------------------ question answering
+@dataclass
+class QAExample:
+    id: str
+    question: str
+    context: str
+    answers: list  # (text, start character) pairs; empty for a v2.0 unanswerable question
+
+
+@dataclass
+class QAFeature:
+    """One window of one example: ids (seqlen,), each token's (start, end) character span in the
+    context, (-1, -1) off the context; the answer's token positions (0, 0: `<s>`, no answer here)."""
+
+    example: int
+    ids: np.ndarray
+    offsets: np.ndarray  # (seqlen, 2)
+    start: int
+    end: int
+
+
+def read_squad(path) -> tuple[list[QAExample], bool]:
+    """The questions of a SQuAD v1.1 / v2.0 JSON file, and whether it has unanswerable ones (v2.0)."""
+    path = data_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            squad = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a JSON file ({err}); --task qa reads SQuAD's JSON") from err
+    if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
+        raise ValueError(f"{path}: expected SQuAD's layout "
+                         '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}')
+    examples, impossible = [], False
+    for article in squad["data"]:
+        for paragraph in article.get("paragraphs", []):
+            context = paragraph.get("context")
+            for qa in paragraph.get("qas", []):
+                qid = qa.get("id", "?")
+                where = f"{path}: question {qid!r}"
+                if not isinstance(context, str) or not isinstance(qa.get("question"), str):
+                    raise ValueError(f"{where}: needs a context and a question (strings)")
+                answers = []
+                for a in qa.get("answers", []):
+                    text, start = a.get("text"), a.get("answer_start")
+                    if (not isinstance(text, str) or not isinstance(start, int)
+                            or context[start:start + len(text)] != text):
+                        raise ValueError(f"{where}: the answer {text!r} is not at answer_start {start!r} of the "
+                                         "context; answer_start is its character offset in the context")
+                    answers.append((text, start))
+                if qa.get("is_impossible"):
+                    impossible, answers = True, []
+                elif not answers:
+                    raise ValueError(f"{where} has no answer and no \"is_impossible\": true (SQuAD v2.0's mark of "
+                                     "an unanswerable question)")
+                examples.append(QAExample(str(qid), qa["question"], context, answers))
+    if not examples:
+        raise ValueError(f"{path} holds no questions")
+    return examples, impossible
+
+
+def qa_features(tokenizer, examples: list[QAExample], max_len: int, doc_stride: int) -> list[QAFeature]:
+    """Windows of `<s> question </s></s> context </s>` over each context, consecutive windows
+    sharing doc_stride tokens, labelled with the first answer as run_qa's prepare_train_features."""
+    backend = tokenizer.backend
+    backend.enable_truncation(max_len, stride=doc_stride, strategy="only_second")
+    try:
+        encodings = backend.encode_batch([(e.question.lstrip(), e.context) for e in examples])
+    except Exception as err:  # noqa: BLE001 -- tokenizers raises plain Exceptions
+        raise ValueError(f"a question and --doc-stride {doc_stride} tokens of context do not fit in --max-len "
+                         f"{max_len} ({err}); use a larger --max-len or a smaller --doc-stride") from None
+    finally:
+        backend.no_truncation()
+    features = []
+    for n, (example, first) in enumerate(zip(examples, encodings)):
+        for enc in [first] + first.overflowing:
+            in_context = np.asarray([s == 1 for s in enc.sequence_ids])
+            offsets = np.where(in_context[:, None], np.asarray(enc.offsets, dtype=np.int64), -1)
+            start = end = 0
+            if example.answers:
+                text, first_char = example.answers[0]
+                last_char = first_char + len(text)
+                inside = np.flatnonzero(in_context)
+                if offsets[inside[0], 0] <= first_char and offsets[inside[-1], 1] >= last_char:
+                    # the last context token starting at or before the answer; the first ending at or after it
+                    start = inside[offsets[inside, 0] <= first_char][-1]
+                    end = inside[offsets[inside, 1] >= last_char][0]
+            features.append(QAFeature(n, np.asarray(enc.ids, dtype=np.int64), offsets, int(start), int(end)))
+    return features
+
+
+def best_answers(examples, features, start_logits, end_logits, *, version_2: bool, n_best: int = 20,
+                 max_answer_len: int = 30, null_threshold: float = 0.0) -> dict[str, str]:
+    """Answer text per question id from each feature's logits, as run_qa's postprocess_qa_predictions.
+
+    Candidates: the n_best highest start and end logits of every window, both in the context,
+    end >= start, at most max_answer_len tokens; scored start + end logit. v2.0: the null score
+    is the lowest `<s>` start + end over the windows; the answer is empty when it exceeds the
+    best span's score by more than null_threshold."""
+    by_example = collections.defaultdict(list)
+    for i, f in enumerate(features):
+        by_example[f.example].append(i)
+    answers = {}
+    for n, example in enumerate(examples):
+        spans, null = [], None
+        for i in by_example[n]:
+            s, e, offsets = start_logits[i], end_logits[i], features[i].offsets
+            null = s[0] + e[0] if null is None else min(null, s[0] + e[0])
+            for a in np.argsort(s)[::-1][:n_best]:
+                for b in np.argsort(e)[::-1][:n_best]:
+                    if offsets[a, 0] < 0 or offsets[b, 0] < 0 or b < a or b - a + 1 > max_answer_len:
+                        continue
+                    spans.append((s[a] + e[b], example.context[offsets[a, 0]:offsets[b, 1]]))
+        spans.sort(key=lambda span: -span[0])
+        best = next(((score, text) for score, text in spans[:n_best] if text), None)
+        if best is None or (version_2 and null - best[0] > null_threshold):
+            answers[example.id] = ""
+        else:
+            answers[example.id] = best[1]
+    return answers
+
+
+def normalize_answer(s: str) -> str:
+    """The official SQuAD script's: lower case, no punctuation, no articles, single spaces."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def answer_f1(gold: str, predicted: str) -> float:
+    """The official SQuAD v2.0 script's compute_f1 (bag-of-words overlap of the normalized texts)."""
+    gold_tokens, pred_tokens = normalize_answer(gold).split(), normalize_answer(predicted).split()
+    if not gold_tokens or not pred_tokens:  # no answer: right only if both are empty
+        return float(gold_tokens == pred_tokens)
+    same = sum((collections.Counter(gold_tokens) & collections.Counter(pred_tokens)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_scores(examples: list[QAExample], predictions: dict[str, str]) -> dict:
+    """exact_match and f1 (x100) as the official SQuAD v2.0 script: per question the best over its
+    gold answers (those that normalize to nothing dropped; none left: the empty answer)."""
+    exact = f1 = 0.0
+    for e in examples:
+        golds = [text for text, _ in e.answers if normalize_answer(text)] or [""]
+        predicted = predictions[e.id]
+        exact += max(float(normalize_answer(g) == normalize_answer(predicted)) for g in golds)
+        f1 += max(answer_f1(g, predicted) for g in golds)
+    return {"exact_match": 100 * exact / len(examples), "f1": 100 * f1 / len(examples)}
+
+
+class QATask(Task):
+    name, model_class, best_metric = "qa", RobertaForQuestionAnswering, "f1"
+    max_len = 384  # run_qa's default
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        train, v2_train = read_squad(cfg.train)
+        valid, v2_valid = read_squad(cfg.valid) if cfg.valid else (None, False)
+        if valid is None:
+            train, valid = hold_out(train, cfg.seed)
+        self.train, self.valid, self.version_2 = train, valid, v2_train or v2_valid
+        self.names = []
+
+    def describe(self):
+        return f"SQuAD {'v2.0 (unanswerable questions)' if self.version_2 else 'v1.1'}"
+
+    def encode(self, tokenizer, max_len):
+        if not 0 <= self.cfg.doc_stride < max_len:
+            raise ValueError(f"--doc-stride {self.cfg.doc_stride} must be at least 0 and below --max-len {max_len}")
+        self.train_features = qa_features(tokenizer, self.train, max_len, self.cfg.doc_stride)
+        self.valid_features = qa_features(tokenizer, self.valid, max_len, self.cfg.doc_stride)
+
+    def __len__(self):
+        return len(self.train_features)
+
+    def batches(self, order, batch_size, pad_id, train=True):
+        features = self.train_features if train else self.valid_features
+        for start in range(0, len(order), batch_size):
+            chosen = [features[i] for i in order[start:start + batch_size]]
+            x = pad([f.ids for f in chosen], pad_id)
+            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+                   "start_positions": torch.tensor([f.start for f in chosen]),
+                   "end_positions": torch.tensor([f.end for f in chosen])}
+
+    def evaluate(self, run, batch_size, pad_id):
+        loss, starts, ends = 0.0, [], []
+        features = self.valid_features
+        for start, batch in zip(range(0, len(features), batch_size),
+                                self.batches(np.arange(len(features)), batch_size, pad_id, train=False)):
+            out = run(batch)
+            loss += float(out.loss) * len(batch["input_ids"])
+            for f, s, e in zip(features[start:start + batch_size], out.start_logits.float().cpu().numpy(),
+                               out.end_logits.float().cpu().numpy()):
+                starts.append(s[:len(f.ids)])
+                ends.append(e[:len(f.ids)])
+        predictions = best_answers(self.valid, features, starts, ends, version_2=self.version_2,
+                                   n_best=self.cfg.n_best, max_answer_len=self.cfg.max_answer_len,
+                                   null_threshold=self.cfg.null_threshold)
+        return {"loss": loss / len(features), **squad_scores(self.valid, predictions)}
+
+
+# --------------------------------------------------------------- multiple choice
+@dataclass
+class ChoiceExample:
+    article: str
+    question: str
+    options: list[str]
+    answer: int
+
+
+def _answer_index(answer, options: int, where: str) -> int:
+    """'A'.. or 0.. -> the option's index."""
+    if isinstance(answer, str) and len(answer) == 1 and answer.isalpha():
+        index = ord(answer.upper()) - ord("A")
+    elif isinstance(answer, int) and not isinstance(answer, bool):
+        index = answer
+    else:
+        index = -1
+    if not 0 <= index < options:
+        raise ValueError(f"{where}: answer {answer!r} is not one of the {options} options; give a letter "
+                         f"'A'..'{chr(ord('A') + options - 1)}' or an index 0..{options - 1}")
+    return index
+
+
+def read_choices(path) -> list[ChoiceExample]:
+    """The questions of a RACE-style JSONL file: one per line, or RACE's per-article objects."""
+    path = data_file(path)
+    examples = []
+    for number, row in json_lines(path):
+        where = f"{path}:{number}"
+        if "questions" in row:  # RACE's own layout: an article with parallel lists
+            qs, opts, answers = row.get("questions"), row.get("options"), row.get("answers")
+            if not (isinstance(qs, list) and isinstance(opts, list) and isinstance(answers, list)
+                    and len(qs) == len(opts) == len(answers)):
+                raise ValueError(f"{where}: RACE's layout needs lists \"questions\", \"options\" and \"answers\" "
+                                 "of equal length")
+            items = zip(qs, opts, answers)
+        else:
+            items = [(row.get("question"), row.get("options"), row.get("answer"))]
+        article = row.get("article")
+        for question, options, answer in items:
+            if not isinstance(article, str) or not isinstance(question, str):
+                raise ValueError(f"{where}: expected {{\"article\", \"question\", \"options\", \"answer\"}} with "
+                                 f"string article and question (the object has {sorted(row)})")
+            if not (isinstance(options, list) and len(options) >= 2 and all(isinstance(o, str) for o in options)):
+                raise ValueError(f"{where}: \"options\" must be a list of at least 2 strings")
+            examples.append(ChoiceExample(article, question, options, _answer_index(answer, len(options), where)))
+        if examples and len(examples[-1].options) != len(examples[0].options):
+            raise ValueError(f"{where}: {len(examples[-1].options)} options, the first question has "
+                             f"{len(examples[0].options)}; every question needs the same number")
+    if not examples:
+        raise ValueError(f"{path} holds no questions")
+    return examples
+
+
+def encode_choices(tokenizer, examples: list[ChoiceExample], max_len: int) -> list[np.ndarray]:
+    """(num_choices, seqlen) ids per question: `<s> article </s></s> question option </s>`, the article truncated."""
+    pairs = [(e.article, e.question.replace("_", o) if "_" in e.question else f"{e.question} {o}")
+             for e in examples for o in e.options]
+    backend = tokenizer.backend
+    backend.enable_truncation(max_len, strategy="only_first")
+    try:
+        encodings = backend.encode_batch(pairs)
+    except Exception as err:  # noqa: BLE001 -- tokenizers raises plain Exceptions
+        raise ValueError(f"a question with an option does not fit in --max-len {max_len} ({err}); "
+                         "use a larger --max-len") from None
+    finally:
+        backend.no_truncation()
+    out, k = [], 0
+    for e in examples:
+        rows = [np.asarray(enc.ids, dtype=np.int64) for enc in encodings[k:k + len(e.options)]]
+        k += len(e.options)
+        out.append(pad(rows, tokenizer.pad_id).numpy())  # (num_choices, longest option)
+    return out
+
+
+class ChoiceTask(Task):
+    name, model_class, best_metric = "choice", RobertaForMultipleChoice, "accuracy"
+
+    def __init__(self, cfg):
+        train = read_choices(cfg.train)
+        valid = read_choices(cfg.valid) if cfg.valid else None
+        if valid is None:
+            train, valid = hold_out(train, cfg.seed)
+        if len(valid[0].options) != len(train[0].options):
+            raise ValueError(f"{cfg.valid}: {len(valid[0].options)} options per question, {cfg.train} has "
+                             f"{len(train[0].options)}; both need the same number")
+        self.train, self.valid, self.names = train, valid, []
+
+    def describe(self):
+        return f"{len(self.train[0].options)} options per question"
+
+    def encode(self, tokenizer, max_len):
+        self.train_ids, self.valid_ids = (encode_choices(tokenizer, d, max_len) for d in (self.train, self.valid))
+
+    def __len__(self):
+        return len(self.train_ids)
+
+    def batches(self, order, batch_size, pad_id, train=True):
+        ids, examples = (self.train_ids, self.train) if train else (self.valid_ids, self.valid)
+        for start in range(0, len(order), batch_size):
+            chosen = order[start:start + batch_size]
+            x = pad([ids[i] for i in chosen], pad_id)  # (batch, num_choices, longest)
+            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+                   "labels": torch.tensor([examples[i].answer for i in chosen])}
+
+    def evaluate(self, run, batch_size, pad_id):
+        loss = right = 0.0
+        for batch in self.batches(np.arange(len(self.valid)), batch_size, pad_id, train=False):
+            out = run(batch)
+            loss += float(out.loss) * len(batch["labels"])
+            right += float((out.logits.argmax(-1).cpu() == batch["labels"]).sum())
+        return {"loss": loss / len(self.valid), "accuracy": right / len(self.valid)}
+
+
+TASKS = {t.name: t for t in (ClassifyTask, TokenTask, QATask, ChoiceTask)}
