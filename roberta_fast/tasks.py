@@ -446,13 +446,17 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
 def qa_features(tokenizer, examples: list[QAExample], max_len: int, doc_stride: int) -> list[QAFeature]:
     """Windows of `<s> question </s></s> context </s>` over each context, consecutive windows
     sharing doc_stride tokens, labelled with the first answer as run_qa's prepare_train_features."""
+    questions = [e.question.lstrip() for e in examples]
+    for e, ids in zip(examples, tokenizer.encode_batch(questions, add_special_tokens=False)):
+        room = max_len - len(ids) - 4  # context tokens per window: <s> question </s></s> context </s>
+        if room <= doc_stride:  # (tokenizers would panic)
+            raise ValueError(f"question {e.id!r} takes {len(ids)} tokens: with the 4 special ones, --max-len "
+                             f"{max_len} leaves {room} for the context, not more than --doc-stride {doc_stride}; "
+                             "use a larger --max-len or a smaller --doc-stride")
     backend = tokenizer.backend
     backend.enable_truncation(max_len, stride=doc_stride, strategy="only_second")
     try:
-        encodings = backend.encode_batch([(e.question.lstrip(), e.context) for e in examples])
-    except Exception as err:  # noqa: BLE001 -- tokenizers raises plain Exceptions
-        raise ValueError(f"a question and --doc-stride {doc_stride} tokens of context do not fit in --max-len "
-                         f"{max_len} ({err}); use a larger --max-len or a smaller --doc-stride") from None
+        encodings = backend.encode_batch(list(zip(questions, (e.context for e in examples))))
     finally:
         backend.no_truncation()
     features = []

@@ -1,0 +1,276 @@
+"""The fine-tuning tasks (roberta_fast/tasks.py): readers of the official formats (tests/data/),
+label alignment and doc-stride windows as transformers makes them, SQuAD's official scoring,
+seqeval-style entity chunks, and `--task token|qa|choice` end to end into transformers' pipelines."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import roberta_fast as rf
+from roberta_fast.finetune import FinetuneConfig, Finetuner
+from roberta_fast.tasks import (QAExample, answer_f1, best_answers, chunks, encode_choices, encode_words,
+                                entity_scores, first_subtoken_labels, is_chunked, normalize_answer, qa_features,
+                                read_choices, read_squad, read_tagged, squad_scores)
+
+DATA = Path(__file__).parent / "data"
+CONLL, TABS, TAGS_JSONL = DATA / "conll2003_sample.txt", DATA / "tabs_sample.tsv", DATA / "tags_sample.jsonl"
+SQUAD, RACE = DATA / "squad_v2_sample.json", DATA / "race_sample.jsonl"
+
+
+def texts():
+    """Every text of the sample files, for the test tokenizer."""
+    out = [" ".join(words) for path in (CONLL, TABS, TAGS_JSONL) for words, _ in read_tagged(path)]
+    out += [e.question + " " + e.context for e in read_squad(SQUAD)[0]]
+    out += [e.article + " " + e.question + " " + " ".join(e.options) for e in read_choices(RACE)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random-init tiny RoBERTa (64 positions) with a tokenizer trained on the sample files."""
+    root = tmp_path_factory.mktemp("tasks") / "model"
+    with pytest.warns(UserWarning, match="fewer than vocab_size"):
+        tok = rf.RobertaTokenizer.train_from_iterator(texts() * 3, vocab_size=1000, min_frequency=1)
+    cfg = rf.RobertaConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=66)
+    torch.manual_seed(0)
+    rf.RobertaForMaskedLM(cfg).save_pretrained(root)
+    tok.save(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return rf.RobertaTokenizer.from_pretrained(model_dir)
+
+
+# ------------------------------------------------------------------ token classification
+def test_tagged_readers():
+    conll = read_tagged(CONLL)  # 4 columns, the NER tag last; -DOCSTART- lines skipped
+    assert [len(w) for w, _ in conll] == [9, 2, 2, 7]
+    assert conll[1] == (["Peter", "Blackburn"], ["B-PER", "I-PER"])
+    assert read_tagged(TABS) == read_tagged(TAGS_JSONL)[:1] + [(["the", "EU"], ["O", "B-ORG"])]
+
+
+def test_tagged_readers_name_the_bad_line(tmp_path):
+    bad = tmp_path / "bad.conll"
+    bad.write_text("Peter B-PER\nBlackburn\n")
+    with pytest.raises(ValueError, match=r"bad.conll:2: 'Blackburn' has a word and no tag"):
+        read_tagged(bad)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": ["a"], "tags": ["O"]}\n{"tokens": ["a", "b"], "tags": ["O"]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: 2 tokens and 1 tags"):
+        read_tagged(bad)
+    bad.write_text('{"words": ["a"], "tags": ["O"]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected \{\"tokens\".*the object has \['tags', 'words'\]"):
+        read_tagged(bad)
+
+
+def test_words_encode_as_transformers_is_split_into_words(tok, model_dir):
+    """Ids and word ids as RobertaTokenizerFast(add_prefix_space=True)(words, is_split_into_words=True);
+    the tag on each word's first sub-token, -100 elsewhere (run_ner's label_all_tokens=False)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir, add_prefix_space=True)
+    sentences = read_tagged(CONLL) + [(["Ünïcode", "1996-08-22", "U.S.", "'s"], ["O"] * 4)]
+    ids, owners, truncated = encode_words(tok, sentences, max_len=64)
+    assert truncated == 0
+    for (words, _), x, owner in zip(sentences, ids, owners):
+        want = hf(words, is_split_into_words=True)
+        assert x.tolist() == want.input_ids
+        assert owner.tolist() == [-1 if w is None else w for w in want.word_ids()]
+    labels = first_subtoken_labels(np.array([-1, 0, 0, 1, 2, 2, 2, -1]), [5, 6, 7])
+    assert labels.tolist() == [-100, 5, -100, 6, 7, -100, -100, -100]
+    short, owner, truncated = encode_words(tok, sentences[:1], max_len=6)  # <s> + 4 tokens + </s>
+    assert truncated == 1 and len(short[0]) == 6 and short[0][-1] == tok.eos_id and owner[0][-1] == -1
+
+
+def test_entity_chunks_follow_seqeval():
+    """seqeval's default (conlleval) rules: an I- after O or another type starts an entity,
+    a change of type ends one, IOBES singletons and ends."""
+    assert chunks(["I-PER", "I-PER", "O", "B-LOC", "I-ORG"]) == {("PER", 0, 1), ("LOC", 3, 3), ("ORG", 4, 4)}
+    assert chunks(["B-PER", "B-PER", "I-PER"]) == {("PER", 0, 0), ("PER", 1, 2)}
+    assert chunks(["S-LOC", "B-PER", "E-PER", "E-PER", "O"]) == {("LOC", 0, 0), ("PER", 1, 2), ("PER", 3, 3)}
+    assert chunks(["O", "O"]) == set()
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O"]]
+    predicted = [["B-PER", "O", "O", "B-LOC"], ["B-ORG", "B-ORG"]]  # 2 of 4 predicted right, 2 of 3 gold found
+    scores = entity_scores(gold, predicted)
+    assert scores["precision"] == 0.5 and scores["recall"] == pytest.approx(2 / 3)
+    assert scores["f1"] == pytest.approx(2 * 0.5 * (2 / 3) / (0.5 + 2 / 3))
+    assert entity_scores([["O"]], [["O"]]) == {"precision": 0.0, "recall": 0.0, "f1": 0.0}
+    assert is_chunked(["O", "B-PER", "I-PER", "S-LOC"]) and not is_chunked(["NN", "VB", "O"])
+
+
+# ------------------------------------------------------------------ question answering
+def test_squad_reader():
+    examples, v2 = read_squad(SQUAD)
+    assert v2 and [e.id for e in examples] == ["n1", "n2", "n3", "r1", "r2"]
+    assert examples[0].answers == [("France", 104), ("in France", 101)] and examples[2].answers == []
+
+
+def test_squad_reader_names_the_bad_question(tmp_path):
+    squad = json.loads(SQUAD.read_text())
+    squad["data"][1]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] = 18
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(squad))
+    with pytest.raises(ValueError, match=r"bad.json: question 'r1': the answer 'the Swiss Alps' is not at "
+                                         r"answer_start 18"):
+        read_squad(bad)
+    bad.write_text('{"data": [{"paragraphs": [{"context": "x", "qas": [{"id": "q", "question": "y?", '
+                   '"answers": []}]}]}]}')
+    with pytest.raises(ValueError, match=r"question 'q' has no answer and no \"is_impossible\": true"):
+        read_squad(bad)
+
+
+def test_doc_stride_windows_match_transformers_and_label_a_split_answer_at_cls(tok, model_dir):
+    """Windows as transformers' tokenizer(question, context, truncation="only_second", stride=...,
+    return_overflowing_tokens=True) makes them (run_qa); an answer whole in a window is labelled with
+    the tokens that spell it, one cut by the window's edge points at <s> (position 0)."""
+    transformers = pytest.importorskip("transformers")
+    context = "The Rhine rises in the Swiss Alps and flows north through Germany and the Netherlands to the North Sea."
+    example = QAExample("r1", "Where does the Rhine rise?", context, [("the Swiss Alps", 19)])
+    max_len, stride = 16, 4  # windows (0, 28) and (29, 65) each hold part of the answer (19, 33)
+    features = qa_features(tok, [example], max_len, stride)
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)(
+        example.question, context, truncation="only_second", max_length=max_len, stride=stride,
+        return_overflowing_tokens=True, return_offsets_mapping=True)
+    assert [f.ids.tolist() for f in features] == hf.input_ids
+    whole = split = 0
+    for f, offsets in zip(features, hf.offset_mapping):
+        in_context = f.offsets[:, 0] >= 0
+        assert np.array_equal(f.offsets[in_context], np.asarray(offsets)[in_context])
+        first, last = f.offsets[in_context][0, 0], f.offsets[in_context][-1, 1]
+        if first <= 19 and last >= 19 + len("the Swiss Alps"):
+            assert context[f.offsets[f.start, 0]:f.offsets[f.end, 1]] == "the Swiss Alps"
+            whole += 1
+        else:
+            assert (f.start, f.end) == (0, 0)
+            split += first < 19 + len("the Swiss Alps") and last > 19  # part of the answer in this window
+    assert whole >= 1 and split >= 1 and len(features) >= 3
+    with pytest.raises(ValueError, match=r"question .r1. takes 6 tokens: .*--max-len 12 leaves 2 for the context, "
+                                         r"not more than --doc-stride 6; use a larger --max-len or a smaller"):
+        qa_features(tok, [example], 12, 6)
+
+
+def test_squad_metric_follows_the_official_script():
+    """Hand-computed with evaluate-v2.0.py's rules."""
+    assert normalize_answer("The  Cat, sat!") == "cat sat" and normalize_answer("An apple a day") == "apple day"
+    assert answer_f1("the cat sat", "a cat sat down") == pytest.approx(2 * (2 / 3) * 1 / (2 / 3 + 1))  # P 2/3, R 1
+    assert answer_f1("cat cat", "cat") == pytest.approx(2 / 3)  # P 1, R 1/2: a bag of words, counts matter
+    assert answer_f1("", "") == 1.0 and answer_f1("", "cat") == 0.0 and answer_f1("the", "") == 1.0
+    examples = [QAExample("a", "q", "c", [("in France", 0), ("France", 3)]),  # best gold counts
+                QAExample("b", "q", "c", []),  # v2.0: no answer, gold ""
+                QAExample("c", "q", "c", [("10th century", 0)])]
+    scores = squad_scores(examples, {"a": "france.", "b": "", "c": "the 10th"})
+    assert scores["exact_match"] == pytest.approx(100 * 2 / 3)
+    assert scores["f1"] == pytest.approx(100 * (1 + 1 + 2 * 1 * 0.5 / 1.5) / 3)
+    assert squad_scores(examples[1:2], {"b": "something"}) == {"exact_match": 0.0, "f1": 0.0}
+
+
+def test_best_answers_and_the_v2_null_logic():
+    """The best span (start + end logit) in the context, end >= start, at most max_answer_len
+    tokens; v2.0 answers nothing when the null score (<s>) beats it by more than the threshold."""
+    context = "Paris is big"
+    example = QAExample("q", "?", context, [])
+    offsets = np.array([[-1, -1], [0, 5], [6, 8], [9, 12], [-1, -1]])  # <s> Paris is big </s>
+    feature = type("F", (), {"example": 0, "offsets": offsets})()
+    start = np.array([1.0, 3.0, 0.0, 0.0, 9.0])  # the highest start is </s>: off the context
+    end = np.array([1.0, 0.0, -1.0, 2.0, 9.0])
+    kwargs = dict(examples=[example], features=[feature], start_logits=[start], end_logits=[end])
+    assert best_answers(**kwargs, version_2=False) == {"q": "Paris is big"}  # 3 + 2
+    assert best_answers(**kwargs, version_2=False, max_answer_len=2) == {"q": "Paris"}  # 3 + 0
+    assert best_answers(**kwargs, version_2=True) == {"q": "Paris is big"}  # null 2 < 5
+    assert best_answers(**kwargs, version_2=True, null_threshold=-3.5) == {"q": ""}  # 2 - 5 > -3.5
+    null = [np.array([6.0, 3.0, 0, 0, 0]), np.array([6.0, 0, 0, 2.0, 0])]
+    assert best_answers(**{**kwargs, "start_logits": null[:1], "end_logits": null[1:]}, version_2=True) == {"q": ""}
+    # with two windows the null score is the lower of the two (run_qa's min_null_score)
+    two = dict(examples=[example], features=[feature, feature], start_logits=[null[0], start],
+               end_logits=[null[1], end])
+    assert best_answers(**two, version_2=True) == {"q": "Paris is big"}
+
+
+# -------------------------------------------------------------------- multiple choice
+def test_race_reader_and_encoding(tok, tmp_path):
+    examples = read_choices(RACE)  # two one-question lines and one RACE article with two questions
+    assert [e.answer for e in examples] == [1, 2, 1, 0] and examples[3].options[0] == "Sunday"
+    encoded = encode_choices(tok, examples[1:2], max_len=64)[0]
+    assert encoded.shape[0] == 4  # (num_choices, seqlen)
+    assert tok.decode(encoded[2][encoded[2] != tok.pad_id], skip_special_tokens=True).endswith(
+        "Tom rides to school with his sister .")  # the blank filled with the option
+    short = encode_choices(tok, examples[:1], max_len=16)[0]
+    assert short.shape == (4, 16)  # the article is cut, the question and option kept
+    assert tok.decode(short[1], skip_special_tokens=True).endswith("What colour is Tom's bike? red")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"article": "a", "question": "q", "options": ["x", "y"], "answer": "C"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: answer 'C' is not one of the 2 options; give a letter "
+                                         r"'A'..'B'"):
+        read_choices(bad)
+
+
+# ----------------------------------------------------------------------- end to end
+def run_task(model_dir, out, **fields):
+    fields = {"lr": 1e-3, **fields}
+    cfg = FinetuneConfig(model=str(model_dir), out=str(out), device="cpu", precision="fp32", batch_size=4,
+                         warmup_ratio=0.0, log_every=1, **fields)
+    return Finetuner(cfg, log=lambda *_: None).run()
+
+
+def test_token_task_end_to_end(model_dir, tmp_path):
+    """Learns the sample's tags by heart, exports a model that transformers' token-classification
+    pipeline runs with the tag names."""
+    transformers = pytest.importorskip("transformers")
+    result = run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(CONLL), epochs=8,
+                      lr=1e-2)
+    assert result["best"]["accuracy"] >= 0.9 and result["best"]["f1"] >= 0.5, result
+    nlp = transformers.pipeline("token-classification", model=str(tmp_path / "run" / "model"))
+    entities = nlp("Peter Blackburn visited BRUSSELS")
+    assert entities and all(e["entity"] in {"B-PER", "I-PER", "B-LOC", "B-ORG", "B-MISC", "I-ORG", "O"}
+                            for e in entities)
+
+
+def same_logits_in_transformers(auto_class, ours_class, exported, inputs):
+    """transformers' Auto class loads the export and computes our model's outputs."""
+    hf = auto_class.from_pretrained(exported).eval()
+    ours = ours_class.from_pretrained(exported).eval()
+    inputs = {"input_ids": inputs, "attention_mask": (inputs != 1).long()}
+    with torch.no_grad():
+        want, got = hf(**inputs), ours(**inputs)
+    for name in ("logits", "start_logits", "end_logits"):
+        if name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_qa_task_end_to_end(model_dir, tmp_path):
+    """SQuAD v2.0 in windows of 32 tokens, scored with EM/F1; resume continues a stopped run; the
+    export loads in AutoModelForQuestionAnswering (transformers 5 dropped its question-answering
+    pipeline) with our start and end logits."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(task="qa", train=str(SQUAD), valid=str(SQUAD), epochs=2, max_len=32, doc_stride=8)
+    stopped = run_task(model_dir, tmp_path / "run", **fields, stop_after=3)
+    assert stopped["step"] == 3
+    result = run_task(model_dir, tmp_path / "run", **fields)
+    assert set(result["best"]) == {"epoch", "loss", "exact_match", "f1"}
+    assert 0 <= result["best"]["f1"] <= 100
+    exported = tmp_path / "run" / "model"
+    features = qa_features(rf.RobertaTokenizer.from_pretrained(exported), read_squad(SQUAD)[0], 32, 8)
+    x = torch.from_numpy(np.stack([f.ids for f in features[:2]]))  # (2, 32): full windows
+    same_logits_in_transformers(transformers.AutoModelForQuestionAnswering, rf.RobertaForQuestionAnswering,
+                                exported, x)
+
+
+def test_choice_task_end_to_end(model_dir, tmp_path):
+    """RACE-style questions; the export loads in AutoModelForMultipleChoice with our logits."""
+    transformers = pytest.importorskip("transformers")
+    result = run_task(model_dir, tmp_path / "run", task="choice", train=str(RACE), valid=str(RACE), epochs=2)
+    assert set(result["best"]) == {"epoch", "loss", "accuracy"}
+    exported = tmp_path / "run" / "model"
+    x = encode_choices(rf.RobertaTokenizer.from_pretrained(exported), read_choices(RACE)[:1], 64)[0]
+    same_logits_in_transformers(transformers.AutoModelForMultipleChoice, rf.RobertaForMultipleChoice, exported,
+                                torch.from_numpy(x)[None])  # (1, num_choices, seqlen)
+
+
+def test_a_checkpoint_of_another_task_is_refused(model_dir, tmp_path):
+    run_task(model_dir, tmp_path / "run", task="choice", train=str(RACE), valid=str(RACE), epochs=1, stop_after=1)
+    with pytest.raises(ValueError, match=r"is of --task choice, this run is --task token: use another --out"):
+        run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(CONLL), epochs=1)
