@@ -230,7 +230,7 @@ class Finetuner:
         total = self.steps_per_epoch * self.cfg.epochs
         key = self.task.best_metric
         metrics = MetricsLogger(self.out, total, start_step=self.step)
-        self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training sequences "
+        self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training {self.task.unit} "
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
                  f"{self.precision} on {self.device}")
         result = None
@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, required=required,
+            choices = list(TASKS) if f.name == "task" else None
+            parser.add_argument(flag, type=kind, default=f.default, required=required, choices=choices,
                                 metavar=kind.__name__.upper(), help=text)
     return parser
 

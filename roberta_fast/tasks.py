@@ -96,6 +96,7 @@ class Task:
 
     name = model_class = best_metric = None
     max_len = 512  # default tokens per sequence, capped by the model's positions
+    unit = "examples"  # what one training item is (len(task) counts them)
 
     def model_kwargs(self) -> dict:
         return {}
@@ -542,6 +543,7 @@ def squad_scores(examples: list[QAExample], predictions: dict[str, str]) -> dict
 class QATask(Task):
     name, model_class, best_metric = "qa", RobertaForQuestionAnswering, "f1"
     max_len = 384  # run_qa's default
+    unit = "windows"
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -667,6 +669,7 @@ def encode_choices(tokenizer, examples: list[ChoiceExample], max_len: int) -> li
 
 class ChoiceTask(Task):
     name, model_class, best_metric = "choice", RobertaForMultipleChoice, "accuracy"
+    unit = "questions"
 
     def __init__(self, cfg):
         train = read_choices(cfg.train)

@@ -270,7 +270,15 @@ def test_choice_task_end_to_end(model_dir, tmp_path):
                                 torch.from_numpy(x)[None])  # (1, num_choices, seqlen)
 
 
-def test_a_checkpoint_of_another_task_is_refused(model_dir, tmp_path):
+def test_a_task_checkpoint_exports_as_its_model_and_no_other_task_resumes_it(model_dir, tmp_path):
+    """python -m roberta_fast.export makes a multiple-choice checkpoint a multiple-choice model;
+    resuming it as another task is refused."""
+    transformers = pytest.importorskip("transformers")
+    from roberta_fast.export import main as export
+
     run_task(model_dir, tmp_path / "run", task="choice", train=str(RACE), valid=str(RACE), epochs=1, stop_after=1)
+    assert export([str(tmp_path / "run"), "--out", str(tmp_path / "step1")]) == 0
+    assert type(transformers.AutoModelForMultipleChoice.from_pretrained(tmp_path / "step1")).__name__ == \
+        "RobertaForMultipleChoice"
     with pytest.raises(ValueError, match=r"is of --task choice, this run is --task token: use another --out"):
         run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(CONLL), epochs=1)
