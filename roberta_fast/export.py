@@ -77,6 +77,10 @@ def export_checkpoint(checkpoint, out, tokenizer=None, trust: bool = False) -> d
     if "model" not in state or "config" not in state:
         raise ValueError(f"{str(checkpoint)!r} is not a checkpoint of roberta_fast.train or roberta_fast.finetune")
     export_pretrained(model_from_checkpoint(state), tokenizer or run_tokenizer(state), out)
+    if "labels" in state:  # a fine-tuning task's own touches (token: the tokenizer's prefix space)
+        from .tasks import TASKS
+
+        TASKS[state.get("task", "classify")].after_export(out)
     return state
 
 

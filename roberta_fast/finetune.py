@@ -220,6 +220,7 @@ class Finetuner:
 
     def export(self, directory: Path) -> None:
         export_pretrained(self.model, self.tokenizer, directory)
+        self.task.after_export(directory)
 
     def run(self) -> dict:
         latest = self.checkpoints.latest() if self.cfg.resume else None

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import write_text_atomic
 from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, RobertaForSequenceClassification,
                     RobertaForTokenClassification)
 
@@ -110,6 +111,10 @@ class Task:
 
     def describe(self) -> str:
         return f"{len(self.names)} labels {self.names}"
+
+    @staticmethod
+    def after_export(directory: Path) -> None:
+        """Adjust an exported model directory for this task (finetune's and roberta_fast.export's)."""
 
     def baseline_warning(self, best: dict) -> str | None:
         return None
@@ -342,6 +347,15 @@ class TokenTask(Task):
 
     def describe(self):
         return f"{len(self.names)} tags {self.names}" + ("" if self.chunked else " (not BIO: accuracy only)")
+
+    @staticmethod
+    def after_export(directory: Path) -> None:
+        """add_prefix_space in tokenizer_config.json, so transformers (the token-classification
+        pipeline) encodes raw text as the words were encoded in training, the first one with a
+        space before it; run_ner saves RoBERTa's tokenizer so too."""
+        path = Path(directory) / "tokenizer_config.json"
+        config = json.loads(path.read_text(encoding="utf-8"))
+        write_text_atomic(path, json.dumps({**config, "add_prefix_space": True}, indent=2))
 
     def encode(self, tokenizer, max_len):
         index = {n: i for i, n in enumerate(self.names)}

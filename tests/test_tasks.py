@@ -223,7 +223,11 @@ def test_token_task_end_to_end(model_dir, tmp_path):
     result = run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(CONLL), epochs=8,
                       lr=1e-2)
     assert result["best"]["accuracy"] >= 0.9 and result["best"]["f1"] >= 0.5, result
-    nlp = transformers.pipeline("token-classification", model=str(tmp_path / "run" / "model"))
+    exported = tmp_path / "run" / "model"
+    words = ["Peter", "Blackburn", "visited", "BRUSSELS"]  # raw text encodes as the words did in training
+    assert transformers.AutoTokenizer.from_pretrained(exported)(" ".join(words)).input_ids == \
+        encode_words(rf.RobertaTokenizer.from_pretrained(exported), [(words, None)], 64)[0][0].tolist()
+    nlp = transformers.pipeline("token-classification", model=str(exported))
     entities = nlp("Peter Blackburn visited BRUSSELS")
     assert entities and all(e["entity"] in {"B-PER", "I-PER", "B-LOC", "B-ORG", "B-MISC", "I-ORG", "O"}
                             for e in entities)
