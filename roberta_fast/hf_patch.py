@@ -45,7 +45,10 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     implementations do, and the attention probabilities when output_attentions asks for them.
     """
     mask = key_padding_mask(attention_mask, query.shape[0], key.shape[2])  # (batch, seqlen) or None
-    if kwargs.get("output_attentions"):
+    output_attentions = kwargs.get("output_attentions")  # the call's, else the config's (set while eager)
+    if output_attentions is None:
+        output_attentions = getattr(getattr(module, "config", None), "output_attentions", False)
+    if output_attentions:
         from transformers.models.roberta.modeling_roberta import eager_attention_forward
 
         ops._warn_once("output_attentions=True: no fused kernel stores attention probabilities, so this "

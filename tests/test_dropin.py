@@ -312,6 +312,8 @@ def test_patch_output_attentions_falls_back_to_eager_with_a_warning():
     for a, b in zip(got.attentions, want.attentions):
         assert rel_err(a, b) < 1e-5
     assert rel_err(got.logits, want.logits) < 1e-5
+    original.config.output_attentions = True  # asked through the config (set while eager), then patched
+    assert len(rf.patch(original)(input_ids=ids, attention_mask=mask).attentions) == FIELDS["num_hidden_layers"]
 
 
 def test_set_attn_implementation_switches_a_patched_model(tmp_path):
