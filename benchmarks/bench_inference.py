@@ -2,7 +2,7 @@
 
     python benchmarks/bench_inference.py [--device cpu|cuda] [--quick] [--json PATH] [--skip-compile]
                                          [--lengths uniform,corpus] [--dtypes fp32,bf16] [--batches N] [--repeats N]
-                                         [--only rf-unpadded,...]
+                                         [--only rf-unpadded,...] [--chart PATH]
 
 The drop-in case (issues 8 and 18): batches of 32 sequences, right-padded to the longest,
 through roberta-base's encoder (random weights). Lengths: "uniform" in 8..512, "corpus",
@@ -45,6 +45,7 @@ import _common as bc
 
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
+from plot import throughput_chart  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -276,6 +277,7 @@ def main():
     p.add_argument("--batches", type=int, default=None, help="batches of 32 per pass")
     p.add_argument("--repeats", type=int, default=None, help="timed passes per contender (median)")
     p.add_argument("--only", default=None, help="comma-separated contenders to run (hf-sdpa, the peer, always runs)")
+    p.add_argument("--chart", default=None, help="bar chart of real tokens/s (PNG; default: beside the record)")
     args = p.parse_args()
     device = torch.device(args.device) if args.device else bc.default_device()
     quick = args.quick
@@ -350,6 +352,9 @@ def main():
                       else "roberta-base shape, random weights", threads=torch.get_num_threads(),
                       repeats=repeats, load_after=os.getloadavg()), targets=targets)
         print(f"\nwrote {path}")
+    chart = args.chart or (path and not quick and os.path.splitext(path)[0] + ".png")
+    if chart:
+        print(throughput_chart({"environment": bc.environment(device), "results": results}, chart))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""Bar chart of a throughput.py report: tokens/s per setting, one bar per contender,
-labelled with its ratio to hf-eager.
+"""Bar chart of a throughput.py or bench_inference.py report: tokens/s per setting, one bar
+per contender, labelled with its ratio to the report's peer (hf-eager for training
+throughput, hf-sdpa for inference).
 
 PNG through matplotlib when it is installed (`pip install matplotlib`); without it the
 same chart is written as a dependency-free SVG beside the requested path, and the
 message says so. Used by `throughput.py --chart PATH`; also runnable on a saved report:
 
     python benchmarks/plot.py results/throughput-....json chart.png
+    python benchmarks/plot.py results/inference-cpu-....json chart.png
 """
 from __future__ import annotations
 
@@ -15,14 +17,31 @@ from pathlib import Path
 
 from roberta_fast.files import atomic_path
 
-COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "hf-eager": "#1f77b4", "hf-compile": "#aec7e8"}
+COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "hf-eager": "#1f77b4", "hf-compile": "#aec7e8",
+          "rf-unpadded": "#d62728", "rf-padded": "#ff9896", "rf-compile": "#e377c2", "hf-sdpa": "#2ca02c",
+          "onnxruntime": "#7f7f7f", "hf-patched": "#ff7f0e"}
+
+
+def _is_inference(report: dict) -> bool:
+    """bench_inference.py rows have a length distribution where throughput.py's have a model and seq_len."""
+    return any("lengths" in r for r in report["results"])
+
+
+def _peer(report: dict) -> str:
+    return "hf-sdpa" if _is_inference(report) else "hf-eager"
+
+
+def _setting(row: dict) -> str:
+    if "lengths" in row:
+        return f"{row['lengths']}/{row['dtype']}"
+    return f"{row['model']}/{row['seq_len']}/{row['dtype']}"
 
 
 def _series(report: dict):
     """(settings, contenders, {(setting, contender): tokens/s}) of the ok rows, in report order."""
     settings, contenders, value = [], [], {}
     for r in report["results"]:
-        s = f"{r['model']}/{r['seq_len']}/{r['dtype']}"
+        s = _setting(r)
         if s not in settings:
             settings.append(s)
         if r["contender"] not in contenders:
@@ -34,7 +53,10 @@ def _series(report: dict):
 
 def _title(report: dict) -> str:
     env = report["environment"]
-    return f"RoBERTa training throughput - {env['device']['name']} - {env['date'][:10]}"
+    what = "encoder inference, real tokens/s" if _is_inference(report) else "training throughput"
+    device = env["device"]
+    name = f"CPU ({device['name']}, {device['cores']} cores)" if device["type"] == "cpu" else device["name"]
+    return f"RoBERTa {what} - {name} - {env['date'][:10]}"
 
 
 def _png(report: dict, path: Path) -> None:
@@ -44,14 +66,15 @@ def _png(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     settings, contenders, value = _series(report)
+    peer_name = _peer(report)
     width = 0.8 / max(1, len(contenders))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(settings)), 4))
     for j, c in enumerate(contenders):
         xs = [i + (j - (len(contenders) - 1) / 2) * width for i in range(len(settings))]
         heights = [value.get((s, c), 0.0) for s in settings]
         ax.bar(xs, heights, width, label=c, color=COLORS.get(c))
-        for x, s, h in zip(xs, settings, heights):  # the ratio to hf-eager over each bar
-            peer = value.get((s, "hf-eager"))
+        for x, s, h in zip(xs, settings, heights):  # the ratio to the peer over each bar
+            peer = value.get((s, peer_name))
             if h and peer:
                 ax.text(x, h, f"{h / peer:.2f}x", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(settings)), settings, rotation=20, ha="right")
