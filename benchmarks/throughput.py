@@ -709,10 +709,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="tiny preset, seq 64, batch 4, fp32 on a CPU (bf16 on a GPU), 3 timed steps")
+                   help="tiny preset, seq 64, batch 4, --precision auto's dtype (fp32 on a CPU, bf16 on sm_80+, fp16 below), "
+                        "3 timed steps")
     p.add_argument("--models", nargs="+", default=None, choices=("tiny", "base", "large"))
     p.add_argument("--seq-lens", nargs="+", type=int, default=None)
-    p.add_argument("--dtypes", nargs="+", default=None, choices=tuple(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=None, choices=tuple(DTYPES),
+                   help="default: bf16 and fp16 on sm_80+ GPUs, fp16 on older ones (V100, T4: no native bf16)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the largest that fits)")
     p.add_argument("--max-tokens", type=int, default=1 << 17, help="upper bound of the batch search, in tokens")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
@@ -753,21 +755,22 @@ def parse_args(argv=None):
 
 def settings_from(args, device) -> list[tuple[str, int, str]]:
     """(model, seq_len, dtype) triples to run, from the flags and the mode's defaults."""
+    from roberta_fast.precision import native_bf16, resolve_precision  # not torch.cuda.is_bf16_supported()
+
+    auto = resolve_precision("auto", device)  # bf16 on sm_80+, fp16 on a V100/T4, fp32 on the CPU
     if args.quick:
         models, seqs = args.models or ["tiny"], args.seq_lens or [64]
-        dtypes = args.dtypes or (["bf16"] if device.type == "cuda" else ["fp32"])
+        dtypes = args.dtypes or [auto]
     else:
         models, seqs = args.models or ["base", "large"], args.seq_lens or [128, 512]
-        dtypes = args.dtypes or ["bf16", "fp16"]
+        dtypes = args.dtypes or (["bf16", "fp16"] if auto == "bf16" else [auto])
     for model in models:
         limit = model_config(model).max_seq_len
         bad = [s for s in seqs if s > limit]
         if bad:
             raise SystemExit(f"error: --seq-lens {bad} exceed the {model} preset's {limit} positions")
-    from roberta_fast.precision import native_bf16  # not torch.cuda.is_bf16_supported(): true where emulated
-
     if device.type == "cuda" and "bf16" in dtypes and not native_bf16(device):
-        raise SystemExit("error: this GPU has no bf16; pass --dtypes fp16")
+        raise SystemExit("error: this GPU has no native bf16 (below sm_80); pass --dtypes fp16")
     return [(m, s, d) for m in models for s in seqs for d in dtypes]
 
 

@@ -46,7 +46,7 @@ import torch
 
 from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
 from .metrics import MetricsLogger
-from .precision import DynamicLossScaler, autocast, resolve_precision
+from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
 from .tasks import TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
@@ -86,7 +86,7 @@ class FinetuneConfig:
     beta2: float = 0.98  # Adam beta2
     eps: float = 1e-6  # Adam epsilon
     clip_grad_norm: float = 0.0  # gradient norm clipping threshold (0: no clipping; the norm is still logged)
-    precision: str = "auto"  # auto (bf16 on a bf16 GPU, else fp32) | fp32 | fp16 | bf16
+    precision: str = "auto"  # auto (bf16 on sm_80+, fp16 + loss scaling on older GPUs, fp32 on CPU) | fp32 | fp16 | bf16
     backend: str = "auto"  # model backend: auto | fused | reference
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # data order, the held-out split, the new head's weights, dropout
@@ -233,7 +233,7 @@ class Finetuner:
         metrics = MetricsLogger(self.out, total, start_step=self.step)
         self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training {self.task.unit} "
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
-                 f"{self.precision} on {self.device}")
+                 f"{self.precision} on {self.device} ({explain(self.cfg.precision, self.device)})")
         result = None
         try:
             with StopSignal() as stop:

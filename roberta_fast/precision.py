@@ -18,24 +18,53 @@ def native_bf16(device: torch.device) -> bool:
     """Whether the GPU `device` computes in bf16 natively (sm_80+, or ROCm).
 
     Not torch.cuda.is_bf16_supported(): by default that also says yes where bf16 is
-    only emulated (V100, T4), which is slow and has no Triton bf16 dot.
+    only emulated (V100, T4), which is slow and has no Triton bf16 dot. The capability
+    comes from ops.device_capability, the one place tests fake a GPU.
     """
+    from .ops import device_capability
+
     if torch.version.hip:
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device_capability(device) >= (8, 0)
+
+
+def describe_auto(device: torch.device) -> tuple[str, str]:
+    """(precision, why) for --precision auto on `device`, as the startup line states it.
+
+    bf16 where the GPU computes it natively (sm_80+, ROCm): no loss scaling needed.
+    fp16 with dynamic loss scaling on older CUDA GPUs (V100 sm_70, T4 sm_75): their tensor
+    cores run fp16, not bf16, and fp32 there runs without tensor cores (about 8x slower on
+    a V100). fp32 on the CPU, where the model runs for tests and small jobs.
+    """
+    if device.type != "cuda":
+        return "fp32", f"{device.type}: fp32"
+    from .ops import device_capability
+
+    if native_bf16(device):
+        return "bf16", "bf16 autocast: the GPU computes bf16 natively (sm_80+ or ROCm)"
+    major, minor = device_capability(device)
+    return "fp16", (f"fp16 autocast with dynamic loss scaling: sm_{major}{minor} has fp16 tensor cores "
+                    "but no native bf16")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """"auto" -> bf16 on a GPU that supports it, else fp32; checks the others are usable."""
+    """"auto" -> describe_auto's choice (bf16 on sm_80+, fp16 on older CUDA GPUs, fp32 on the CPU);
+    checks the others are usable on `device`."""
     if precision == "auto":
-        if device.type == "cuda" and native_bf16(device):
-            return "bf16"
-        return "fp32"
-    if precision == "bf16" and device.type == "cuda" and not native_bf16(device):
-        raise ValueError(f"precision bf16 is not supported on {torch.cuda.get_device_name(device)}; use fp16")
+        return describe_auto(device)[0]
     if precision not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"precision must be auto, fp32, fp16 or bf16, got {precision!r}")
+    if precision == "bf16" and device.type == "cuda" and not native_bf16(device):
+        raise ValueError(f"precision bf16 is not supported on {torch.cuda.get_device_name(device)} "
+                         "(no native bf16 below sm_80); use fp16 (with loss scaling), which --precision auto picks")
     return precision
+
+
+def explain(requested: str, device: torch.device) -> str:
+    """Why the run computes in the precision it does: the startup description's words."""
+    if requested == "auto":
+        return f"--precision auto -> {describe_auto(device)[1]}"
+    return f"--precision {requested}, as asked"
 
 
 def autocast(precision: str, device: torch.device):

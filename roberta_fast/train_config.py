@@ -80,7 +80,7 @@ class TrainConfig:
     beta2: float = 0.98  # Adam beta2
     eps: float = 1e-6  # Adam epsilon
     clip_grad_norm: float = 1.0  # 0: no clipping (the paper's choice)
-    precision: str = "auto"  # auto (bf16 on a bf16 GPU, else fp32) | fp32 | fp16 | bf16
+    precision: str = "auto"  # auto (bf16 on sm_80+, fp16 + loss scaling on older GPUs, fp32 on CPU) | fp32 | fp16 | bf16
     init_loss_scale: float = 2.0 ** 16  # fp16 dynamic loss scaling
     loss_scale_window: int = 1000  # finite steps before the scale doubles
     max_bad_steps: int = 25  # consecutive non-finite steps that stop the run

@@ -47,7 +47,7 @@ from .hub import model_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
 from .sbo import RobertaForSpanBERT
-from .precision import DynamicLossScaler, autocast, resolve_precision
+from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
 from .train_config import TrainConfig
 
@@ -668,7 +668,8 @@ class Trainer:
         return record
 
     def _nonfinite_message(self) -> str:
-        cause = ("fp16 overflow that loss scaling cannot absorb: try --precision bf16"
+        cause = ("fp16 overflow that loss scaling cannot absorb: try --precision bf16 (sm_80+ GPUs), or "
+                 "--precision fp32 on older GPUs"
                  if self.precision == "fp16" else
                  f"a diverging run: lower --lr (now {self.cfg.lr}), lengthen --warmup-steps or set "
                  "--clip-grad-norm 1.0")
@@ -685,7 +686,8 @@ class Trainer:
             f"FFN={mc.intermediate_size} vocab={mc.vocab_size}), {n / 1e6:.2f}M parameters, backend "
             f"{self.model.backend}, objective "
             + ("MLM + span boundary (SpanBERT)" if self.with_sbo else "MLM") + "\n"
-            f"device {self.device} x {self.dist.world_size} process(es), precision {self.precision}; "
+            f"device {self.device} x {self.dist.world_size} process(es), precision {self.precision} "
+            f"({explain(c.precision, self.device)}); "
             f"batch {c.batch_size} x accum {self.grad_accum} x world {self.dist.world_size} = "
             f"{self.global_batch} sequences of {c.seq_len} tokens per step\n"
             f"data: {self.train_data.path} ({len(self.train_data)} train / {len(self.valid_data)} valid sequences)\n"

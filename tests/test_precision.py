@@ -61,20 +61,27 @@ def test_precision_resolution_and_autocast():
         assert (x @ x).dtype == torch.float32
 
 
-@pytest.mark.parametrize("capability, auto", [((7, 0), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")])
-def test_auto_picks_bf16_only_where_the_gpu_computes_it(monkeypatch, capability, auto):
-    """torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (V100, T4:
-    slow, and no Triton bf16 dot): "auto" and "bf16" go by native support (sm_80+)."""
+@pytest.mark.parametrize("capability, auto", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_auto_picks_bf16_where_native_and_fp16_on_older_gpus(monkeypatch, capability, auto):
+    """V100 (sm_70) and T4 (sm_75) get fp16 with loss scaling, never fp32 (no tensor cores) nor
+    bf16 (emulated: torch.cuda.is_bf16_supported() says yes there, so it is not what decides)."""
+    from roberta_fast import ops
+    from roberta_fast.precision import describe_auto, explain
+
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
-                        including_emulation or capability >= (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(ops, "device_capability", lambda device: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU sm_{capability[0]}{capability[1]}")
     gpu = torch.device("cuda", 0)
     assert resolve_precision("auto", gpu) == auto
     assert resolve_precision("fp16", gpu) == "fp16"
-    if auto == "fp32":
-        with pytest.raises(ValueError, match="bf16 is not supported on GPU sm_70; use fp16"):
+    assert resolve_precision("fp32", gpu) == "fp32"
+    why = explain("auto", gpu)
+    assert why == f"--precision auto -> {describe_auto(gpu)[1]}" and auto in why
+    if auto == "fp16":
+        assert "loss scaling" in why and f"sm_{capability[0]}{capability[1]}" in why
+        with pytest.raises(ValueError, match=f"bf16 is not supported on GPU sm_{capability[0]}{capability[1]}.*use fp16"):
             resolve_precision("bf16", gpu)
     else:
         assert resolve_precision("bf16", gpu) == "bf16"
+    assert explain("fp32", gpu) == "--precision fp32, as asked"
