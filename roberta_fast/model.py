@@ -325,10 +325,8 @@ class RobertaLayer(nn.Module):
         # (batch, seqlen, 3, heads, head_dim), or (tokens, 3, heads, head_dim) when packed
         qkv = qkv.view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
         probs = None
-        if packed is not None and backend == "fused":
-            a = ops.attention_varlen(qkv, *packed, attention_p)
-        elif packed is not None:
-            a = ops.attention_varlen_sdpa(qkv, packed[0], attention_p)
+        if packed is not None:
+            a = ops.attention_varlen(qkv, *packed, attention_p, backend)
         elif output_attentions:
             a, probs = ops.attention_with_probs(qkv, attention_mask, attention_p)
         else:

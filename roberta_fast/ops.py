@@ -77,15 +77,28 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 def attention_impl(device: torch.device) -> str:
     """The one place that picks the fused backend's attention for a device:
-    "triton" (the flash-style kernel, tensor cores through tl.dot) on CUDA sm_80+ and ROCm,
-    "sdpa" (PyTorch's memory-efficient SDPA, tensor cores from sm_50) on older CUDA GPUs,
-    where Triton's tl.dot runs on FMA units; "sdpa" on the CPU too."""
+
+    "triton": the flash-style Triton kernel (tensor cores through tl.dot) on CUDA sm_80+ and ROCm,
+    and on the CPU (Triton's interpreter: the tests);
+    "sdpa": PyTorch's memory-efficient SDPA kernel (fp16 tensor cores from sm_50, dropout,
+    masks, cu_seqlens through nested tensors) on older CUDA GPUs (V100 sm_70, T4 sm_75),
+    where Triton >= 3.2 lowers tl.dot to FMA. The element-wise kernels (LayerNorm, bias+GELU,
+    cross-entropy: no tl.dot) run on every GPU; benchmarks/compile_report.py checks both claims.
+    """
     capability = device_capability(device)
-    if capability is None:
-        return "sdpa"
-    if torch.version.hip or capability >= TRITON_DOT_MIN_CAPABILITY:
+    if capability is None or torch.version.hip or capability >= TRITON_DOT_MIN_CAPABILITY:
         return "triton"
     return "sdpa"
+
+
+def _sdpa_tensor_cores(q, k, v, attn_mask=None, dropout_p: float = 0.0):
+    """F.scaled_dot_product_attention with the memory-efficient kernel first: the fused backend's
+    attention below sm_80. Flash needs sm_80; math (the fallback where the efficient kernel
+    cannot run, e.g. an unsupported head dim) materialises every score."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
 def fused_head_dims() -> tuple[int, ...]:
@@ -111,10 +124,12 @@ def attention(qkv, attention_mask, dropout_p: float, backend: str):
     attention_mask: (batch, seqlen) over keys, or (batch, seqlen, seqlen) over (query, key)
     pairs, 1 = attend, or None. Returns (batch, seqlen, heads, head_dim). The reference
     adds finfo.min to masked scores, as Hugging Face does, so a row with every key
-    masked attends uniformly instead of producing NaN.
+    masked attends uniformly instead of producing NaN. The fused backend runs the Triton
+    kernel where attention_impl says so, else SDPA's memory-efficient kernel.
     """
     key_mask_only = attention_mask is None or attention_mask.dim() == 2
-    if backend == "fused" and key_mask_only:
+    fused = backend == "fused"
+    if fused and key_mask_only and attention_impl(qkv.device) == "triton":
         supported = fused_head_dims()
         if qkv.shape[-1] in supported:
             return _kernels().attention_qkvpacked(qkv, attention_mask, dropout_p)
@@ -126,18 +141,41 @@ def attention(qkv, attention_mask, dropout_p: float, backend: str):
         keep = _broadcast_mask(attention_mask)
         additive = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
         additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p)
+    if fused:
+        out = _sdpa_tensor_cores(q, k, v, additive, dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p)
     return out.transpose(1, 2)  # (batch, seqlen, heads, head_dim)
 
 
-def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float):
-    """Fused attention over packed sequences; qkv: (total_tokens, 3, heads, head_dim).
+def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float, backend: str = "fused"):
+    """Attention over packed sequences; qkv: (total_tokens, 3, heads, head_dim) -> (total_tokens,
+    heads, head_dim). Sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1] and attends only within itself.
 
-    Sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1] and attends only within itself.
-    Fused only: the model packs sequences only when the fused kernels run.
+    fused: the Triton variable-length kernel, or (attention_impl "sdpa", below sm_80) SDPA's
+    memory-efficient kernel over a jagged nested tensor (cu_seqlens passed through, no padding);
+    reference: one SDPA call per sequence (attention_varlen_sdpa, the CPU inference path).
     """
+    if backend != "fused":
+        return attention_varlen_sdpa(qkv, cu_seqlens, dropout_p)
+    if attention_impl(qkv.device) == "sdpa":
+        return _attention_varlen_nested(qkv, cu_seqlens, max_seqlen, dropout_p)
     return _kernels().attention_qkvpacked(qkv, None, dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                           validate=False)
+
+
+def _attention_varlen_nested(qkv, cu_seqlens, max_seqlen: int, dropout_p: float):
+    """attention_varlen through SDPA on jagged nested tensors: on CUDA the efficient kernel reads
+    cu_seqlens itself (no padding, no per-sequence launches); max_seqlen given, so no host sync."""
+    offsets = cu_seqlens.to(torch.int64)
+
+    def nested(t):  # (total_tokens, heads, head_dim) -> (batch, heads, jagged seqlen, head_dim)
+        # contiguous: nested SDPA needs dense values under the transpose (a slice of qkv is strided)
+        return torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=max_seqlen).transpose(1, 2)
+
+    q, k, v = (nested(t) for t in qkv.unbind(1))
+    out = _sdpa_tensor_cores(q, k, v, dropout_p=dropout_p)
+    return out.transpose(1, 2).values()  # (total_tokens, heads, head_dim)
 
 
 def unpad_impl(backend: str, device: torch.device, head_dim: int) -> str | None:
@@ -145,6 +183,8 @@ def unpad_impl(backend: str, device: torch.device, head_dim: int) -> str | None:
     embeddings, the layers on the packed real tokens) and whose attention then runs:
 
     "triton": the fused backend's variable-length kernel, training included (head dims it supports);
+    "sdpa-nested": the fused backend below sm_80 (attention_impl), SDPA's efficient kernel on
+    nested tensors, training included;
     "sdpa": the reference backend on the CPU when no gradient is recorded (torch.no_grad /
     torch.inference_mode, as inference and evaluation run), each sequence its own SDPA call
     (attention_varlen_sdpa; measured against nested tensors and re-padding per layer in
@@ -154,6 +194,8 @@ def unpad_impl(backend: str, device: torch.device, head_dim: int) -> str | None:
     if torch.compiler.is_exporting() or torch.jit.is_tracing():
         return None
     if backend == "fused":
+        if attention_impl(device) == "sdpa":
+            return "sdpa-nested"
         return "triton" if head_dim in fused_head_dims() else None
     if backend == "reference" and device.type == "cpu" and not torch.is_grad_enabled():
         return "sdpa"
