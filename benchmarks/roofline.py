@@ -15,11 +15,14 @@ datasheet peak, is the highest MFU this design can reach. A measured profile
     python benchmarks/roofline.py                                   # base, seq 512, batch 32, H100 ceilings
     python benchmarks/roofline.py --model large --seq-len 128 --batch 256
     python benchmarks/roofline.py --residual-dtype bf16              # a bf16 residual stream instead
+    python benchmarks/roofline.py --gpu v100                         # fp16, SDPA attention, datasheet ceilings
 
 Ceilings default to an H100 SXM as measured on the lent machine (device/KINDS.md,
 2026-11-13: 798 TFLOP/s for an 8192^3 bf16 matmul on random data, 3.0 TB/s for a
 device-to-device copy counting reads and writes); MFU is over the 989 TFLOP/s datasheet
-peak. Counted in bytes: activations in the autocast dtype (2 bytes), the residual
+peak. `--gpu a100|v100|t4` take datasheet ceilings instead (no such GPU was lent to
+measure them), and on V100/T4 the attention SDPA's memory-efficient kernel runs
+(ops.attention_impl). Counted in bytes: activations in the autocast dtype (2 bytes), the residual
 stream and everything fp32 in 4. Not counted: the host, launch gaps, the L2 cache
 (re-reads of K/V tiles by attention programs are taken to hit it), small vectors
 (biases, LayerNorm statistics). The attention executes 9 matmuls per layer (forward
@@ -38,6 +41,25 @@ from roberta_fast.model import training_flops
 
 ACT = 2  # bytes of an activation under autocast (bf16 / fp16)
 FP32 = 4
+
+
+@dataclass(frozen=True)
+class Gpu:
+    matmul_tflops: float  # half-precision matmul ceiling
+    copy_tbs: float  # device-to-device copy, reads + writes
+    peak_tflops: float  # datasheet dense fp16/bf16 tensor-core peak
+    attention: str  # what ops.attention_impl runs there
+    source: str
+
+
+GPUS = {
+    "h100": Gpu(798.0, 3.0, 989.0, "triton", "H100 SXM, ceilings measured on the lent machine (2026-11-13)"),
+    "a100": Gpu(312.0, 2.039, 312.0, "triton", "A100 SXM 80GB, datasheet bf16 peak and bandwidth (not measured)"),
+    "v100": Gpu(125.0, 0.9, 125.0, "sdpa", "V100 SXM2, datasheet fp16 tensor-core peak and HBM2 bandwidth (not "
+                "measured); attention on SDPA's memory-efficient kernel (no Triton tensor cores below sm_80)"),
+    "t4": Gpu(65.0, 0.32, 65.0, "sdpa", "T4, datasheet fp16 tensor-core peak and GDDR6 bandwidth (not measured; "
+              "its 70 W cap keeps sustained clocks below the peak's); attention on SDPA"),
+}
 
 
 @dataclass
@@ -63,8 +85,9 @@ def _linear_fwd_bwd(tokens: int, n_in: int, n_out: int):
 
 
 def step_parts(cfg: RobertaConfig, batch: int, seq_len: int, mlm_probability: float = 0.15,
-               residual_bytes: int = FP32) -> list[Part]:
-    """The parts of one training step of the fused model (one micro-batch), in execution order."""
+               residual_bytes: int = FP32, attention: str = "triton") -> list[Part]:
+    """The parts of one training step of the fused model (one micro-batch), in execution order.
+    attention: "triton" (sm_80+) or "sdpa" (what ops.attention_impl runs below sm_80)."""
     T, S, L = batch * seq_len, seq_len, cfg.num_hidden_layers
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     P = round(mlm_probability * T)  # predicted tokens
@@ -80,10 +103,15 @@ def step_parts(cfg: RobertaConfig, batch: int, seq_len: int, mlm_probability: fl
     parts = [Part("encoder matmuls", L * flops, L * 6.0 * encoder_matmul_params * T, L * gemm_bytes)]
 
     unit = 2.0 * T * S * H  # one (seqlen x seqlen) matmul over every head of a layer
-    # in (T, H) activations: forward reads q, k, v, writes out (3 + 1); delta = rowsum(dO * O) reads
-    # out and dO (2); dK/dV reads q, k, v, dO, writes dK, dV (4 + 2); dQ reads q, k, v, dO, writes dQ (4 + 1)
-    attn_bytes = (4 + 2 + 6 + 5) * T * H * ACT
-    parts.append(Part("attention fwd+bwd", L * 9 * unit, L * 6 * unit, L * attn_bytes))
+    if attention == "triton":
+        # in (T, H) activations: forward reads q, k, v, writes out (3 + 1); delta = rowsum(dO * O) reads
+        # out and dO (2); dK/dV reads q, k, v, dO, writes dK, dV (4 + 2); dQ reads q, k, v, dO, writes dQ (4 + 1)
+        attn_matmuls, attn_bytes = 9, (4 + 2 + 6 + 5) * T * H * ACT
+    else:  # SDPA's memory-efficient kernel (below sm_80): 2 forward + 5 backward matmuls (P recomputed once);
+        # forward reads q, k, v, writes out (4), backward reads q, k, v, out, dO, writes dq, dk, dv (8);
+        # q, k, v made contiguous out of the QKV projection and their grads packed back (6 + 6)
+        attn_matmuls, attn_bytes = 7, (4 + 8 + 6 + 6) * T * H * ACT
+    parts.append(Part(f"attention fwd+bwd ({attention})", L * attn_matmuls * unit, L * 6 * unit, L * attn_bytes))
 
     # two residual + dropout + LayerNorms per layer: forward reads x and the residual, writes y
     # (and its half copy); backward reads dy (and the copy's grad), x, the residual, writes dx, dresidual
@@ -122,8 +150,9 @@ def step_parts(cfg: RobertaConfig, batch: int, seq_len: int, mlm_probability: fl
 
 
 def report(cfg: RobertaConfig, batch: int, seq_len: int, matmul_tflops: float, copy_tbs: float,
-           peak_tflops: float, mlm_probability: float = 0.15, residual_bytes: int = FP32) -> dict:
-    parts = step_parts(cfg, batch, seq_len, mlm_probability, residual_bytes)
+           peak_tflops: float, mlm_probability: float = 0.15, residual_bytes: int = FP32,
+           attention: str = "triton") -> dict:
+    parts = step_parts(cfg, batch, seq_len, mlm_probability, residual_bytes, attention)
     rate, bandwidth = matmul_tflops * 1e12, copy_tbs * 1e12
     rows = [{**asdict(p), "floor_ms": p.floor_s(rate, bandwidth) * 1e3,
              "bound": "compute" if p.flops / rate >= p.bytes / bandwidth else "memory"} for p in parts]
@@ -132,7 +161,7 @@ def report(cfg: RobertaConfig, batch: int, seq_len: int, matmul_tflops: float, c
     model_flops = training_flops(cfg, tokens, predicted, seq_len)
     return {"batch": batch, "seq_len": seq_len, "tokens": tokens, "predicted": predicted,
             "residual_bytes": residual_bytes, "matmul_tflops": matmul_tflops, "copy_tbs": copy_tbs,
-            "peak_tflops": peak_tflops, "parts": rows, "floor_ms": floor * 1e3,
+            "peak_tflops": peak_tflops, "attention": attention, "parts": rows, "floor_ms": floor * 1e3,
             "model_flops": model_flops, "max_tokens_per_s": tokens / floor,
             "max_mfu": model_flops / floor / (peak_tflops * 1e12)}
 
@@ -159,9 +188,11 @@ def parse_args(argv=None):
     p.add_argument("--mlm-probability", type=float, default=0.15)
     p.add_argument("--residual-dtype", default="fp32", choices=("fp32", "bf16"),
                    help="the residual stream's dtype (fp32: as HF under autocast, what the model does)")
-    p.add_argument("--matmul-tflops", type=float, default=798.0, help="measured bf16 matmul ceiling")
-    p.add_argument("--copy-tbs", type=float, default=3.0, help="measured device-to-device copy, TB/s")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="datasheet dense bf16 peak (for MFU)")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS),
+                   help="ceilings and attention of this GPU (flags below override the ceilings)")
+    p.add_argument("--matmul-tflops", type=float, help="half-precision matmul ceiling (default: the GPU's)")
+    p.add_argument("--copy-tbs", type=float, help="device-to-device copy, TB/s (default: the GPU's)")
+    p.add_argument("--peak-tflops", type=float, help="datasheet dense half-precision peak, for MFU (default: the GPU's)")
     p.add_argument("--json", metavar="PATH", help="also write the report to this JSON file")
     return p.parse_args(argv)
 
@@ -169,12 +200,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = RobertaConfig.preset(args.model)
-    r = report(cfg, args.batch, args.seq_len, args.matmul_tflops, args.copy_tbs, args.peak_tflops,
-               args.mlm_probability, FP32 if args.residual_dtype == "fp32" else ACT)
+    gpu = GPUS[args.gpu]
+    r = report(cfg, args.batch, args.seq_len, args.matmul_tflops or gpu.matmul_tflops, args.copy_tbs or gpu.copy_tbs,
+               args.peak_tflops or gpu.peak_tflops, args.mlm_probability,
+               FP32 if args.residual_dtype == "fp32" else ACT, gpu.attention)
+    print(f"{args.gpu}: {gpu.source}")
     print(format_report(r))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, **r}, f, indent=1)
+            json.dump({"model": args.model, "gpu": args.gpu, **r}, f, indent=1)
     return 0
 
 

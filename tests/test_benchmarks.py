@@ -399,3 +399,24 @@ def test_roofline_report_adds_up(tmp_path):
     assert 0 < report["max_mfu"] < 1
     bf16 = R.report(R.RobertaConfig.preset("base"), 32, 512, 798, 3.0, 989, residual_bytes=2)
     assert bf16["floor_ms"] < report["floor_ms"]  # a 2-byte residual stream moves fewer bytes
+
+
+@pytest.mark.parametrize("gpu, capability", [("h100", (9, 0)), ("a100", (8, 0)), ("v100", (7, 0)), ("t4", (7, 5))])
+def test_roofline_models_the_attention_the_dispatcher_runs(monkeypatch, gpu, capability):
+    """Each GPU's roofline counts the attention ops.attention_impl picks there (SDPA's below sm_80)."""
+    import torch
+
+    from roberta_fast import ops
+
+    R = _load_roofline()
+    monkeypatch.setattr(ops, "device_capability", lambda device: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    spec = R.GPUS[gpu]
+    assert spec.attention == ops.attention_impl(torch.device("cuda"))
+    cfg = R.RobertaConfig.preset("base")
+    r = R.report(cfg, 32, 512, spec.matmul_tflops, spec.copy_tbs, spec.peak_tflops, attention=spec.attention)
+    attention = next(p for p in r["parts"] if p["name"].startswith("attention"))
+    unit = 2.0 * 32 * 512 * 512 * cfg.hidden_size * cfg.num_hidden_layers
+    assert attention["flops"] == (9 if spec.attention == "triton" else 7) * unit
+    assert attention["model_flops"] == 6 * unit
+    assert 0 < r["max_mfu"] < 1
