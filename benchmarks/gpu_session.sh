@@ -113,7 +113,7 @@ case $stage in
     # attention as the model trains (dropout 0.1 in every contender)
     run bench_attention_dropout "$py" benchmarks/bench_attention.py --dropout 0.1 \
       --json "$out/bench_attention_dropout.json"
-    run compile_report "$py" benchmarks/compile_report.py --arch 90 --json "$out/compile_report.json"
+    run compile_report "$py" benchmarks/compile_report.py --launched-only --json "$out/compile_report.json"
     ;;
   *)
     echo "unknown stage $stage" >&2

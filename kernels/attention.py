@@ -36,9 +36,12 @@ dots (exact-ish parity with PyTorch; slow: no tensor cores, registers spill), or
 where torch.set_float32_matmul_precision allows it. GPU block sizes are autotuned over
 configs sensible for Ampere/Hopper (no Hopper-only features), keyed on a seqlen
 bucket, with the results cached on disk; ROBERTA_FAST_AUTOTUNE=0 runs each
-kernel's first config that fits the GPU instead (no one-off tuning). benchmarks/compile_report.py
-compiles every variant and config for sm_80/sm_90 on any machine and reports
-registers and spills (the tests compile the default configs that way). Not yet run
+kernel's default for the head dim (default_order) instead (no one-off tuning).
+Below sm_80 Triton lowers tl.dot to FMA, so the model does not launch these kernels
+there (roberta_fast.ops.attention_impl sends V100s and T4s to SDPA's memory-efficient
+kernel). benchmarks/compile_report.py compiles every variant and config for
+sm_70/75/80/90 on any machine and reports registers, spills and tensor-core
+instructions (CI compiles what the model launches on each). Not yet run
 or measured on a GPU when this was written (none was available): see
 benchmarks/bench_attention.py.
 """
@@ -343,24 +346,38 @@ def _configs(rows):
 
 
 # Sensible for Ampere and Hopper (no Hopper-only features): BLOCK_M 128 for the
-# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 does.
-# Pruned with benchmarks/compile_report.py (sm_80 / sm_90, Triton 3.6 and 3.9): a
-# config is kept only if it compiles without register spills on sm_90 for the
-# training variants (dropout with a mask, varlen or neither) in at least one of the
-# two Triton versions; (128, 64, 4, 3) stays for the forward without dropout (eval),
-# where it does not spill. The first config of each list (the default when
-# autotuning is off) spills in no fp16/bf16 variant on sm_90 at head dim 64 (RoBERTa's);
-# at head dim 128 dK/dV with dropout spills 132-232 bytes and dQ with mask+dropout 8
-# (Triton 3.6), and fp32 spills at every head dim.
-# The last, (32, 32, 4, 2), is the one that fits the shared memory of an A100 (and for
-# dQ of an H100) with fp32 inputs at head dim 128; with autotuning off the first
-# config that fits runs.
+# forward, long key blocks for dK/dV and long query blocks for dQ, as FA2 and Triton's
+# fused-attention tutorial do. Pruned with benchmarks/compile_report.py (sm_80 / sm_90):
+# every training variant (dropout with a mask, varlen or neither) has a config that
+# compiles without register spills on both. Autotuning times them all; with it off
+# (ROBERTA_FAST_AUTOTUNE=0) the head dim's default (_DEFAULTS) runs, or the first
+# config after it that fits the GPU's shared memory. Measured with compile_report
+# (Triton 3.9, fp16/bf16): the defaults spill on neither sm_80 nor sm_90 at head dims
+# 64 (RoBERTa's) and 128, except the head-dim-128 forward on varlen without dropout at
+# sm_80 (24 bytes); fp32 spills at every head dim. The last config, (32, 32, 4, 2),
+# fits the shared memory of an A100 (and for dQ of an H100) with fp32 at head dim 128.
 _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
                          (64, 64, 8, 3), (32, 32, 4, 2)])
-_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 4),
+_DKDV_CONFIGS = _configs([(32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 4),
                           (32, 64, 8, 3), (32, 32, 4, 2)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3),
+_DQ_CONFIGS = _configs([(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3),
                         (64, 32, 4, 4), (32, 32, 4, 2)])
+# (BLOCK_M, BLOCK_N, warps, stages) with autotuning off, by head dim; the list's first otherwise
+_DEFAULTS = {"fwd": {128: (64, 64, 8, 3)}, "dkdv": {128: (32, 64, 8, 3)}, "dq": {}}
+
+
+def default_order(name, head_dim):
+    """Kernel `name`'s configs in the order autotuning-off tries them: the head dim's default, then
+    the list from there on (smaller tiles, for when it does not fit the shared memory)."""
+    configs = _KERNELS[name][1]
+    default = _DEFAULTS[name].get(head_dim)
+    start = 0
+    if default is not None:
+        start = next(i for i, c in enumerate(configs) if
+                     (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default)
+    return configs[start:]
+
+
 # Under the interpreter: small tiles keep the tests quick and still exercise several
 # blocks and ragged tails at seqlen 130 / 257, with BLOCK_M != BLOCK_N both ways round.
 _INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
@@ -393,7 +410,7 @@ def _launch(name, grid_block, seqlen, batch_heads, *args, **constexprs):
     elif autotune_enabled():
         _TUNED[name][grid](*args, **constexprs)  # configs that do not fit the GPU time as infinite
     else:
-        _launch_first_fitting(name, kernel, configs, grid, args, constexprs)
+        _launch_first_fitting(name, kernel, default_order(name, constexprs["HEAD_DIM"]), grid, args, constexprs)
 
 
 _FIRST_FITTING = {}  # (kernel, GPU, constexprs) -> index of the first config that fits, autotuning off

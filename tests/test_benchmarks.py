@@ -318,20 +318,59 @@ needs_triton_knobs = pytest.mark.skipif(
     not _triton_has_knobs(), reason="compile_report hooks Triton's compiler through triton.knobs (Triton >= 3.4)")
 
 
+ATTENTION_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}
+ELEMENTWISE_KERNELS = {"_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_layer_norm_fwd_kernel",
+                       "_layer_norm_bwd_kernel", "_cross_entropy_fwd_kernel", "_cross_entropy_bwd_kernel"}
+
+
 @needs_triton_knobs
-def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
-    """What the interpreter cannot check: each kernel the model launches builds for A100 and H100."""
-    proc = _run_compiled(["benchmarks/compile_report.py", "--arch", "80", "90", "--default-configs",
+def test_every_kernel_the_backend_launches_compiles_clean_for_v100_t4_a100_h100(tmp_path):
+    """What the interpreter cannot check, on sm_70/75/80/90 at RoBERTa's head dim: each kernel the
+    fused backend launches there builds, does its matrix work on tensor cores (mma / wgmma in the
+    PTX) and spills no register in its autotuning-off config (or, where that one does, some
+    autotune candidate is clean); the Triton attention is not launched below sm_80."""
+    proc = _run_compiled(["benchmarks/compile_report.py", "--default-configs", "--launched-only", "--head-dims", "64",
                           "--jobs", "2", "--json", str(tmp_path / "report.json")])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
-    assert {r["kernel"] for r in rows} == {
-        "_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-        "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
-        "_cross_entropy_fwd_kernel", "_cross_entropy_bwd_kernel"}
-    assert {r["arch"] for r in rows} == {80, 90}
-    for r in rows:
-        assert r["status"] == "ok" and r["registers"] > 0 and r["shared_bytes"] >= 0, r
+    assert {r["arch"] for r in rows} == {70, 75, 80, 90}
+    for arch in (70, 75, 80, 90):
+        here = [r for r in rows if r["arch"] == arch]
+        assert {r["kernel"] for r in here} == ATTENTION_KERNELS | ELEMENTWISE_KERNELS, arch
+        for r in here:
+            if arch < 80 and r["kernel"] in ATTENTION_KERNELS:
+                assert r["status"] == "not compiled" and not r["launched"], r
+                continue
+            assert r["status"] == "ok" and r["launched"] and r["registers"] > 0, r
+            if r["kernel"] in ELEMENTWISE_KERNELS:
+                assert r["dots"] == 0, r  # the claim that lets them run on every GPU
+            elif r["dots"]:
+                assert (r["wgmma"] if arch == 90 else r["mma"]) > 0, r
+        dtypes = {r["case"].split()[1] for r in here if r["kernel"].startswith("_attn") or "layer_norm" in r["case"]}
+        assert ("bf16" in dtypes) == (arch >= 80), (arch, dtypes)  # no bf16 below sm_80: fp16 there
+
+
+@needs_triton_knobs
+def test_compile_report_fails_a_launched_dot_without_tensor_cores():
+    """The check can fail: Triton's attention forward compiled for sm_75 does its dots on FMA (no mma);
+    the report notes it while the dispatcher sends T4s to SDPA, and fails it were it launched there."""
+    script = (
+        "import sys, torch; sys.path.insert(0, 'benchmarks'); import compile_report as cr\n"
+        "launch = next(la for la in cr.capture(75, {'fp16': torch.float16}, [64], [768])\n"
+        "              if la.kernel == '_attn_fwd_kernel')\n"
+        "row = cr.default_config(launch, 75)\n"
+        "row.launched = cr.launched(launch, 75)\n"
+        "print(row.dots, row.mma, row.fma, row.launched, cr.problems(row), len(cr.failures([row])))\n"
+        "row.launched = True\n"
+        "print(cr.problems(row), len(cr.failures([row])))\n"
+    )
+    proc = _run_compiled(["-c", script])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    noted, failed = proc.stdout.strip().splitlines()[-2:]
+    dots, mma, fma, launched, rest = noted.split(" ", 4)
+    assert int(dots) > 0 and int(mma) == 0 and int(fma) > 0 and launched == "False", noted
+    assert rest.startswith("['no-tensor-cores'") and rest.endswith("] 0"), noted  # noted (it spills too), not failed
+    assert failed.startswith("['NO-TENSOR-CORES'") and failed.endswith("] 1"), failed
 
 
 @needs_triton_knobs
