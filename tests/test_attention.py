@@ -374,3 +374,22 @@ def test_fp32_dots_follow_torchs_matmul_precision():
         assert _dot_precision(torch.float32) == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_autotuning_off_tries_the_head_dims_default_then_smaller_tiles():
+    """ROBERTA_FAST_AUTOTUNE=0: the head dim's spill-free default first (benchmarks/compile_report.py),
+    then the configs after it, down to the 32x32 tile that fits any GPU's shared memory."""
+    import importlib
+
+    attn = importlib.import_module("roberta_fast.kernels.attention")  # the module, not the function
+
+    def tiles(name, head_dim):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in attn.default_order(name, head_dim)]
+
+    assert tiles("fwd", 64)[0] == (128, 64, 8, 3) and tiles("fwd", 128)[0] == (64, 64, 8, 3)
+    assert tiles("dkdv", 64)[0] == (32, 128, 8, 2) and tiles("dkdv", 128)[0] == (32, 64, 8, 3)
+    assert tiles("dq", 64)[0] == tiles("dq", 128)[0] == (128, 32, 8, 3)
+    for name in ("fwd", "dkdv", "dq"):
+        for head_dim in (32, 64, 128):
+            assert tiles(name, head_dim)[-1] == (32, 32, 4, 2)
