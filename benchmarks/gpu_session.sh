@@ -5,9 +5,10 @@
 #
 #   test       build (if needed), then the whole test suite on the GPU (bf16 included)
 #   sanitize   the extension's CUDA tests under compute-sanitizer (memcheck, racecheck)
-#   e2e        throughput.py: roberta-base, seq 512, bf16, all four contenders, profiled; roofline.py's floor
+#   e2e        throughput.py: roberta-base, seq 512, --precision auto's dtype (bf16; fp16 on a V100/T4), all
+#              four contenders, profiled; roofline.py's floor for this GPU
 #   e2e-fp16   the same in fp16 (with loss scaling)
-#   e2e-more   throughput.py: roberta-large at 512, and base and large at 128 (bf16)
+#   e2e-more   throughput.py: roberta-large at 512, and base and large at 128 (auto's dtype)
 #   kernels    every per-kernel benchmark (attention, bias+GELU, LayerNorm, FusedAdam, masking,
 #              preprocessing, inference) and the AOT compile report
 #
@@ -27,6 +28,17 @@ py=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONUNBUFFERED=1
 summary=()
 start=$SECONDS
+
+# --precision auto's dtype on this GPU (bf16 on sm_80+, fp16 on a V100/T4) and its roofline column
+read -r auto_dtype roofline_gpu < <("$py" - 2>/dev/null <<'EOF'
+import torch
+from roberta_fast.precision import resolve_precision
+cap = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (9, 0)
+gpu = {(7, 0): "v100", (7, 5): "t4", (8, 0): "a100"}.get(cap, "h100")
+print(resolve_precision("auto", torch.device("cuda")) if torch.cuda.is_available() else "bf16", gpu)
+EOF
+) || true
+auto_dtype=${auto_dtype:-bf16} roofline_gpu=${roofline_gpu:-h100}
 
 note() { summary+=("$1"); echo "== $1"; printf '%s\n' "${summary[@]}" >"$out/summary.txt"; pack; }
 pack() { tar czf "$dest/$stage.tgz" -C "$out" . 2>/dev/null; }
@@ -93,16 +105,16 @@ case $stage in
     ;;
   e2e|e2e-fp16)
     ensure_built
-    dtype=$([ "$stage" = e2e ] && echo bf16 || echo fp16)
+    dtype=$([ "$stage" = e2e ] && echo "$auto_dtype" || echo fp16)
     run "throughput-base512-$dtype" "$py" benchmarks/throughput.py --models base --seq-lens 512 --dtypes "$dtype" \
       --profile --no-record --json "$out/throughput-base512-$dtype.json" --chart "$out/throughput-base512-$dtype.png"
     # the predicted floor of the same step, beside the measured profile (batch 32: the benchmarks' shape)
-    run roofline-base512 "$py" benchmarks/roofline.py --model base --seq-len 512 --batch 32 \
+    run roofline-base512 "$py" benchmarks/roofline.py --model base --seq-len 512 --batch 32 --gpu "$roofline_gpu" \
       --json "$out/roofline-base512.json"
     ;;
   e2e-more)
     ensure_built
-    run throughput-more "$py" benchmarks/throughput.py --models base large --seq-lens 128 512 --dtypes bf16 \
+    run throughput-more "$py" benchmarks/throughput.py --models base large --seq-lens 128 512 --dtypes "$auto_dtype" \
       --no-record --json "$out/throughput-more.json" --chart "$out/throughput-more.png"
     ;;
   kernels)

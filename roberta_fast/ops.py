@@ -91,6 +91,17 @@ def attention_impl(device: torch.device) -> str:
     return "sdpa"
 
 
+def describe_attention(backend: str, device: torch.device) -> str:
+    """The attention a model on `device` runs, in words, for startup descriptions."""
+    if backend != "fused":
+        return "PyTorch SDPA (reference backend)"
+    if attention_impl(device) == "triton":
+        return "Triton flash-style kernel"
+    major, minor = device_capability(device)
+    return (f"PyTorch SDPA, memory-efficient kernel (sm_{major}{minor}: Triton's tl.dot has no tensor cores "
+            "below sm_80)")
+
+
 def _sdpa_tensor_cores(q, k, v, attn_mask=None, dropout_p: float = 0.0):
     """F.scaled_dot_product_attention with the memory-efficient kernel first: the fused backend's
     attention below sm_80. Flash needs sm_80; math (the fallback where the efficient kernel

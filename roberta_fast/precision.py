@@ -37,7 +37,7 @@ def describe_auto(device: torch.device) -> tuple[str, str]:
     a V100). fp32 on the CPU, where the model runs for tests and small jobs.
     """
     if device.type != "cuda":
-        return "fp32", f"{device.type}: fp32"
+        return "fp32", f"fp32 on the {device.type.upper()} (no CUDA GPU)"
     from .ops import device_capability
 
     if native_bf16(device):

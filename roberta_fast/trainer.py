@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import ops
 from .checkpoint import CheckpointManager, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
 from .hub import model_dir
@@ -677,6 +678,9 @@ class Trainer:
                 f"up to step {self.step}; likely cause: {cause}. A checkpoint of the last good weights was "
                 f"saved in {self.checkpoints.directory}")
 
+    def _attention(self) -> str:
+        return ops.describe_attention(ops.resolve_backend(self.model.backend, self.device), self.device)
+
     def describe(self) -> str:
         c, mc = self.cfg, self.model_config
         n = sum(p.numel() for p in self.model.parameters())
@@ -684,7 +688,7 @@ class Trainer:
             "effective config:\n" + json.dumps(c.to_dict(), indent=1) + "\n"
             f"model: {c.model} (L={mc.num_hidden_layers} H={mc.hidden_size} A={mc.num_attention_heads} "
             f"FFN={mc.intermediate_size} vocab={mc.vocab_size}), {n / 1e6:.2f}M parameters, backend "
-            f"{self.model.backend}, objective "
+            f"{self.model.backend} (attention: {self._attention()}), objective "
             + ("MLM + span boundary (SpanBERT)" if self.with_sbo else "MLM") + "\n"
             f"device {self.device} x {self.dist.world_size} process(es), precision {self.precision} "
             f"({explain(c.precision, self.device)}); "

@@ -25,9 +25,16 @@ SKIP_REASON = ("needs a CUDA GPU: Triton's CPU interpreter computes bf16 tl.dot 
 
 
 def skip_unless_computed(device, dtype) -> None:
-    """Skip a bf16 test on the CPU when the interpreter is not patched (it would compute garbage)."""
+    """Skip a bf16 test on the CPU when the interpreter is not patched (it would compute garbage),
+    and on a CUDA GPU without native bf16 (V100, T4: no Triton bf16 there; the product runs fp16)."""
     if dtype == torch.bfloat16 and device.type == "cpu" and not ACTIVE:
         pytest.skip(SKIP_REASON)
+    if dtype == torch.bfloat16 and device.type == "cuda":
+        from roberta_fast.precision import native_bf16
+
+        if not native_bf16(device):
+            major, minor = torch.cuda.get_device_capability(device)
+            pytest.skip(f"bf16 needs a GPU with native bf16 (sm_80+); this one is sm_{major}{minor}")
 
 
 def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -32,6 +32,23 @@ def test_attention_impl_by_capability(monkeypatch, capability, impl):
     assert ops.attention_impl(torch.device("cuda")) == "triton"
 
 
+@pytest.mark.parametrize("capability, words", [((7, 0), "memory-efficient kernel (sm_70"),
+                                               ((7, 5), "memory-efficient kernel (sm_75"),
+                                               ((8, 0), "Triton flash-style kernel"), ((9, 0), "Triton flash-style kernel")])
+def test_a_faked_v100_or_t4_is_described_as_fp16_with_sdpa_attention(monkeypatch, capability, words):
+    """What `python -m roberta_fast.train` prints at startup on each GPU: the precision auto chose and
+    why (precision.explain), and the attention the fused backend runs (ops.describe_attention)."""
+    from roberta_fast.precision import explain
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(ops, "device_capability", lambda device: capability)
+    gpu = torch.device("cuda", 0)
+    assert words in ops.describe_attention("fused", gpu)
+    assert ops.describe_attention("reference", gpu) == "PyTorch SDPA (reference backend)"
+    expected = "fp16 autocast with dynamic loss scaling" if capability < (8, 0) else "bf16 autocast"
+    assert expected in explain("auto", gpu)
+
+
 def test_cpu_keeps_the_triton_kernel_for_the_interpreter():
     assert ops.device_capability(torch.device("cpu")) is None
     assert ops.attention_impl(torch.device("cpu")) == "triton"

@@ -123,6 +123,28 @@ def test_fused_model_under_autocast_matches_reference(device, dtype):
         assert err <= tol * grad.abs().max() + 1e-6, f"{name}: {err}"
 
 
+@pytest.mark.parametrize("gain", [1.0, 3e4, 1e6], ids=["in-range", "near-fp16-max", "logits-overflow"])
+def test_fp16_overflow_is_the_references(device, gain):
+    """fp16 autocast, as on a V100: with MLM logits beyond fp16's 65504 (the tied word embeddings
+    scaled up; the embedding LayerNorm undoes that on the input side) the reference's loss is not finite, and the fused one's is not either, so the loss scaler
+    skips the same step; in range, both are finite and agree. The post-LN activations stay fp32
+    (the residual stream under autocast) in both paths."""
+    reference, fused = models(device, torch.float32)
+    with torch.no_grad():
+        for model in (reference, fused):
+            model.roberta.embeddings.word_embeddings.weight.mul_(gain)
+    ids, mask, labels = inputs(device)
+    losses = []
+    for model in (reference, fused):
+        with torch.autocast(device.type, dtype=torch.float16):
+            out = model(ids, mask, labels=labels)
+        losses.append(out.loss.float())
+    ref_loss, fused_loss = losses
+    assert bool(torch.isfinite(ref_loss)) == bool(torch.isfinite(fused_loss)) == (gain < 1e6), losses
+    if gain < 1e6:
+        torch.testing.assert_close(fused_loss, ref_loss, rtol=2e-2, atol=0)
+
+
 @AUTOCAST_DTYPES
 def test_layer_norm_cast_copies_change_no_bit(device, dtype, monkeypatch):
     """Training under autocast with dropout: the LayerNorm-written half copies give exactly

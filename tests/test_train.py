@@ -156,6 +156,8 @@ def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path, c
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "effective config:" in printed and "validation MLM loss: first" in printed
+    assert "precision fp32 (--precision auto -> fp32 on the CPU (no CUDA GPU))" in printed  # what was chosen, and why
+    assert "(attention: PyTorch SDPA (reference backend))" in printed
     saved = json.loads((out / "train_config.json").read_text())
     assert saved["max_steps"] == 60 and saved["hidden_size"] == 64
     evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"]
