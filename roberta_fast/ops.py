@@ -102,13 +102,18 @@ def describe_attention(backend: str, device: torch.device) -> str:
             "below sm_80)")
 
 
-def _sdpa_tensor_cores(q, k, v, attn_mask=None, dropout_p: float = 0.0):
-    """F.scaled_dot_product_attention with the memory-efficient kernel first: the fused backend's
-    attention below sm_80. Flash needs sm_80; math (the fallback where the efficient kernel
-    cannot run, e.g. an unsupported head dim) materialises every score."""
+def efficient_sdpa():
+    """Context in which SDPA runs its memory-efficient kernel, math only where that cannot run (e.g. an
+    unsupported head dim; math materialises every score): the fused backend's attention below
+    sm_80, where flash (sm_80+) is not available."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _sdpa_tensor_cores(q, k, v, attn_mask=None, dropout_p: float = 0.0):
+    """F.scaled_dot_product_attention under efficient_sdpa()."""
+    with efficient_sdpa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
 
 

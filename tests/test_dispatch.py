@@ -181,3 +181,34 @@ def test_nested_varlen_attention_keeps_documents_apart_with_dropout():
     torch.testing.assert_close(out[:5], expected[:5])
     dropped = ops._attention_varlen_nested(qkv, cu_seqlens, 7, 0.5)
     assert dropped.shape == expected.shape and not torch.allclose(dropped, expected)
+
+
+def test_patched_transformers_model_below_sm80_runs_sdpa_not_triton_attention(monkeypatch):
+    """rf.patch on a (faked) V100: transformers' SDPA under the efficient-kernel preference, no Triton
+    attention launch; outputs and gradients as the unpatched model's."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=48, max_position_embeddings=40)
+    original = transformers.RobertaModel(cfg).eval()
+    patched = rf.patch(copy.deepcopy(original))
+    kernels = ops._kernels()
+    monkeypatch.setattr(ops, "device_capability", lambda device: (7, 0))
+    monkeypatch.setattr(kernels, "attention", Spy())  # refuses: must not run below sm_80
+    preferred = Spy(ops.efficient_sdpa)
+    monkeypatch.setattr(ops, "efficient_sdpa", preferred)
+    ids, mask, _ = batch()
+    weights = torch.randn(int(mask.sum()), cfg.hidden_size)
+    outs = []
+    for model in (original, patched):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        (hidden * weights).sum().backward()  # not a sum of squares: LayerNorm's output makes that constant
+        outs.append((hidden, {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = outs
+    assert preferred.calls == cfg.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        if grad is not None:  # relative to the largest: sums of many rows round differently
+            assert (got_grads[name] - grad).abs().max() <= 2e-5 * grad.abs().max() + 1e-7, name
