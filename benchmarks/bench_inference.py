@@ -302,6 +302,22 @@ def main():
           f"load before: {os.getloadavg()}")
 
     results, configs = [], {}
+    if args.json or quick:
+        path = args.json
+    elif device.type == "cuda":
+        path = bc.record_path(args, "inference", device)
+    else:  # CPU records are labelled as such
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                            f"inference-cpu-{facts['cores']}cores-{bc.environment(device)['date'][:10]}.json")
+
+    def write(results, targets):
+        """The record so far: written after each length mix, so a run cut off keeps what it measured."""
+        if path:
+            bc.write_json(path, bc.environment(device), results, config=dict(
+                lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
+                threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg()), targets=targets)
+            print(f"\nwrote {path}")
+
     for dist in lengths:
         if dist not in ("uniform", "corpus", "fixed"):
             raise SystemExit(f"--lengths {dist!r}: use uniform, corpus or fixed")
@@ -337,21 +353,10 @@ def main():
             bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
                                                 "max_abs_diff_vs_hf_fp32", "peak_rss_mb"])
             results += list(rows.values())
-    if args.json or quick:
-        path = args.json
-    elif device.type == "cuda":
-        path = bc.record_path(args, "inference", device)
-    else:  # CPU records are labelled as such
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                            f"inference-cpu-{facts['cores']}cores-{bc.environment(device)['date'][:10]}.json")
+        write(results, evaluate_targets(results, device))
     targets = evaluate_targets(results, device)
     print("\ntargets:")
     bc.print_rows(targets, ["target", "goal", "achieved", "status"])
-    if path:
-        bc.write_json(path, bc.environment(device), results, config=dict(lengths=configs, model="tiny" if quick
-                      else "roberta-base shape, random weights", threads=torch.get_num_threads(),
-                      repeats=repeats, load_after=os.getloadavg()), targets=targets)
-        print(f"\nwrote {path}")
     chart = args.chart or (path and not quick and os.path.splitext(path)[0] + ".png")
     if chart:
         print(throughput_chart({"environment": bc.environment(device), "results": results}, chart))

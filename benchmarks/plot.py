@@ -65,10 +65,12 @@ def _png(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings, contenders, value = _series(report)
+    settings, listed, value = _series(report)
+    contenders = [c for c in listed if any((s, c) in value for s in settings)]  # the rest: a footnote
+    not_run = [c for c in listed if c not in contenders]
     peer_name = _peer(report)
     width = 0.8 / max(1, len(contenders))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(settings)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(settings)) + 1.5, 4))
     for j, c in enumerate(contenders):
         xs = [i + (j - (len(contenders) - 1) / 2) * width for i in range(len(settings))]
         heights = [value.get((s, c), 0.0) for s in settings]
@@ -80,7 +82,9 @@ def _png(report: dict, path: Path) -> None:
     ax.set_xticks(range(len(settings)), settings, rotation=20, ha="right")
     ax.set_ylabel("tokens / s")
     ax.set_title(_title(report), fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if not_run:
+        fig.text(0.01, 0.01, "not run (skipped or failed, see the record): " + ", ".join(not_run), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")  # (path may be a temporary name without .png)
     plt.close(fig)
