@@ -20,7 +20,6 @@ fused one again; the fused feed-forward and LayerNorm, the same functions, stay.
 from __future__ import annotations
 
 import contextlib
-
 import os
 from types import MethodType
 
@@ -61,13 +60,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
             additive = additive.masked_fill(~mask.bool(), torch.finfo(query.dtype).min)[:, None, None, :]
         return eager_attention_forward(module, query, key, value, additive, dropout=dropout, scaling=scaling)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, head_dim)
-    fused = _fused(q)
-    if (not fused or q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS or q.shape[1] != k.shape[1]
-            or ops.attention_impl(q.device) != "triton"):  # below sm_80: SDPA's efficient kernel (tensor cores)
+    below_sm80 = _fused(q) and ops.attention_impl(q.device) == "sdpa"  # SDPA's efficient kernel: tensor cores
+    if (not _fused(q) or below_sm80 or q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS
+            or q.shape[1] != k.shape[1]):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         mask = None if mask is None else mask[:, None, None, :].bool()
-        with ops.efficient_sdpa() if fused else contextlib.nullcontext():
+        with ops.efficient_sdpa() if below_sm80 else contextlib.nullcontext():
             return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     out = ops._kernels().attention(q, k, v, mask, dropout_p=dropout, softmax_scale=scaling)
     return out, None

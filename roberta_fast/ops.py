@@ -144,8 +144,8 @@ def attention(qkv, attention_mask, dropout_p: float, backend: str):
     kernel where attention_impl says so, else SDPA's memory-efficient kernel.
     """
     key_mask_only = attention_mask is None or attention_mask.dim() == 2
-    fused = backend == "fused"
-    if fused and key_mask_only and attention_impl(qkv.device) == "triton":
+    impl = attention_impl(qkv.device) if backend == "fused" else None
+    if impl == "triton" and key_mask_only:
         supported = fused_head_dims()
         if qkv.shape[-1] in supported:
             return _kernels().attention_qkvpacked(qkv, attention_mask, dropout_p)
@@ -157,7 +157,7 @@ def attention(qkv, attention_mask, dropout_p: float, backend: str):
         keep = _broadcast_mask(attention_mask)
         additive = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
         additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)
-    if fused:
+    if impl == "sdpa":  # below sm_80; elsewhere SDPA's own choice (flash where it can)
         out = _sdpa_tensor_cores(q, k, v, additive, dropout_p)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p)

@@ -212,3 +212,16 @@ def test_patched_transformers_model_below_sm80_runs_sdpa_not_triton_attention(mo
     for name, grad in want_grads.items():
         if grad is not None:  # relative to the largest: sums of many rows round differently
             assert (got_grads[name] - grad).abs().max() <= 2e-5 * grad.abs().max() + 1e-7, name
+
+
+def test_sm80_leaves_sdpa_its_own_choice_for_what_triton_does_not_take(monkeypatch):
+    """On sm_80+ a head dim the Triton kernel lacks goes to plain SDPA (flash stays possible there),
+    not to the below-sm_80 efficient-kernel preference."""
+    monkeypatch.setattr(ops, "device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(ops, "_sdpa_tensor_cores", Spy())  # refuses
+    qkv = torch.randn(2, 5, 3, 2, 8)  # head dim 8: not one of the kernel's
+    ops._warn_once.cache_clear()  # the warning is given once per process
+    with pytest.warns(UserWarning, match="head dims"):
+        out = ops.attention(qkv, torch.ones(2, 5, dtype=torch.bool), 0.0, "fused")
+    expected = ops.attention(qkv, torch.ones(2, 5, dtype=torch.bool), 0.0, "reference")
+    torch.testing.assert_close(out, expected)
