@@ -60,8 +60,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
             additive = additive.masked_fill(~mask.bool(), torch.finfo(query.dtype).min)[:, None, None, :]
         return eager_attention_forward(module, query, key, value, additive, dropout=dropout, scaling=scaling)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, head_dim)
-    below_sm80 = _fused(q) and ops.attention_impl(q.device) == "sdpa"  # SDPA's efficient kernel: tensor cores
-    if (not _fused(q) or below_sm80 or q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS
+    fused = _fused(q)
+    below_sm80 = fused and ops.attention_impl(q.device) == "sdpa"  # SDPA's efficient kernel: tensor cores
+    if (not fused or below_sm80 or q.shape[-1] not in ops._kernels().ATTENTION_HEAD_DIMS
             or q.shape[1] != k.shape[1]):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

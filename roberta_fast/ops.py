@@ -69,10 +69,14 @@ TRITON_DOT_MIN_CAPABILITY = (8, 0)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, None for any other device. Tests fake it here."""
+    """(major, minor) of a CUDA device, None for any other device. Tests fake it here.
+
+    Read from get_device_properties, which torch.compile folds to a constant: the layers
+    ask for it inside compiled forwards."""
     if device.type != "cuda":
         return None
-    return tuple(torch.cuda.get_device_capability(device))
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.minor
 
 
 def attention_impl(device: torch.device) -> str:

@@ -350,14 +350,19 @@ def test_every_kernel_the_backend_launches_compiles_clean_for_v100_t4_a100_h100(
         assert ("bf16" in dtypes) == (arch >= 80), (arch, dtypes)  # no bf16 below sm_80: fp16 there
 
 
+def _captured_launch_script(arch: int, kernel: str) -> str:
+    """Python source that binds `cr` (compile_report) and `launch`: the model's fp16 launch of `kernel`
+    at head dim 64 / width 768, captured for sm_<arch>."""
+    return ("import sys, torch; sys.path.insert(0, 'benchmarks'); import compile_report as cr\n"
+            f"launch = next(la for la in cr.capture({arch}, {{'fp16': torch.float16}}, [64], [768])\n"
+            f"              if la.kernel == {kernel!r})\n")
+
+
 @needs_triton_knobs
 def test_compile_report_fails_a_launched_dot_without_tensor_cores():
     """The check can fail: Triton's attention forward compiled for sm_75 does its dots on FMA (no mma);
-    the report notes it while the dispatcher sends T4s to SDPA, and fails it were it launched there."""
-    script = (
-        "import sys, torch; sys.path.insert(0, 'benchmarks'); import compile_report as cr\n"
-        "launch = next(la for la in cr.capture(75, {'fp16': torch.float16}, [64], [768])\n"
-        "              if la.kernel == '_attn_fwd_kernel')\n"
+    the report notes it while the dispatcher sends T4s to SDPA, and fails it if it were launched there."""
+    script = _captured_launch_script(75, "_attn_fwd_kernel") + (
         "row = cr.default_config(launch, 75)\n"
         "row.launched = cr.launched(launch, 75)\n"
         "print(row.dots, row.mma, row.fma, row.launched, cr.problems(row), len(cr.failures([row])))\n"
@@ -376,10 +381,7 @@ def test_compile_report_fails_a_launched_dot_without_tensor_cores():
 @needs_triton_knobs
 def test_compile_report_reports_a_kernel_that_does_not_compile():
     """The check can fail: a LayerNorm launch with a block of 768 columns (not a power of two)."""
-    script = (
-        "import sys, torch; sys.path.insert(0, 'benchmarks'); import compile_report as cr\n"
-        "launch = next(la for la in cr.capture(90, {'fp16': torch.float16}, [64], [768])\n"
-        "              if la.kernel == '_layer_norm_fwd_kernel')\n"
+    script = _captured_launch_script(90, "_layer_norm_fwd_kernel") + (
         "fn = cr.importlib.import_module(launch.module)._layer_norm_fwd_kernel\n"
         "launch.constants[(fn.arg_names.index('BLOCK_N'),)] = 768\n"
         "row = cr.compile_one(launch, 90)\n"
