@@ -50,20 +50,28 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import sys
 from pathlib import Path
 
 import torch
 
 from .files import atomic_path, write_text_atomic
-from .integrity import NO_SPACE, HashingWriter, human_bytes, sha256_file
+from .integrity import HashingWriter, human_bytes, is_no_space, sha256_prefix
 
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 CHECKSUM_SUFFIX = ".sha256"
+_END, _END_SIZE = b"PK\x05\x06", 22  # a zip archive's end record, then its comment (length: its last 2 bytes)
+PROOF_TAG = b"roberta_fast sha256 "  # the comment that seals a checkpoint: this, then 64 hex digits
+_PROOF_SIZE = len(PROOF_TAG) + 64
 
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose bytes fail their checksum or cannot be read: corruption, not a refusal."""
+
+
+class UnverifiedCheckpoint(ValueError):
+    """A checkpoint that carries no checksum at all (none sealed inside, no sidecar): never trained on unasked."""
 
 
 class DiskSpaceError(RuntimeError):
@@ -81,9 +89,10 @@ def checksum_path(path: str | os.PathLike) -> Path:
 
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> int:
-    """torch.save to `path` via temp file + fsync + rename + directory fsync, with its SHA-256
-    sidecar written (atomically) before the rename; returns the bytes written. Both files end
-    with a plain write's permissions (roberta_fast.files).
+    """torch.save to `path` via temp file + fsync + rename + directory fsync, sealed with the
+    SHA-256 of the archive in its zip comment and with its `.sha256` sidecar written
+    (atomically) before the rename; returns the bytes written. Both files end with a plain
+    write's permissions (roberta_fast.files).
 
     A failed write raises the OSError itself (ENOSPC included), not torch's "unexpected pos"."""
     path = Path(path)
@@ -91,38 +100,119 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> int:
     try:
         with atomic_path(path, durable=True) as tmp:
             with open(tmp, "wb") as f:
-                writer = HashingWriter(f)
+                writer = HashingWriter(f, hold=_END_SIZE)  # the end record, rewritten below
                 torch.save(obj, writer)
-            write_text_atomic(checksum_path(path), f"{writer.sha256}  {path.name}\n", durable=True)
+                end = writer.held
+                if end[:4] != _END or end[20:] != b"\0\0":
+                    raise RuntimeError(f"torch.save ended {path.name} without a plain zip end record; "
+                                       "this roberta_fast cannot seal it")
+                seal = _seal(writer.hash_before_held(), end)
+                f.seek(writer.size - 2)  # the comment's length and the comment, over the end record's last 2 bytes
+                f.write(seal)
+            full = writer.hash_before_held()
+            full.update(end[:20] + seal)
+            write_text_atomic(checksum_path(path), f"{full.hexdigest()}  {path.name}\n", durable=True)
     except BaseException:
         if writer is not None and writer.error is not None:
             raise writer.error from None
         raise
-    return writer.size
+    return writer.size - 2 + len(seal)
 
 
-def verify_checkpoint(path: str | os.PathLike) -> bool:
-    """Check `path` against its sidecar checksum: True if it matches, False if there is no
-    sidecar (an older checkpoint); DamagedCheckpoint if it does not match."""
-    path = Path(path)
-    sidecar = checksum_path(path)
-    if not sidecar.is_file():
-        return False
-    expected = sidecar.read_text().split()[:1]
-    actual = sha256_file(path)
-    if expected != [actual]:
+def _seal(sha, end: bytes) -> bytes:
+    """The new last bytes of an archive whose bytes but the `end` record are hashed in `sha`:
+    the comment length and the comment `roberta_fast sha256 <digest of the archive as torch wrote it>`."""
+    sha = sha.copy()
+    sha.update(end)
+    comment = PROOF_TAG + sha.hexdigest().encode()
+    return struct.pack("<H", len(comment)) + comment
+
+
+def _check_format(path: Path) -> None:
+    """Refuse what is not a zip archive: an empty file or other bytes (DamagedCheckpoint), a raw
+    pickle (ValueError: a file someone put there, never skipped)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        raise DamagedCheckpoint(f"checkpoint {str(path)!r} is empty (0 bytes): a save or a copy was cut short")
+    if head[:1] == b"\x80":  # pickle's PROTO opcode: torch.save(..., _use_new_zipfile_serialization=False)
+        raise ValueError(
+            f"{str(path)!r} is not a roberta_fast checkpoint: it is a raw pickle, and roberta_fast writes zip "
+            "archives sealed with their checksum. Move it out of the way (or pass another --out / --resume)")
+    if head != b"PK\x03\x04":
+        raise DamagedCheckpoint(f"checkpoint {str(path)!r} is damaged: it does not start as a zip archive")
+
+
+def _read_sidecar(sidecar: Path) -> str:
+    """The hex digest in a `.sha256` file; DamagedCheckpoint naming the file if it holds none."""
+    words = sidecar.read_bytes().split()[:1]
+    digest = words[0].decode("ascii", "replace").lower() if words else ""
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise DamagedCheckpoint(
-            f"checkpoint {str(path)!r} is damaged: its content does not match its checksum in {sidecar.name} "
-            f"(SHA-256 {actual[:16]}... instead of {(expected or ['nothing'])[0][:16]}...)")
-    return True
+            f"the checksum file {str(sidecar)!r} is damaged (it holds no SHA-256 digest); delete it if "
+            "the checkpoint is sealed (written by this roberta_fast): its own checksum is then checked")
+    return digest
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str:
+    """Check `path` against the digest sealed inside it and its `.sha256` sidecar, whichever
+    it has, in one read; returns what verified it ("sealed", "sidecar" or both joined by "+").
+
+    DamagedCheckpoint if a check fails or the archive's end is gone (truncated);
+    UnverifiedCheckpoint if it has neither (another program's file, or one of an older
+    roberta_fast copied without its sidecar)."""
+    path = Path(path)
+    _check_format(path)
+    size = path.stat().st_size
+    sidecar = checksum_path(path)
+    expected = _read_sidecar(sidecar) if sidecar.is_file() else None
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _END_SIZE - _PROOF_SIZE))
+        tail = f.read()
+    proof = struct.pack("<H", _PROOF_SIZE) + PROOF_TAG
+    if tail[:4] == _END and tail[20:22 + len(PROOF_TAG)] == proof and len(tail) == _END_SIZE + _PROOF_SIZE:
+        sealed, body = tail[-64:].decode("ascii", "replace"), size - 2 - _PROOF_SIZE
+    elif tail[-_END_SIZE:-_END_SIZE + 4] == _END and tail[-2:] == b"\0\0":  # a zip without a comment
+        sealed, body = None, size
+    else:
+        raise DamagedCheckpoint(f"checkpoint {str(path)!r} is damaged: its end is missing or overwritten "
+                                "(truncated?), so it is not a complete zip archive")
+    if sealed is None and expected is None:
+        raise UnverifiedCheckpoint(
+            f"checkpoint {str(path)!r} cannot be verified: it carries no checksum inside (roberta_fast seals "
+            f"every checkpoint it writes) and has no checksum file {sidecar.name} beside it; it was written by "
+            "another program or an older roberta_fast. If you know it is intact, write its checksum file "
+            f"(sha256sum {path.name} > {sidecar.name}) or pass --trust-checkpoint")
+    prefix = sha256_prefix(path, body)
+    how = []
+    if sealed is not None:
+        actual = prefix.copy()
+        actual.update(b"\0\0")  # the archive as torch wrote it: no comment
+        if actual.hexdigest() != sealed:
+            raise DamagedCheckpoint(
+                f"checkpoint {str(path)!r} is damaged: its content does not match the checksum sealed inside it "
+                f"(SHA-256 {actual.hexdigest()[:16]}... instead of {sealed[:16]}...)")
+        how.append("sealed")
+    if expected is not None:
+        actual = prefix.copy()
+        actual.update(tail[len(tail) - (size - body):] if size > body else b"")
+        if actual.hexdigest() != expected:
+            raise DamagedCheckpoint(
+                f"checkpoint {str(path)!r} is damaged: its content does not match its checksum in {sidecar.name} "
+                f"(SHA-256 {actual.hexdigest()[:16]}... instead of {expected[:16]}...)"
+                + ("; the checksum sealed inside it matches, so the checksum file may belong to another copy: "
+                   "delete it to load this file" if how else ""))
+        how.append("sidecar")
+    return "+".join(how)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False, log=_stderr) -> dict:
     """Load a checkpoint file (or a directory's latest), verified, without running code from it.
 
-    DamagedCheckpoint (a ValueError) naming the file if it fails its checksum or cannot be
-    read; ValueError if it needs Python objects beyond tensors and plain containers
-    (`trust=True` loads those: only for files you wrote yourself) or is not a checkpoint.
+    DamagedCheckpoint (a ValueError) naming the file if it fails a checksum or cannot be read;
+    UnverifiedCheckpoint if it carries no checksum at all (loaded with a note under `trust`);
+    ValueError if it needs Python objects beyond tensors and plain containers (`trust=True`
+    loads those: only for files you wrote yourself) or is not a roberta_fast checkpoint.
     """
     path = Path(path)
     if path.is_dir():
@@ -132,25 +222,37 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
         path = found
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
-    if not verify_checkpoint(path):
-        log(f"note: checkpoint {path} has no checksum file (written by an older roberta_fast): loaded unverified")
+    try:
+        verify_checkpoint(path)
+    except UnverifiedCheckpoint as err:
+        if not trust:
+            _refuse_unsafe(path)  # a planted file is a hard error, never a skip
+            raise
+        log(f"note: --trust-checkpoint: loading {path} unverified ({str(err).split(': ', 1)[1].split(';')[0]})")
     if not trust:
-        unsafe = _unsafe_globals(path)
-        if unsafe:
-            raise ValueError(
-                f"refusing to load checkpoint {str(path)!r}: it holds Python objects beyond tensors and "
-                f"plain containers ({', '.join(unsafe[:6])}{', ...' if len(unsafe) > 6 else ''}), and "
-                "unpickling them can run arbitrary code. Checkpoints written by older roberta_fast versions "
-                "hold NumPy's RNG state this way; if you wrote this file yourself, pass "
-                "--trust-checkpoint (trust=True) to load it anyway. Never do so for a file from someone else.")
+        _refuse_unsafe(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=not trust)
-    except Exception as err:  # truncated or foreign file
+    except Exception as err:  # verified but unreadable: a foreign archive
+        first = str(err).strip().splitlines()[:1]
         raise DamagedCheckpoint(
-            f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: {str(err).splitlines()[0]})") from err
+            f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}{': ' + first[0] if first else ''})"
+        ) from err
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{str(path)!r} is not a roberta_fast training checkpoint")
     return state
+
+
+def _refuse_unsafe(path: Path) -> None:
+    """ValueError if the checkpoint's pickle asks for globals weights_only refuses (see module doc)."""
+    unsafe = _unsafe_globals(path)
+    if unsafe:
+        raise ValueError(
+            f"refusing to load checkpoint {str(path)!r}: it holds Python objects beyond tensors and "
+            f"plain containers ({', '.join(unsafe[:6])}{', ...' if len(unsafe) > 6 else ''}), and "
+            "unpickling them can run arbitrary code. Checkpoints written by older roberta_fast versions "
+            "hold NumPy's RNG state this way; if you wrote this file yourself, pass "
+            "--trust-checkpoint (trust=True) to load it anyway. Never do so for a file from someone else.")
 
 
 def _unsafe_globals(path: Path) -> list[str]:
@@ -164,8 +266,9 @@ def _unsafe_globals(path: Path) -> list[str]:
 
 
 def estimate_size(state) -> int:
-    """Bytes torch.save will about write for `state`: its tensors' storages plus a margin
-    (1 MiB for the pickle and the zip records, 64 bytes of alignment per tensor)."""
+    """Bytes torch.save will about write for `state`: its tensors' storages plus a margin sized
+    to them, 512 bytes per tensor (its pickle entry, zip records and alignment: about 250 measured)
+    and 64 KiB for the rest (the config, Python's RNG state, the seal)."""
     storages, stack = {}, [state]
     while stack:
         x = stack.pop()
@@ -176,7 +279,7 @@ def estimate_size(state) -> int:
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
-    return sum(storages.values()) + 64 * len(storages) + (1 << 20)
+    return sum(storages.values()) + 512 * len(storages) + (64 << 10)
 
 
 class CheckpointManager:
@@ -208,37 +311,41 @@ class CheckpointManager:
         ckpts = self.checkpoints()
         return ckpts[-1][1] if ckpts else None
 
-    def load_latest(self, map_location="cpu", trust: bool = False) -> tuple[Path, dict, list[Path]] | None:
-        """(path, state, damaged) of the newest checkpoint that verifies and reads, skipping
-        damaged ones (listed in `damaged`) with one line each; None if there is none at all.
+    def load_latest(self, map_location="cpu", trust: bool = False) -> tuple[Path, dict, list[tuple[Path, str]]] | None:
+        """(path, state, skipped) of the newest checkpoint that verifies and reads, skipping
+        damaged and unverifiable ones with one line each (`skipped`: (path, "damaged" or
+        "unverified")); None if there is none at all.
 
-        A checkpoint refused for unsafe globals raises: that is not damage. If every
-        checkpoint is damaged, DamagedCheckpoint says so."""
-        damaged = []
+        A checkpoint refused for unsafe globals, or that is not a roberta_fast checkpoint at
+        all (a raw pickle), raises: that is not damage. If no checkpoint is usable,
+        DamagedCheckpoint says so."""
+        skipped = []
         for _, path in reversed(self.checkpoints()):
             try:
-                return path, load_checkpoint(path, map_location, trust, self.log), damaged
-            except DamagedCheckpoint as err:
-                self.log(f"skipping a damaged checkpoint: {err}")
-                damaged.append(path)
+                return path, load_checkpoint(path, map_location, trust, self.log), skipped
+            except (DamagedCheckpoint, UnverifiedCheckpoint) as err:
+                kind = "damaged" if isinstance(err, DamagedCheckpoint) else "unverified"
+                self.log(f"skipping the {kind} checkpoint {path.name}: {err}")
+                skipped.append((path, kind))
             except ValueError:
                 if path.exists():
                     raise
-                damaged.append(path)  # removed meanwhile (another rank set it aside)
-        if damaged:
+                skipped.append((path, "damaged"))  # removed meanwhile (another rank set it aside)
+        if skipped:
             raise DamagedCheckpoint(
-                f"every checkpoint in {str(self.directory)!r} is damaged ({', '.join(p.name for p in damaged)}); "
-                "move them away (or use a new --out) to start the run over")
+                f"no checkpoint in {str(self.directory)!r} can be resumed from "
+                f"({', '.join(f'{p.name}: {kind}' for p, kind in skipped)}); move them away (or use a new "
+                "--out) to start the run over")
         return None
 
-    def set_aside(self, path: Path) -> Path:
-        """Rename a damaged checkpoint (and its checksum) to `*.damaged`, out of the run's way."""
-        aside = path.with_name(path.name + ".damaged")
+    def set_aside(self, path: Path, kind: str = "damaged") -> Path:
+        """Rename a skipped checkpoint (and its checksum) to `*.damaged` (or `*.<kind>`), out of the run's way."""
+        aside = path.with_name(f"{path.name}.{kind}")
         if path.exists():
             os.replace(path, aside)
         sidecar = checksum_path(path)
         if sidecar.exists():
-            os.replace(sidecar, sidecar.with_name(sidecar.name + ".damaged"))
+            os.replace(sidecar, sidecar.with_name(f"{sidecar.name}.{kind}"))
         return aside
 
     def _delete(self, path: Path) -> None:
@@ -262,7 +369,7 @@ class CheckpointManager:
         try:
             size = atomic_torch_save(state, path)
         except OSError as err:
-            if err.errno not in NO_SPACE:
+            if not is_no_space(err):
                 raise
             raise DiskSpaceError(
                 f"the disk ran out of space while saving checkpoint {path.name} in {str(self.directory)!r} "
@@ -315,9 +422,13 @@ class RunLock:
         try:
             import fcntl
         except ImportError:  # not POSIX
-            log(f"note: no file locks on this platform: nothing stops a second trainer on {self.path.parent}")
+            log(f"note: no file locks on this platform: nothing stops a second run on {self.path.parent}")
             return self
-        f = open(self.path, "a+")
+        try:
+            f = open(self.path, "a+")
+        except IsADirectoryError:
+            raise ValueError(f"{str(self.path)!r} is a directory, where roberta_fast keeps its one-writer lock file: "
+                             "remove it (rmdir) or pass another --out") from None
         for attempt in range(2):
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -331,12 +442,12 @@ class RunLock:
                     continue
                 f.close()
                 raise ValueError(
-                    f"another trainer ({holder}) is writing to {str(self.path.parent)!r}: two runs on one --out "
+                    f"another run ({holder}) is writing to {str(self.path.parent)!r}: two runs on one --out "
                     "would overwrite each other's checkpoints and metrics. Wait for it to end (or stop it), "
                     "or pass another --out") from None
             except OSError as err:  # a filesystem without locks
                 f.close()
-                log(f"note: cannot lock {self.path} ({err.strerror}): nothing stops a second trainer on this --out")
+                log(f"note: cannot lock {self.path} ({err.strerror}): nothing stops a second run on this --out")
                 return self
         f.seek(0)
         f.truncate()

@@ -11,9 +11,14 @@
     loader.forever()          # the same across epochs, without end
     loader.state_dict() / loader.load_state_dict(sd)  # {epoch, step, samples_seen, ...}: O(1) resume
 
-Integrity: opening a split checks every shard's and index's size against the manifest
-(a stat per file, and the index's header); `verify_checksums(path)` checks the SHA-256
-the manifest records for each file, one sequential read of the dataset (the trainer does
+Integrity: opening a split checks the manifest against itself and the files (a stat per
+file, the index's header and last offset): the dtype holds the vocabulary's ids, each
+shard's token count times the dtype's size is its recorded and its actual size, its
+index ends at its token count, and its largest id (recorded by preprocess) fits the
+vocabulary, so a lying manifest is refused rather than read as garbage ids (a manifest
+of an older preprocess has no largest id: verify_checksums says so; rerunning preprocess
+adds it). `verify_checksums(path)` checks the SHA-256 the manifest records for each
+file, one sequential read of the dataset (the trainer does
 it at start unless --no-data-checksums: for storage that already guarantees integrity,
 where reading petabytes at each start costs more than it protects). A damaged file is
 named with the fix: rerun the preprocess command that made the dataset, which checks its
@@ -132,16 +137,50 @@ def _check_size(file: Path, expected: int) -> None:
 
 
 def _check_index(file: Path, shard: dict) -> None:
-    """The document index of a shard: its recorded size, else a readable header of n_docs + 1 offsets."""
+    """The document index of a shard: its recorded size, a readable header of n_docs + 1
+    offsets, and a last offset that is the shard's token count."""
     if "idx_bytes" in shard:
         _check_size(file, shard["idx_bytes"])
-        return
     try:
-        shape = np.load(file, mmap_mode="r").shape
+        offsets = np.load(file, mmap_mode="r")  # (n_docs + 1,): reads the header and, below, one value
     except (OSError, ValueError) as err:
         raise _damaged(file, f"cannot be read ({err})") from None
-    if shape != (shard["documents"] + 1,):
-        raise _damaged(file, f"holds {shape} offsets instead of ({shard['documents'] + 1},)")
+    if offsets.shape != (shard["documents"] + 1,):
+        raise _damaged(file, f"holds {offsets.shape} offsets instead of ({shard['documents'] + 1},)")
+    if int(offsets[-1]) != shard["tokens"]:
+        raise _damaged(file, f"ends its documents at token {int(offsets[-1])}, but the manifest says the shard "
+                             f"holds {shard['tokens']} tokens")
+
+
+def _token_dtype(manifest: dict, root: Path) -> np.dtype:
+    """The manifest's id dtype; ValueError unless it is an unsigned integer type wide enough
+    for every id of the manifest's vocabulary (a lying dtype reads garbage ids)."""
+    vocab = manifest["vocab_size"]
+    try:
+        dtype = np.dtype(manifest["dtype"])
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind != "u" or np.iinfo(dtype).max < vocab - 1:
+        raise _damaged(root / "manifest.json", f"says the ids are {manifest['dtype']!r}, which cannot hold the "
+                                               f"ids of its {vocab}-id vocabulary (preprocess writes uint16, or "
+                                               "uint32 past 65536 ids)")
+    return dtype
+
+
+def _check_shard(root: Path, shard: dict, dtype: np.dtype, vocab_size: int) -> None:
+    """A shard against its manifest entry: the byte size the manifest records, the token count
+    times the dtype's size and the file's size agree; its index ends at the token count; its
+    largest id (recorded by preprocess) fits the vocabulary."""
+    file = root / shard["bin"]
+    size = shard["tokens"] * dtype.itemsize
+    if shard.get("bin_bytes", size) != size:
+        raise _damaged(root / "manifest.json", f"records {shard['bin_bytes']} bytes for {shard['bin']}, but "
+                                               f"{shard['tokens']} tokens of {dtype} are {size} bytes")
+    _check_size(file, size)
+    _check_index(root / shard["idx"], shard)
+    if shard.get("max_id", -1) >= vocab_size:
+        raise _damaged(root / "manifest.json", f"says {shard['bin']} holds ids up to {shard['max_id']}, past its "
+                                               f"{vocab_size}-id vocabulary")
 
 
 def verify_checksums(path: str | Path, log=print) -> None:
@@ -151,9 +190,10 @@ def verify_checksums(path: str | Path, log=print) -> None:
 
     path = Path(path)
     manifest = load_manifest(path)
-    bad, unrecorded = [], 0
+    bad, unrecorded, no_max = [], 0, 0
     for split in manifest["splits"].values():
         for shard in split["shards"]:
+            no_max += "max_id" not in shard
             for kind in ("bin", "idx"):
                 expected = shard.get(f"{kind}_sha256")
                 if expected is None:
@@ -167,6 +207,9 @@ def verify_checksums(path: str | Path, log=print) -> None:
     if unrecorded:
         log(f"note: the manifest of {path} records no checksums for {unrecorded} files (made by an older "
             "roberta_fast.preprocess): only their sizes were checked; rerun preprocess to add them")
+    if no_max:
+        log(f"note: the manifest of {path} records no largest id for {no_max} shards (made by an older "
+            "roberta_fast.preprocess): their ids are not checked against the vocabulary; rerun preprocess to add it")
 
 
 # --------------------------------------------------------------------------- token stream
@@ -176,14 +219,12 @@ class TokenStream:
     def __init__(self, root: Path, manifest: dict, split: str):
         if split not in manifest["splits"]:
             raise ValueError(f"split must be one of {sorted(manifest['splits'])}, got {split!r}")
-        dtype = np.dtype(manifest["dtype"])
+        dtype = _token_dtype(manifest, root)
         self.root, self.shards, sizes = root, [], []
         info = manifest["splits"][split]["shards"]
         for shard in info:
-            file = root / shard["bin"]
-            _check_size(file, shard["tokens"] * dtype.itemsize)
-            _check_index(root / shard["idx"], shard)
-            self.shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+            _check_shard(root, shard, dtype, manifest["vocab_size"])
+            self.shards.append(np.memmap(root / shard["bin"], dtype=dtype, mode="r", shape=(shard["tokens"],)))
             sizes.append(shard["tokens"])
         self._info = info
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint import load_checkpoint
+from .checkpoint import DiskSpaceError, load_checkpoint
 from .config import RobertaConfig
 from .model import RobertaForMaskedLM
 from .sbo import RobertaForSpanBERT
@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:  # FileNotFoundError: a tokenizer that is not there
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except DiskSpaceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(f"exported step {state['step']} of {args.checkpoint} (Hugging Face format) to {args.out}")
     return 0
 

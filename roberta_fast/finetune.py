@@ -44,15 +44,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointManager, StopSignal, load_checkpoint
+from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint
 from .metrics import MetricsLogger
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
 from .tasks import TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
 from .train_config import COMMAND_LINE_ONLY
-from .trainer import (Optimizer, check_schedule, export_pretrained, resolve_device, rng_state, seed_everything,
-                      set_rng_state)
+from .trainer import (Optimizer, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
+                      seed_everything, set_rng_state)
 
 # the settings behind each LR-schedule field (check_schedule)
 SCHEDULE_SETTINGS = {"total_steps": "steps (from --epochs, --batch-size and the number of examples)",
@@ -164,6 +164,8 @@ class Finetuner:
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
         self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=1)
         self.step, self.best = 0, None
+        self.export_pending = False  # the best epoch's export is not written yet (a full disk stopped it)
+        self.lock = lock_out(self.out, log)  # one writer per --out, as the trainer (last: nothing can fail after)
 
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.task))
@@ -171,7 +173,8 @@ class Finetuner:
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "best": self.best, "rng": rng_state(self.device),
+                "step": self.step, "best": self.best, "export_pending": self.export_pending,
+                "rng": rng_state(self.device),
                 "labels": self.names, "task": self.cfg.task,
                 "config": {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in COMMAND_LINE_ONLY},
                 "model_config": self.model.config.to_dict()}  # python -m roberta_fast.export rebuilds from it
@@ -193,6 +196,7 @@ class Finetuner:
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.best = state["step"], state["best"]
+        self.export_pending = state.get("export_pending", False)
         set_rng_state(state["rng"], self.device)
 
     def train_step(self, batch: dict) -> tuple[float, float, bool]:
@@ -219,8 +223,19 @@ class Finetuner:
         return self.task.evaluate(run, self.cfg.batch_size, self.pad_id)
 
     def export(self, directory: Path) -> None:
-        export_pretrained(self.model, self.tokenizer, directory)
+        """The best epoch's model in HF format. It follows that epoch's checkpoint (export_pending
+        set), so a full disk here keeps the checkpoint and the rerun exports without training again."""
+        try:
+            export_pretrained(self.model, self.tokenizer, directory)
+        except DiskSpaceError as err:
+            raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the best "
+                                 "epoch without training again") from None
         self.task.after_export(directory)
+        self.export_pending = False
+
+    def close(self) -> None:
+        """Release --out."""
+        self.lock.release()
 
     def run(self) -> dict:
         latest = self.checkpoints.latest() if self.cfg.resume else None
@@ -228,6 +243,8 @@ class Finetuner:
             # onto the CPU: the RNG states must stay CPU tensors; load_state_dict moves the rest
             self.load_state_dict(load_checkpoint(latest, trust=self.cfg.trust_checkpoint))
             self.log(f"resumed from {latest} at step {self.step}")
+            if self.export_pending:  # its best epoch was never exported (the disk was full)
+                self.export(self.out / "model")
         total = self.steps_per_epoch * self.cfg.epochs
         key = self.task.best_metric
         metrics = MetricsLogger(self.out, total, start_step=self.step)
@@ -258,8 +275,10 @@ class Finetuner:
                     metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
                     if self.best is None or result[key] > self.best[key]:
                         self.best = {"epoch": epoch + 1, **result}
-                        self.export(self.out / "model")
+                        self.export_pending = True
                     self.checkpoints.save(self.step, self.state_dict())
+                    if self.export_pending:
+                        self.export(self.out / "model")
         finally:
             metrics.close()
         self.log(f"best epoch {self.best['epoch']}: " + ", ".join(
@@ -298,11 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = FinetuneConfig(**vars(args))
+    finetuner = None
     try:
-        result = Finetuner(cfg).run()
+        finetuner = Finetuner(cfg)
+        result = finetuner.run()
     except (ValueError, FileNotFoundError) as err:
         print(f"roberta_fast.finetune: error: {err}", file=sys.stderr)
         return 2
+    except DiskSpaceError as err:  # a checkpoint or the export: the last checkpoint is kept
+        print(f"roberta_fast.finetune: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if finetuner is not None:
+            finetuner.close()
     # stopped by SIGTERM / SIGINT (checkpoint saved): 128 + the signal's number, as a shell reports it
     return 128 + result["signal"] if result.get("signal") else 0
 

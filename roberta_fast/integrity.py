@@ -3,6 +3,8 @@
     writer = HashingWriter(f)            # wraps a binary file: .sha256 / .size of what went through it
     torch.save(obj, writer)              # (or np.save) hashed while written: no second read
     sha256_file(path)                    # hex SHA-256 of a file, read in 16 MiB blocks
+    sha256_prefix(path, n)               # a hashlib object over the file's first n bytes, to extend
+    is_no_space(err)                     # whether an exception is a full disk (or quota), any library's
     human_bytes(1.4e9)                   # "1.4 GB"
 
 SHA-256 because `sha256sum -c` checks the same digests from a shell (a checkpoint's sidecar
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 
 BLOCK = 16 << 20
@@ -21,11 +24,26 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on i
 
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex SHA-256 of the file at `path`."""
+    return sha256_prefix(path).hexdigest()
+
+
+def sha256_prefix(path: str | os.PathLike, n: int | None = None):
+    """A hashlib SHA-256 object fed the first `n` bytes of `path` (all of it by default)."""
     sha = hashlib.sha256()
+    left = math.inf if n is None else n
     with open(path, "rb") as f:
-        while block := f.read(BLOCK):
+        while left > 0 and (block := f.read(int(min(BLOCK, left)))):
             sha.update(block)
-    return sha.hexdigest()
+            left -= len(block)
+    return sha
+
+
+def is_no_space(err: BaseException) -> bool:
+    """A full disk or quota: an OSError's errno, or the "os error 28" (122) of Rust I/O
+    errors that libraries such as safetensors raise as their own exception types."""
+    if isinstance(err, OSError):
+        return err.errno in NO_SPACE
+    return any(f"os error {code})" in str(err) or f"code: {code}," in str(err) for code in NO_SPACE)
 
 
 class HashingWriter:
@@ -33,11 +51,15 @@ class HashingWriter:
 
     Keeps the OSError a write raised in `error`: torch.save reports a failed write only as
     "unexpected pos ...", and the caller needs to know it was ENOSPC.
+
+    hold=k keeps the last k bytes written out of the running hash (`held`, `hash_before_held()`),
+    for a caller that rewrites the end of the file and must hash what comes before it.
     """
 
-    def __init__(self, f):
-        self.f, self.size, self.error = f, 0, None
+    def __init__(self, f, hold: int = 0):
+        self.f, self.size, self.error, self.hold = f, 0, None, hold
         self._sha = hashlib.sha256()
+        self.held = b""
 
     def write(self, data) -> int:
         try:
@@ -45,8 +67,19 @@ class HashingWriter:
         except OSError as err:
             self.error = err
             raise
-        self._sha.update(data)
-        self.size += memoryview(data).nbytes
+        view = memoryview(data).cast("B")
+        self.size += view.nbytes
+        if not self.hold:
+            self._sha.update(view)
+            return n
+        if view.nbytes >= self.hold:  # the held bytes and all but the last `hold` of these go to the hash
+            self._sha.update(self.held)
+            self._sha.update(view[:view.nbytes - self.hold])
+            self.held = bytes(view[view.nbytes - self.hold:])
+        else:
+            joined = self.held + bytes(view)
+            self._sha.update(joined[:-self.hold])
+            self.held = joined[-self.hold:]
         return n
 
     def flush(self) -> None:
@@ -58,9 +91,16 @@ class HashingWriter:
     def close(self) -> None:
         self.f.close()
 
+    def hash_before_held(self):
+        """A copy of the hashlib object over every byte written but the `held` ones."""
+        return self._sha.copy()
+
     @property
     def sha256(self) -> str:
-        return self._sha.hexdigest()
+        """Hex SHA-256 of every byte written."""
+        sha = self._sha.copy()
+        sha.update(self.held)
+        return sha.hexdigest()
 
 
 def human_bytes(n: float) -> str:

@@ -9,7 +9,7 @@ with --doc-per-file; `\r\n` line ends read as `\n`), `.jsonl` files (one JSON ob
 .jsonl/.ndjson). The dataset directory holds:
 
     manifest.json           written last: tokenizer hash, vocab size, special ids, dtype,
-                            per-split shard list and token/document counts, each shard's
+                            per-split shard list, token/document counts and largest id, each shard's
                             and index's size and SHA-256 (checked by training), every
                             input count, the source files and their sizes
     tokenizer/              the tokenizer the ids belong to (RobertaTokenizer.save)
@@ -232,11 +232,14 @@ class _ShardWriter:
         self.f = HashingWriter(open(self.tmp, "wb"))  # the checksum, computed as the bytes go out
         self.offsets = [0]
         self.n = 0
+        self.max_id = -1  # recorded in the manifest: loading checks it against the vocabulary
 
     def write(self, ids: Sequence[int]) -> None:
         arr = np.asarray(ids, dtype=self.dtype)
         self.f.write(arr.tobytes())
         self.n += arr.size
+        if arr.size:
+            self.max_id = max(self.max_id, int(arr.max()))
 
     def end_document(self) -> None:
         self.offsets.append(self.n)
@@ -250,7 +253,7 @@ class _ShardWriter:
             np.save(idx, np.asarray(self.offsets, dtype=np.int64))
         publish(self.tmp, self.bin_path)
         publish(idx_tmp, idx_path)
-        return {"tokens": self.n, "documents": len(self.offsets) - 1, "bin_bytes": self.f.size,
+        return {"tokens": self.n, "documents": len(self.offsets) - 1, "max_id": self.max_id, "bin_bytes": self.f.size,
                 "bin_sha256": self.f.sha256, "idx_bytes": idx.size, "idx_sha256": idx.sha256}
 
 
@@ -661,14 +664,16 @@ def _chunk_done(out: Path, index: int, log: Callable) -> bool:
     return True
 
 
-def _shard_files(out: Path, split: str, index: int, info: dict) -> dict:
-    """A manifest's shard entry: file names, counts, sizes and checksums (computed here when
-    the chunk's marker came from an older preprocess that did not record them)."""
+def _shard_files(out: Path, split: str, index: int, info: dict, dtype: str) -> dict:
+    """A manifest's shard entry: file names, counts, largest id, sizes and checksums (computed
+    here when the chunk's marker came from an older preprocess that did not record them)."""
     entry = {"bin": f"{split}/{index:05d}.bin", "idx": f"{split}/{index:05d}.idx.npy", **info}
     for kind in ("bin", "idx"):
         if f"{kind}_sha256" not in entry:
             entry[f"{kind}_bytes"] = (out / entry[kind]).stat().st_size
             entry[f"{kind}_sha256"] = sha256_file(out / entry[kind])
+    if "max_id" not in entry:
+        entry["max_id"] = int(np.memmap(out / entry["bin"], dtype=dtype, mode="r").max(initial=-1))
     return entry
 
 
@@ -768,7 +773,7 @@ def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int,
             splits[s]["tokens"] += info["tokens"]
             splits[s]["documents"] += info["documents"]
             if info["documents"]:
-                splits[s]["shards"].append(_shard_files(out, s, i, info))
+                splits[s]["shards"].append(_shard_files(out, s, i, info, plan["dtype"]))
     for k, names in refused.items():
         counts[k] = len(names)
     return {

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .checkpoint import CheckpointManager, RunLock, StopSignal, load_checkpoint
+from .checkpoint import CheckpointManager, DiskSpaceError, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
 from .hub import model_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
@@ -236,8 +236,7 @@ class Trainer:
         self.out = cfg.out_dir
         self.lock = None
         if self.dist.is_main:  # one writer per --out (only rank 0 writes: the lock must not stop the others)
-            check_writable(self.out)
-            self.lock = RunLock(self.out).acquire(self.print)
+            self.lock = lock_out(self.out, self.print)
 
         # data: the dataset is checked against the model before any weight is made
         data_path = Path(cfg.data) if cfg.data else self._default_dataset()
@@ -537,22 +536,22 @@ class Trainer:
                 raise ValueError(f"{self.out} already holds checkpoints and --resume never was given; "
                                  "resume (--resume auto), or pick a new --out")
             return False
-        damaged = []
-        if resume == "auto":  # the newest checkpoint that verifies; damaged ones are skipped
+        skipped = []
+        if resume == "auto":  # the newest checkpoint that verifies; damaged and unverifiable ones are skipped
             found = self.checkpoints.load_latest(trust=self.cfg.trust_checkpoint)
             if found is None:
                 return False
-            path, state, damaged = found
+            path, state, skipped = found
         else:  # the one named: damaged is an error
             path = Path(resume)
             state = load_checkpoint(path, trust=self.cfg.trust_checkpoint, log=self.print)
         self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
-        if damaged:
+        if skipped:
             self.dist.barrier()  # every rank has read its checkpoint before rank 0 moves files
             if self.dist.is_main:
-                for bad in damaged:
-                    self.print(f"set the damaged checkpoint aside as {self.checkpoints.set_aside(bad).name}")
+                for bad, kind in skipped:
+                    self.print(f"set the {kind} checkpoint aside as {self.checkpoints.set_aside(bad, kind).name}")
         return True
 
     # ------------------------------------------------------------------ the run
@@ -701,7 +700,11 @@ class Trainer:
     # ------------------------------------------------------------------ export
     def export(self, directory: Path) -> Path:
         """Save the model and tokenizer in Hugging Face format (atomically replacing `directory`)."""
-        export_pretrained(self.model, self.train_data.tokenizer_path, directory)
+        try:
+            export_pretrained(self.model, self.train_data.tokenizer_path, directory)
+        except DiskSpaceError as err:  # the checkpoint of this step was saved just before
+            raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports it "
+                                 "without training again") from None
         self.print(f"exported the model and tokenizer (Hugging Face format) to {directory}")
         return directory
 
@@ -718,14 +721,30 @@ class Trainer:
 def export_pretrained(model, tokenizer, directory) -> Path:
     """Write `model` and `tokenizer` (a RobertaTokenizer, or a directory or Hub name to load one
     from) as one Hugging Face directory, atomically replacing `directory`: the exports of
-    train and finetune, and any checkpoint's through `python -m roberta_fast.export`."""
+    train and finetune, and any checkpoint's through `python -m roberta_fast.export`.
+
+    DiskSpaceError, in one line naming the directory and the room needed, if the disk has no
+    room for it (checked first) or fills while writing; nothing half-written is left."""
+    from .checkpoint import estimate_size
     from .files import temp_dir_for
+    from .integrity import human_bytes, is_no_space
     from .tokenizer import RobertaTokenizer
 
     if not isinstance(tokenizer, RobertaTokenizer):
         tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
+    # the weights (safetensors: their bytes and a header) and the tokenizer's files (about twice its JSON)
+    need = estimate_size(model.state_dict()) + 2 * len(tokenizer.backend.to_str())
+
+    def no_room(free: int) -> DiskSpaceError:
+        return DiskSpaceError(
+            f"not enough disk space to export the model to {str(directory)!r}: it needs about {human_bytes(need)} "
+            f"and that disk has {human_bytes(free)} free; nothing was written there. Free some space (or "
+            "choose another directory), then rerun the same command")
+
+    if shutil.disk_usage(directory.parent).free < need:
+        raise no_room(shutil.disk_usage(directory.parent).free)
     tmp = temp_dir_for(directory)  # a plain mkdir's permissions: the export can be shared
     try:
         model.save_pretrained(tmp)
@@ -736,10 +755,19 @@ def export_pretrained(model, tokenizer, directory) -> Path:
             os.replace(directory, old)
         os.replace(tmp, directory)
         shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(err):
+            raise no_room(shutil.disk_usage(directory.parent).free) from None
         raise
     return directory
+
+
+def lock_out(out: Path, log=print) -> RunLock:
+    """Create the output directory, prove it writable and take its one-writer lock (RunLock):
+    train and finetune both, so two runs never write into one --out."""
+    check_writable(out)
+    return RunLock(out).acquire(log)
 
 
 def check_writable(out: Path) -> None:
