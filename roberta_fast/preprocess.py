@@ -673,7 +673,7 @@ def _shard_files(out: Path, split: str, index: int, info: dict, dtype: str) -> d
             entry[f"{kind}_bytes"] = (out / entry[kind]).stat().st_size
             entry[f"{kind}_sha256"] = sha256_file(out / entry[kind])
     if "max_id" not in entry:
-        entry["max_id"] = int(np.memmap(out / entry["bin"], dtype=dtype, mode="r").max(initial=-1))
+        entry["max_id"] = int(np.memmap(out / entry["bin"], dtype=dtype, mode="r").max())  # (shards hold tokens)
     return entry
 
 
