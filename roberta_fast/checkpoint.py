@@ -10,23 +10,29 @@ directory, flushed and fsync'd, renamed over its final name (atomic on POSIX), a
 directory fsync'd so the rename itself is durable. A kill during the write leaves only
 a `.tmp` file, which `latest()` ignores and the next save removes.
 
-Integrity: the SHA-256 of the bytes is computed while torch.save writes them (no second
-read) and stored beside the checkpoint in `step_00001234.pt.sha256` (`sha256sum -c`
-format), written before the checkpoint's rename, so every complete checkpoint has one.
-Loading verifies it (one sequential read, then torch.load reads from the page cache) and
-raises DamagedCheckpoint on a mismatch or an unreadable file; `load_latest()` (the
-trainer's auto-resume) skips damaged checkpoints with one line each and takes the newest
-that verifies. A checkpoint without a sidecar (written by an older roberta_fast) loads
-with a note. A file refused for its unsafe globals (below) is NOT damage: it is a crafted
-file or an old format, and stays a hard error that auto-resume never skips past.
+Integrity: the proof travels inside the file. torch.save writes a zip archive; its SHA-256
+is computed while the bytes go out (no second read) and sealed into the archive's zip
+comment, `roberta_fast sha256 <digest of the archive as torch wrote it, comment empty>`,
+which torch.load and every zip reader ignore. The SHA-256 of the whole sealed file is also
+written beside it in `step_00001234.pt.sha256` (`sha256sum -c` format), before the
+checkpoint's rename. Loading checks both, whichever exist, in one sequential read (then
+torch.load reads from the page cache), so a checkpoint copied without its sidecar is still
+verified. It raises DamagedCheckpoint for a mismatch, a truncated archive (its end record
+gone), a 0-byte file or a garbled sidecar; UnverifiedCheckpoint for a zip with neither proof
+(another program's file, or an older roberta_fast's without its sidecar), loaded with a note
+only under `trust=True`; and a plain ValueError for a raw (non-zip) pickle: "not a
+roberta_fast checkpoint". `load_latest()` (the trainer's auto-resume) skips damaged and
+unverifiable checkpoints with one line each and takes the newest that verifies; a raw
+pickle, or a file refused for its unsafe globals (below), is NOT damage: someone put it
+there, and it stays a hard error that auto-resume never skips past.
 
 Disk space: before writing, `save` checks the free space for one checkpoint (the size
-of its tensors plus a margin, or the previous checkpoint's size if larger). With room, it
-writes the new file, checks its size, then deletes the oldest beyond `keep` (so `keep`
-checkpoints need room for keep + 1 only while saving). Short of room, it deletes the
-oldest first, never the newest good one; if that is not enough, or the disk fills during
-the write, it raises DiskSpaceError naming the sizes and the directory, and the last good
-checkpoint is untouched.
+of its tensors plus a margin sized to them, or the previous checkpoint's size if
+larger). With room, it writes the new file, checks its size, then deletes the oldest
+beyond `keep` (so `keep` checkpoints need room for keep + 1 only while saving). Short of
+room, it deletes the oldest first, never the newest good one; if that is not enough, or
+the disk fills during the write, it raises DiskSpaceError naming the sizes and the
+directory, and the last good checkpoint is untouched.
 
 Checkpoints are read with `torch.load(weights_only=True)`: tensors, plain containers,
 numbers and strings only, so a checkpoint from someone else (a shared scratch disk, a
@@ -36,9 +42,10 @@ checkpoint from an older roberta_fast or a crafted one, is refused with an error
 the objects it asks for; `trust=True` (`--trust-checkpoint` in the CLIs) reads it with
 the full unpickler, for files the user wrote themselves.
 
-`RunLock` makes one writer per run directory: an advisory lock (flock) on `<out>/run.lock`,
-held while the run lives and released by the kernel when the process ends, kill -9
-included, so a stale lock never blocks a restart. The file holds the holder's pid and host.
+`RunLock` makes one writer per run directory (train and finetune): an advisory lock
+(flock) on `<out>/run.lock`, held while the run lives and released by the kernel when the
+process ends, kill -9 included, so a stale lock never blocks a restart. The file holds the
+holder's pid and host.
 
 `StopSignal` turns the first SIGTERM / SIGINT into a flag the training loop checks once
 per step (it then saves and exits); a second SIGINT interrupts at once.
@@ -224,11 +231,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
     try:
         verify_checkpoint(path)
-    except UnverifiedCheckpoint as err:
+    except UnverifiedCheckpoint:
         if not trust:
             _refuse_unsafe(path)  # a planted file is a hard error, never a skip
             raise
-        log(f"note: --trust-checkpoint: loading {path} unverified ({str(err).split(': ', 1)[1].split(';')[0]})")
+        log(f"note: --trust-checkpoint: loading {path} unverified (no checksum inside it, no {checksum_path(path).name})")
     if not trust:
         _refuse_unsafe(path)
     try:

@@ -18,11 +18,11 @@ index ends at its token count, and its largest id (recorded by preprocess) fits 
 vocabulary, so a lying manifest is refused rather than read as garbage ids (a manifest
 of an older preprocess has no largest id: verify_checksums says so; rerunning preprocess
 adds it). `verify_checksums(path)` checks the SHA-256 the manifest records for each
-file, one sequential read of the dataset (the trainer does
-it at start unless --no-data-checksums: for storage that already guarantees integrity,
-where reading petabytes at each start costs more than it protects). A damaged file is
-named with the fix: rerun the preprocess command that made the dataset, which checks its
-finished shards and redoes the damaged ones.
+file, one sequential read of the dataset (the trainer does it at start unless
+--no-data-checksums: for storage that already guarantees integrity, where reading
+petabytes at each start costs more than it protects). A damaged file is named with the
+fix: rerun the preprocess command that made the dataset, which checks its finished
+shards and redoes the damaged ones.
 
 Access cost: a "full" sample is a slice of the memory-mapped shards (a binary search
 over the handful of shard offsets); a "doc" sample adds a binary search over the

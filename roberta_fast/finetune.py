@@ -28,7 +28,9 @@ predicting the majority class says so.
 
 SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal's number (143,
 130); the same command then resumes, and refuses a checkpoint trained on another LR
-schedule unless --allow-schedule-change. Bad input exits with status 2 and one message.
+schedule unless --allow-schedule-change. Bad input, or another run writing to --out (the
+trainer's one-writer lock), exits with status 2 and one message; a full disk (checkpoint or
+export) with status 1 and one message, the last checkpoint kept: the rerun exports it.
 """
 from __future__ import annotations
 

@@ -743,8 +743,9 @@ def export_pretrained(model, tokenizer, directory) -> Path:
             f"and that disk has {human_bytes(free)} free; nothing was written there. Free some space (or "
             "choose another directory), then rerun the same command")
 
-    if shutil.disk_usage(directory.parent).free < need:
-        raise no_room(shutil.disk_usage(directory.parent).free)
+    free = shutil.disk_usage(directory.parent).free
+    if free < need:
+        raise no_room(free)
     tmp = temp_dir_for(directory)  # a plain mkdir's permissions: the export can be shared
     try:
         model.save_pretrained(tmp)

@@ -12,6 +12,7 @@ from malicious_checkpoint import write_malicious_checkpoint
 
 import roberta_fast as rf
 
+from roberta_fast.checkpoint import atomic_torch_save
 from roberta_fast.export import main
 from roberta_fast.train_config import TrainConfig
 from roberta_fast.trainer import Trainer
@@ -79,7 +80,7 @@ def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
 
     state = torch.load(run / "checkpoints" / "step_00000003.pt", weights_only=True)
     state["config"]["data"] = str(tmp_path / "moved")  # the dataset is not where the run saw it
-    torch.save(state, tmp_path / "step_00000003.pt")
+    atomic_torch_save(state, tmp_path / "step_00000003.pt")  # sealed, as roberta_fast writes them
     assert main([str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o")]) == 2
     assert "the run's dataset is not readable here" in capsys.readouterr().err
     argv = [str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o"), "--tokenizer", str(data / "tokenizer")]
