@@ -140,7 +140,7 @@ def decompressed_head(source: Source) -> bytes:
     with _guard(source, lambda: "at its start"):
         stream, raw = open_binary(source)
         with raw, stream:
-            return stream.read(SNIFF_BYTES)
+            return stream.raw.read(SNIFF_BYTES)  # (not the buffer's: it would read a whole block)
 
 
 def _dataset_dir_files(p: Path) -> list[Path] | None:
@@ -305,7 +305,7 @@ class _ZstdFrames(io.RawIOBase):
 
     def readinto(self, b) -> int:
         while self.at == len(self.out):
-            chunk = self.raw.read(1 << 16)  # bounds the output of one call: 64 KiB times the ratio
+            chunk = self.raw.read(1 << 14)  # bounds the output of one call: 16 KiB times the ratio
             if not chunk:
                 if self.fed and not self.frame.eof:
                     raise EOFError("the file ends inside a zstd frame")
@@ -547,10 +547,20 @@ class SegmentReader:
         for unit, first_row, batches in table_batches(self.source, self.start, self.end, self.text_field):
             row[0] = first_row
             for batch in batches:
-                for text in batch.to_pylist():
+                for text in _strings(batch):
                     yield from _document(text, self.stats, self._where)
                     row[0] += 1
             done[0] += self.weights[unit - self.start] if self.weights else 0
+
+
+def _strings(column) -> list:
+    """A string column's values; invalid UTF-8 (which pyarrow refuses to convert) replaced and counted."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pa = _need("pyarrow")
+        raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+        return [None if b is None else b.decode("utf-8", errors="roberta_fast.count_replace") for b in raw.to_pylist()]
 
 
 def new_stats() -> dict:
