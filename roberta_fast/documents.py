@@ -695,3 +695,63 @@ def read_documents(inputs, text_field: str = "text", log: Callable[[str], None] 
             raise ValueError(nothing_to_read(inputs, refused, stats))
 
     return documents()
+
+
+# --------------------------------------------------------------------------- task tables
+def is_table(path) -> bool:
+    """A Parquet or Arrow file (by its bytes), or a datasets save_to_disk directory."""
+    path = Path(path)
+    if path.is_dir():
+        return _dataset_dir_files(path) is not None
+    with open(path, "rb") as f:
+        return magic(f.read(8)) in ("parquet", "arrow")
+
+
+def _label_names(features: dict) -> dict:
+    """column -> ClassLabel names, from a datasets features description (a Sequence's / List's inner one too)."""
+    names = {}
+    for column, feature in (features or {}).items():
+        while isinstance(feature, dict) and "names" not in feature and isinstance(feature.get("feature"), dict):
+            feature = feature["feature"]
+        if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and feature.get("names"):
+            names[column] = feature["names"]
+    return names
+
+
+def _named(value, names: list):
+    """A ClassLabel id (or a list of them) as its name."""
+    if isinstance(value, list):
+        return [_named(v, names) for v in value]
+    return names[value] if isinstance(value, int) and 0 <= value < len(names) else value
+
+
+def table_rows(path) -> Iterator[tuple[str, dict]]:
+    """(location "file@rowN", row as a dict) of a Parquet / Arrow file or a save_to_disk directory,
+    in batches; ClassLabel ids (datasets' labels) become their names."""
+    path = Path(path)
+    files = _dataset_dir_files(path) if path.is_dir() else [path]
+    for file in files:
+        with open(file, "rb") as f:
+            source = Source(str(file), "parquet" if magic(f.read(8)) == "parquet" else "arrow")
+        row = [0]
+        with _guard(source, lambda: f"at row {row[0]}"):
+            if source.kind == "parquet":
+                pf = _need("pyarrow.parquet").ParquetFile(str(file))
+                schema, batches = pf.schema_arrow, pf.iter_batches(TABLE_BATCH)
+                mm = None
+            else:
+                mm, reader = _arrow_reader(str(file))
+                schema = reader.schema
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+                    if hasattr(reader, "num_record_batches") else iter(reader)
+            meta = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
+            names = _label_names(meta.get("info", {}).get("features"))
+            try:
+                for batch in batches:
+                    for record in batch.to_pylist():
+                        yield f"{file}@row{row[0]}", {k: _named(v, names[k]) if k in names else v
+                                                       for k, v in record.items()}
+                        row[0] += 1
+            finally:
+                if mm is not None:
+                    mm.close()
