@@ -269,9 +269,11 @@ def _dataset_texts(ds, field: str) -> Iterator[str]:
 
 
 # --------------------------------------------------------------------------- opening
-def open_binary(source: Source):
-    """(stream of the decompressed bytes, the raw file) of a text or JSONL source."""
+def open_binary(source: Source, offset: int = 0):
+    """(stream of the decompressed bytes, the raw file) of a text or JSONL source (a zstd file:
+    from the frame starting at `offset`)."""
     raw = open(source.path, "rb")
+    raw.seek(offset)
     try:
         if source.codec is None:
             return raw, raw
@@ -290,6 +292,114 @@ def open_binary(source: Source):
         raise
 
 
+def zstd_frame_offsets(path: str) -> list[int]:
+    """Where each frame of a zstd file starts, read from the frame and block headers (RFC 8878;
+    nothing decompressed; skippable frames are not listed); [0] when the framing is not clear."""
+    key = (path, os.path.getsize(path), os.stat(path).st_mtime_ns)
+    if key not in _FRAMES:
+        _FRAMES.clear()
+        _FRAMES[key] = _scan_zstd_frames(path, key[1])
+    return _FRAMES[key]
+
+
+_FRAMES: dict = {}
+
+
+def _scan_zstd_frames(path: str, size: int) -> list[int]:
+    offsets, pos = [], 0
+    with open(path, "rb") as f:
+        while pos < size:
+            f.seek(pos)
+            head = f.read(8)
+            if len(head) < 8:
+                return [0]
+            word = int.from_bytes(head[:4], "little")
+            if word & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: its size follows
+                pos += 8 + int.from_bytes(head[4:8], "little")
+                continue
+            if word != 0xFD2FB528:
+                return [0]
+            offsets.append(pos)
+            fhd = head[4]  # frame header descriptor
+            single_segment = (fhd >> 5) & 1
+            pos += 5 + (not single_segment) + (0, 1, 2, 4)[fhd & 3] + ((1 if single_segment else 0), 2, 4, 8)[fhd >> 6]
+            while True:  # blocks: a 3-byte header (last, type, size); an RLE block holds 1 byte
+                f.seek(pos)
+                block = f.read(3)
+                if len(block) < 3:
+                    return [0]
+                header = int.from_bytes(block, "little")
+                kind = (header >> 1) & 3
+                if kind == 3:
+                    return [0]
+                pos += 3 + (1 if kind == 1 else header >> 3)
+                if header & 1:
+                    break
+            pos += 4 * ((fhd >> 2) & 1)  # the content checksum
+    return offsets or [0]
+
+
+def _zstd_last_byte(path: str, offset: int) -> bytes:
+    """The last decompressed byte of the frame that ends at `offset` (streamed: nothing else kept)."""
+    frames = [o for o in zstd_frame_offsets(path) if o < offset]
+    frame = _need("zstandard").ZstdDecompressor().decompressobj()
+    last = b""
+    with open(path, "rb") as f:
+        f.seek(frames[-1])
+        left = offset - frames[-1]
+        while left > 0:
+            out = frame.decompress(f.read(min(left, 1 << 16)))
+            left -= 1 << 16
+            last = out[-1:] or last
+    return last
+
+
+class _FrameStart:
+    """Compares as the decompressed offset at which frame `n` of a _ZstdFrames stream begins
+    (infinite until it is known: every byte read so far came from earlier frames)."""
+
+    def __init__(self, frames, n: int):
+        self.frames, self.n = frames, n
+
+    def _value(self):
+        starts = self.frames.starts
+        return starts[self.n] if len(starts) > self.n else float("inf")
+
+    def __gt__(self, pos):
+        return self._value() > pos
+
+    def __le__(self, pos):
+        return self._value() <= pos
+
+
+def _boundary_after(f, at_line_start: bool, kind: str) -> int:
+    """Read `f` on to where the next document starts (JSONL: the next line start; text: past the
+    next whole blank line); return the bytes read. `at_line_start`: the byte before was a newline."""
+    if kind == "jsonl" and at_line_start:
+        return 0
+    pos = 0
+    while True:
+        raw = f.readline(READ_BLOCK)
+        if not raw:
+            return pos
+        whole = at_line_start and raw.endswith(b"\n")
+        at_line_start = raw.endswith(b"\n")
+        pos += len(raw)
+        if (kind == "jsonl" and at_line_start) or (kind == "text" and whole and _is_blank(raw)):
+            return pos
+
+
+def next_boundary(f, x: int, size: int, kind: str, doc_per_file: bool) -> int:
+    """Smallest offset >= x where a document of a plain file starts (after a blank line; a line for JSONL)."""
+    if x <= 0:
+        return 0
+    if kind == "text" and doc_per_file:
+        return size
+    f.seek(x - 1)
+    at_line_start = f.read(1) == b"\n"
+    return min(x + _boundary_after(f, at_line_start, kind), size)
+
+
 class _ZstdFrames(io.RawIOBase):
     """The frames of a zstd file one after another, decompressed by `zstandard`'s decompressobj;
     a file ending inside a frame is an EOFError (zstandard's stream_reader ends there silently)."""
@@ -299,6 +409,7 @@ class _ZstdFrames(io.RawIOBase):
         self.frame = self.zstd.ZstdDecompressor().decompressobj()
         self.fed = False  # bytes given to the current frame
         self.out, self.at = b"", 0
+        self.starts, self.produced = [0], 0  # decompressed offsets where the frames begin; bytes out so far
 
     def readable(self) -> bool:
         return True
@@ -314,8 +425,10 @@ class _ZstdFrames(io.RawIOBase):
             while chunk:
                 if self.frame.eof:  # the next frame
                     self.frame, self.fed = self.zstd.ZstdDecompressor().decompressobj(), False
+                    self.starts.append(self.produced)
                 self.fed = True
                 parts.append(self.frame.decompress(chunk))
+                self.produced += len(parts[-1])
                 chunk = self.frame.unused_data if self.frame.eof else b""
             self.out, self.at = b"".join(parts), 0
         n = min(len(b), len(self.out) - self.at)
@@ -460,21 +573,32 @@ class SegmentReader:
 
     # ---- text and JSONL, plain or compressed
     def _stream_pieces(self):
-        stream, raw = open_binary(self.source)
+        frames = self.source.codec == "zstd" and (self.start > 0 or self.end < self.source.size)
+        stream, raw = open_binary(self.source, self.start if frames else 0)
         with raw, stream:
-            if self.start:
+            if self.start and not frames:
                 stream.seek(self.start)
-            offset = [self.start]  # the decompressed offset of the current line
+            pos = self.start if self.source.codec is None else 0
+            offset = [pos]  # the (decompressed) offset of the current line
             self._where = lambda: f"{self.name}@byte{offset[0]}"
             self._pos = (lambda: stream.tell()) if self.source.codec is None else (lambda: raw.tell())
-            end = self.end if self.source.codec is None else float("inf")
+            end, exact = (self.end if self.source.codec is None else float("inf")), True
+            if frames:  # the documents starting in frames [start, end): from the first document start on
+                unit = stream.raw  # to where a document starts after the frame at `end` begins
+                prefix = f"{self.name}@frame{self.start}+byte"
+                self._where = lambda: f"{prefix}{offset[0]}"
+                if self.start:
+                    pos = _boundary_after(stream, _zstd_last_byte(self.source.path, self.start) == b"\n",
+                                          self.source.kind)
+                n = len([o for o in zstd_frame_offsets(self.source.path) if self.start <= o < self.end])
+                end, exact = _FrameStart(unit, n), False
             if self.source.kind == "jsonl":
-                yield from self._jsonl(stream, end, offset)
+                yield from self._jsonl(stream, pos, end, offset)
             else:
-                yield from self._text(stream, end, offset)
+                yield from self._text(stream, pos, end, offset, exact)
 
-    def _jsonl(self, f, end, offset):
-        stats, field, pos = self.stats, self.text_field, self.start
+    def _jsonl(self, f, pos, end, offset):
+        stats, field = self.stats, self.text_field
         where = self._where
         while pos < end:
             offset[0] = pos
@@ -492,8 +616,9 @@ class SegmentReader:
                 continue
             yield from _document(record.get(field) if isinstance(record, dict) else None, stats, where)
 
-    def _text(self, f, end, offset):
-        """Documents separated by blank lines (or the whole file with doc_per_file); `\\r\\n` read as `\\n`."""
+    def _text(self, f, pos, end, offset, exact=True):
+        """Documents separated by blank lines (or the whole file with doc_per_file); `\\r\\n` read as `\\n`.
+        Reads to `end` (exact: a document start), else on to the first blank line starting at or past it."""
         stats, doc_per_file = self.stats, self.doc_per_file
         dec = codecs.getincrementaldecoder("utf-8")(errors="roberta_fast.count_replace")
         parts: list[str] = []  # the current document's text not yet yielded
@@ -501,8 +626,7 @@ class SegmentReader:
         in_doc = first = False
         newline = ""  # "\n" owed before the next line of the document
         at_line_start = True
-        pos = self.start
-        while pos < end:
+        while not exact or pos < end:
             offset[0] = pos
             raw = f.readline(READ_BLOCK)
             if not raw:
@@ -510,11 +634,13 @@ class SegmentReader:
             pos += len(raw)
             whole_line = at_line_start and raw.endswith(b"\n")
             at_line_start = raw.endswith(b"\n")
-            text = dec.decode(raw, final=pos >= end)
+            text = dec.decode(raw)
             if whole_line and not doc_per_file and _is_blank(raw):
                 if in_doc:
                     yield "".join(parts), first, True
                     parts, size, in_doc, newline = [], 0, False, ""
+                if not exact and offset[0] >= end:  # the boundary the next segment starts at
+                    break
                 continue
             if not in_doc:
                 in_doc, first = True, True

@@ -264,48 +264,32 @@ def _report(nbytes: int, ntokens: int) -> None:
 
 
 # --------------------------------------------------------------------------- planning
-def _next_boundary(f, x: int, size: int, kind: str, doc_per_file: bool) -> int:
-    """Smallest offset >= x where a document starts (after a blank line; a line for JSONL)."""
-    if x <= 0:
-        return 0
-    if kind == "text" and doc_per_file:
-        return size
-    f.seek(x - 1)
-    at_line_start = f.read(1) == b"\n"
-    if kind == "jsonl" and at_line_start:
-        return x
-    pos = x
-    while pos < size:
-        raw = f.readline(documents.READ_BLOCK)
-        if not raw:
-            break
-        whole = at_line_start and raw.endswith(b"\n")
-        at_line_start = raw.endswith(b"\n")
-        pos += len(raw)
-        if kind == "jsonl":
-            if at_line_start:  # just read past the newline ending the line that holds x
-                return pos
-        elif whole and documents._is_blank(raw):
-            return pos
-    return size
-
-
 def _units(source: documents.Source, room: int, shard_bytes: int, doc_per_file: bool, text_field: str):
     """The parallel units of a source as (start, end, weights): byte ranges cut at document starts
-    (plain files: the first of about `room` bytes, the others shard_bytes), the whole file
-    (compressed), or each row group / record batch (tables, weights: its text bytes)."""
+    (plain files: the first of about `room` bytes, the others shard_bytes), runs of whole frames
+    (zstd; its documents are those starting in them, see documents.SegmentReader), the whole
+    file (other compressed files), or each row group / record batch (tables, weights: text bytes)."""
     if source.kind in ("parquet", "arrow"):
         for i, w in enumerate(documents.table_units(source, text_field)):
             yield i, i + 1, [w]
         return
     size = source.size
+    if source.codec == "zstd" and not (doc_per_file and source.kind == "text"):
+        frames = documents.zstd_frame_offsets(source.path) + [size]  # several frames: units of whole frames
+        start = 0
+        for offset in frames[1:]:
+            if offset - start >= room or offset == size:
+                yield start, offset, []
+                start, room = offset, shard_bytes
+        return
     if not source.splittable:
         yield 0, size, []
         return
     with open(source.path, "rb") as f:
         start = 0
         while start < size:
-            end = _next_boundary(f, start + room, size, source.kind, doc_per_file) if start + room < size else size
+            end = documents.next_boundary(f, start + room, size, source.kind, doc_per_file) \
+                if start + room < size else size
             end = size if end <= start else end
             yield start, end, []
             start, room = end, shard_bytes
