@@ -2,11 +2,15 @@
 
     python -m roberta_fast.preprocess --tokenizer TOKDIR --out DATADIR INPUT...
     roberta_fast.preprocess.preprocess(inputs, tokenizer, out)    # the same from Python
+    roberta_fast.preprocess.preprocess(dataset, tokenizer, out)   # a datasets.Dataset
 
-Inputs are `.txt` files (documents separated by blank lines, or one document per file
-with --doc-per-file; `\r\n` line ends read as `\n`), `.jsonl` files (one JSON object per line, the text under
---text-field) and directories of them (searched recursively for .txt/.text/.md/.rst and
-.jsonl/.ndjson). The dataset directory holds:
+Inputs are read by documents.py, the one reader of every format: `.txt` files (documents
+separated by blank lines, or one document per file with --doc-per-file; `\r\n` line ends
+read as `\n`), `.jsonl` files (one JSON object per line, the text under --text-field),
+either compressed (.gz .bz2 .xz .zst, told by their bytes), Parquet and Arrow files (the
+--text-field column), `datasets` save_to_disk directories, a `datasets.Dataset` (from
+Python), and directories of them, searched recursively. A Dataset held in memory or
+reindexed (shuffle, select) is first written to DATADIR/inputs/. The dataset directory holds:
 
     manifest.json           written last: tokenizer hash, vocab size, special ids, dtype,
                             per-split shard list and token/document counts, each shard's
@@ -34,9 +38,13 @@ Streaming, bounded memory: files are read line by line in blocks of at most 1 Mi
 long documents are tokenized in pieces of about 1 MiB cut at a single space between
 two words, where byte-level BPE gives the same ids as on the whole text (a piece with
 no such space is cut hard; those cuts are counted). JSONL records are parsed whole.
-Input is planned into chunks of about --shard-mb MB cut at document boundaries; chunks
-run in parallel worker processes, each writing its shards via temporary files and
-renames, then its chunks/ marker. A rerun with the same inputs and options skips the
+Input is planned into chunks of about --shard-mb MB of input (compressed bytes for
+compressed files, text bytes for tables) cut at document boundaries, from units that can be
+read apart: byte ranges of plain files, runs of whole zstd frames (a .zst of several
+frames), whole files for other compressed files (a stream cannot be entered mid-way: one
+large .gz is read by one process, whose tokenizer then uses every core), Parquet row groups
+and Arrow record batches. Chunks run in parallel worker processes, each writing its shards
+via temporary files and renames, then its chunks/ marker. A rerun with the same inputs and options skips the
 finished chunks whose shards still match the sizes and checksums in their markers (one
 read of them) and redoes the others, so a rerun also repairs a damaged dataset;
 different inputs or options are refused unless --overwrite.
@@ -45,7 +53,11 @@ Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced 
 U+FFFD and counted, naming the files (as are lone surrogates escaped in JSON), empty files
 and empty documents are skipped and counted, files with NUL bytes (binary) are refused by
 name, undecodable JSONL lines are counted with their byte offsets; the final report prints
-every count and the manifest keeps them.
+every count and the manifest keeps them. A damaged file (a truncated .gz, a corrupt zstd
+frame, an unreadable Parquet file) stops the run with an error naming it and how far it got
+(documents, byte or row); the chunks already finished are kept, so the rerun resumes. With
+--skip-damaged it is left out instead (for a zstd file of several frames: the runs of frames
+that cannot be read), counted and named in the manifest's `refused`, as binary files are.
 """
 from __future__ import annotations
 
