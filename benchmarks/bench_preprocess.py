@@ -23,7 +23,7 @@ separated .txt, made by repeating the embedded corpus up to --mb MB):
   (row groups of 1,000 rows) and as a `datasets` save_to_disk directory (Arrow), each
   preprocessed end to end with all cores in a fresh process: MB/s of the uncompressed text
   (the documents' UTF-8 bytes, the same for every row), tokens/s, and peak RSS (the largest of
-  the main process and its workers, VmHWM). The peer, in the same run: `datasets`'
+  the main process and its workers, VmHWM), also at half the corpus: flat as the corpus grows. The peer, in the same run: `datasets`'
   `load_dataset("json", ...)` of the plain file (a fresh cache) + `map(batched=True,
   num_proc=2)` with transformers' tokenizer loaded from the same directory, also in a fresh
   process (its Arrow output written to its cache, as datasets does). Every row must produce the
@@ -222,16 +222,22 @@ def _fresh_process(script: str, args: list) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def time_formats(work: Path, docs: list[str], tok_dir: Path, mb: float, shard_mb: float) -> list[dict]:
-    """One row per format and one for the datasets peer (see the module docstring)."""
+def time_formats(work: Path, docs: list[str], tok_dir: Path, mb: float, shard_mb: float, quick: bool) -> list[dict]:
+    """One row per format and one for the datasets peer (see the module docstring; --quick: no half-size runs)."""
+    half = work / "formats-half"  # the same at half the size: peak RSS only, to see that it stays flat
+    half.mkdir()
+    made_half = write_formats(half, docs, mb / 2) if not quick else None
     d = work / "formats"
     d.mkdir()
     made = write_formats(d, docs, mb)
     rows = []
     for name, path in made["paths"].items():
+        small = None if quick else \
+            _fresh_process(_OURS, [made_half["paths"][name], tok_dir, half / f"out-{name.split()[0]}", shard_mb])
         r = _fresh_process(_OURS, [path, tok_dir, d / f"out-{name.split()[0]}", shard_mb])
         size = sum(f.stat().st_size for f in path.rglob("*")) if path.is_dir() else path.stat().st_size
-        rows.append({"impl": f"roberta_fast {name}", "input_mb": bc.sig(size / 1e6), **r})
+        rows.append({"impl": f"roberta_fast {name}", "input_mb": bc.sig(size / 1e6),
+                     "peak_rss_mb_half_corpus": small and bc.sig(small["peak_rss_mb"]), **r})
     peer = _fresh_process(_DATASETS, [made["paths"]["jsonl"], tok_dir, d / "hf-cache"])
     rows.append({"impl": "datasets jsonl (load_dataset + map num_proc=2)",
                  "input_mb": bc.sig(made["paths"]["jsonl"].stat().st_size / 1e6), **peer})
@@ -283,10 +289,10 @@ def main():
         else:
             tok = RobertaTokenizer.train_from_iterator(docs, vocab_size=2000 if args.quick else 8192)
         tok_dir = tok.save(work / "tok")
-        formats = time_formats(work, docs, tok_dir, mb, shard_mb)
+        formats = time_formats(work, docs, tok_dir, mb, shard_mb, args.quick)
         print(f"formats: the same {formats[0]['documents']} documents, {cores} cores")
-        bc.print_rows(formats, ["impl", "input_mb", "s", "text_MB/s", "tokens/s", "peak_rss_mb", "x_vs_plain",
-                                "x_vs_datasets", "tokens"])
+        bc.print_rows(formats, ["impl", "input_mb", "s", "text_MB/s", "tokens/s", "peak_rss_mb",
+                                "peak_rss_mb_half_corpus", "x_vs_plain", "x_vs_datasets", "tokens"])
         goals = targets(formats)
         for g in goals:
             print(f"  target {g['impl']} {g['metric']} >= {g['target']}: {g['achieved']} ({g['status']})")
