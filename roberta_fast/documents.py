@@ -44,8 +44,9 @@ TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
 JSONL_EXTS = {".jsonl", ".ndjson"}
 CODEC_EXTS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
 TABLE_EXTS = {".parquet": "parquet", ".arrow": "arrow"}
-MAGIC = [(b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
+MAGIC = [(b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
          (b"PAR1", "parquet"), (b"ARROW1", "arrow"), (b"\xff\xff\xff\xff", "arrow")]  # the last: IPC stream
+_BZ2 = re.compile(rb"BZh[1-9](\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)")  # a block or the end
 EXTRA = "pip install 'roberta_fast[data]' (pyarrow, zstandard, datasets)"
 READ_BLOCK = 1 << 20  # bytes read per readline call: bounds memory on enormous lines
 PIECE_CHARS = 1 << 20  # long documents are tokenized in pieces of about this many chars
@@ -57,6 +58,10 @@ MAX_EXAMPLES = 20  # file names / locations kept per count in the report
 
 class DamagedInputError(ValueError):
     """A file that cannot be read to its end: truncated, corrupt, or not what it claims to be."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path  # (not kept through pickling: read it in the process that raised it)
 
 
 def _need(module: str):
@@ -87,6 +92,10 @@ class Source:
 
 
 def magic(head: bytes) -> str | None:
+    """The format a file's first bytes announce (bzip2's "BZh" with its level and block magic,
+    so that text beginning "BZh" stays text), or None."""
+    if _BZ2.match(head):
+        return "bz2"
     return next((name for prefix, name in MAGIC if head.startswith(prefix)), None)
 
 
@@ -127,8 +136,9 @@ def identify(p: Path, head: bytes, explicit: bool, log: Callable) -> tuple[Sourc
         log(f"refusing binary file {p}: it holds NUL bytes (convert UTF-16 text to UTF-8)")
         return None, "binary_files"
     if codec or kind in ("parquet", "arrow"):  # plain text under a compressed or columnar name
+        claimed = codec or kind
         kind = kind if kind in ("text", "jsonl") else _sniff_kind(head)
-        log(f"{p} is plain text, not {codec or kind}: read as {'JSONL' if kind == 'jsonl' else 'text'}")
+        log(f"{p} is plain text, not {claimed}: read as {'JSONL' if kind == 'jsonl' else 'text'}")
         return Source(str(p), kind), None
     if kind is None and not explicit:
         return None, "unsupported_files"
@@ -459,12 +469,12 @@ class _guard:
     def __exit__(self, kind, err, tb):
         if err is None or isinstance(err, DamagedInputError) or not isinstance(err, _damage_errors()):
             return False
-        if isinstance(err, OSError) and type(err) is not OSError and err.errno is not None:
+        if isinstance(err, OSError) and err.errno is not None:
             return False  # a real I/O error (permissions, disk): not the file's content
         what = self.source.codec or self.source.kind
         raise DamagedInputError(f"{self.source.path} is damaged or truncated ({what}: {err}) {self.where()}; "
                                 "replace it, or pass --skip-damaged to leave it out (finished shards are kept "
-                                "and the rerun resumes)") from None
+                                "and the rerun resumes)", self.source.path) from None
 
 
 # --------------------------------------------------------------------------- decoding

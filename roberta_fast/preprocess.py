@@ -181,8 +181,7 @@ def _run_chunk(task: dict) -> dict:
         except documents.DamagedInputError as err:
             if not task["options"].get("skip_damaged"):
                 raise
-            path = next(s[0] for s in segments if str(err).startswith(s[0]))
-            damaged.append(path)
+            damaged.append(err.path)
             print(f"preprocess: skipping damaged file: {err}", file=sys.stderr)
 
 

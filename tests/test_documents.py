@@ -156,8 +156,9 @@ def test_files_are_read_by_their_bytes_or_refused_by_name(tok, tmp_path):
     (d / "noext").write_bytes(gzip.compress(jsonl_bytes(DOCS[3:5])))  # skipped in a directory: no known type
     (d / "fake.parquet").write_bytes(b"\x00\x01 not parquet at all")
     (d / "archive.tar.gz").write_bytes(gzip.compress(b"x" * 100))
+    (d / "bzh.txt").write_text("BZh9 is how this text begins, as bzip2's files do\n")  # no block magic: text
     m, log = run([d / "noext", d], tok, tmp_path / "out", valid_fraction=0.0)
-    assert m["counts"]["documents"] == 3 + 1 + 2
+    assert m["counts"]["documents"] == 3 + 1 + 2 + 1
     assert "really_gzip.jsonl.zst is gzip-compressed, not zstd: read as gzip" in log
     assert "plain.txt.gz is plain text, not gzip: read as text" in log
     assert m["refused"]["mislabelled_files"] == [str(d / "fake.parquet")] and "named parquet" in log
