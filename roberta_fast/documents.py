@@ -19,9 +19,12 @@ A file whose bytes contradict its extension is read by its bytes (and said so), 
 by name when neither tells what it is. A missing optional library is one line naming the
 extra that installs it (`pip install roberta_fast[data]`).
 
-Parallel units: byte ranges cut at document starts (plain files), whole files (compressed:
-a stream cannot be entered mid-way; a single large compressed file is read by one worker,
-streaming, in bounded memory), row groups (Parquet) and record batches (Arrow).
+Parallel units: byte ranges cut at document starts (plain files), runs of whole frames (a
+zstd file of several frames: each run reads the documents that start in it, the byte before
+it taken from the previous frame, the last one read on into the next frame), whole files
+(other compressed files: a stream cannot be entered mid-way; a single large one is read by
+one worker, streaming, in bounded memory), row groups (Parquet: memory holds one row group's
+text column at a time) and record batches (Arrow, memory-mapped).
 
 Locations: a counted problem names `file@byteN` (text and JSONL, offsets into the
 decompressed text) or `file@rowN` (tables). A damaged file (truncated gzip, corrupt zstd

@@ -68,15 +68,15 @@ class FinetuneConfig:
 
     model: str = ""  # HF-format RoBERTa directory or Hub name to start from (required)
     train: str = ""  # training file: see --task for its format (required)
-    task: str = "classify"  # classify (CSV, GLUE .tsv, JSONL) | token (CoNLL, JSONL) | qa (SQuAD JSON) | choice (RACE JSONL); every task also Parquet, Arrow, datasets dirs
+    task: str = "classify"  # classify (CSV, GLUE .tsv, JSONL) | token (CoNLL) | qa (SQuAD) | choice (RACE); also Parquet
     out: str = "runs/finetune"  # output directory: checkpoints, metrics.jsonl and the exported model/
     valid: str | None = None  # held-out file, as --train (default: a deterministic 10% of --train, held out)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
     text_field: str = "text"  # classify: column / JSON field holding the text
-    pair_field: str | None = None  # classify: column / field of a second text, for pairs such as NLI: GLUE's sentence2, sentence (QNLI), hypothesis (MNLI) (default: none)
+    pair_field: str | None = None  # classify: column / field of a second text (GLUE: sentence2, hypothesis) (default: none)
     label_field: str = "label"  # classify: column / field holding the label (any strings or integers)
     max_len: int | None = None  # tokens per sequence with the special ones (default: the model's limit, <= 512; qa <= 384)
-    doc_stride: int | None = None  # qa: tokens shared by consecutive windows over a long context (default: --max-len // 3, run_qa's 128 of 384)
+    doc_stride: int | None = None  # qa: tokens shared by consecutive windows (default: --max-len // 3, run_qa's 128 of 384)
     max_answer_len: int = 30  # qa: longest predicted answer, in tokens
     n_best: int = 20  # qa: start and end candidates tried per window
     null_threshold: float = 0.0  # qa, SQuAD v2.0: answer nothing when the null score beats the best span by more

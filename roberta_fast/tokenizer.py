@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from .documents import read_documents
 from .files import write_text_atomic
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0..3 in a trained vocabulary
@@ -139,8 +140,6 @@ class RobertaTokenizer:
         `preprocess` reads them (documents.py: text, JSONL by its `text_field`, either compressed,
         Parquet and Arrow by the `text_field` column; files it skips are named on stderr).
         `vocab_size` counts every id, `<mask>` included."""
-        from .documents import read_documents
-
         tok, trainer = cls._untrained(vocab_size, min_frequency, show_progress)
         tok.train_from_iterator(read_documents(files, text_field=text_field), trainer)
         return cls._finish(tok, vocab_size, min_frequency)
