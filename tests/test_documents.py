@@ -236,3 +236,21 @@ def test_a_missing_library_names_the_extra(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     with pytest.raises(ValueError, match=r"needs pyarrow: pip install 'roberta_fast\[data\]'"):
         run([tmp_path / "t.parquet"], tok, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "parquet", "arrow"])
+def test_an_interrupted_run_resumes_to_the_same_shards(fmt, tok, tmp_path):
+    """Frames, row groups and record batches are chunks like byte ranges: a run killed before its last
+    chunk and its manifest continues from the finished ones and gives the same shards."""
+    FORMATS[fmt](tmp_path / f"docs.{fmt}", DOCS)
+    out = tmp_path / "out"
+    run([tmp_path / f"docs.{fmt}"], tok, out, shard_mb=0.004)
+    before = shard_docs(out)
+    markers = sorted((out / "chunks").glob("*.json"))
+    assert len(markers) >= 3
+    markers[-1].unlink()  # the last chunk never finished, the manifest was never written
+    (out / "manifest.json").unlink()
+    untouched = {p: p.stat().st_mtime_ns for p in (out / "train").glob("00000.*")}
+    _, log = run([tmp_path / f"docs.{fmt}"], tok, out, shard_mb=0.004)
+    assert f"{len(markers) - 1} of {len(markers)} chunks already done" in log
+    assert shard_docs(out) == before and untouched == {p: p.stat().st_mtime_ns for p in untouched}
