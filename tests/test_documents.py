@@ -254,3 +254,13 @@ def test_an_interrupted_run_resumes_to_the_same_shards(fmt, tok, tmp_path):
     _, log = run([tmp_path / f"docs.{fmt}"], tok, out, shard_mb=0.004)
     assert f"{len(markers) - 1} of {len(markers)} chunks already done" in log
     assert shard_docs(out) == before and untouched == {p: p.stat().st_mtime_ns for p in untouched}
+
+
+def test_invalid_utf8_in_a_table_is_replaced_and_counted(tok, tmp_path):
+    """pyarrow refuses to turn invalid UTF-8 into str; it is replaced and counted as in text files."""
+    data, offsets = b"caf\xe9 ok" + b"good text", np.array([0, 7, 16], dtype=np.int32)
+    column = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)])
+    pq.write_table(pa.table({"text": column}), tmp_path / "bad.parquet")
+    m, _ = run([tmp_path / "bad.parquet"], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["invalid_utf8_replaced"] == 1 and m["counts"]["documents"] == 2
+    assert [tok.decode(d) for d in shard_docs(tmp_path / "out")] == ["caf\ufffd ok</s>", "good text</s>"]
