@@ -7,11 +7,13 @@ token classification, question answering or multiple-choice task.
     python -m roberta_fast.finetune --task qa --train train-v2.0.json --valid dev-v2.0.json ...
     python -m roberta_fast.finetune --task choice --train race_train.jsonl --valid race_dev.jsonl ...
 
---task classify (the default): CSV (with a header) or JSONL rows holding a text, optionally a
+--task classify (the default): CSV, GLUE's .tsv as shipped (a header row, tab-separated, no
+quoting) or JSONL rows holding a text, optionally a
 second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa does) and a label (any strings
 or integers; sorted, they become class ids and the config's id2label); validation loss,
 accuracy and macro-F1. The other tasks' formats and metrics are described in tasks.py: CoNLL or
-JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa), RACE-style JSONL (choice).
+JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa), RACE-style JSONL (choice); every
+task also reads Parquet / Arrow files and datasets save_to_disk directories in the Hub's layouts.
 
 The model is any local HF-format RoBERTa checkpoint (ours or transformers'); the tokenizer
 comes from that directory or --tokenizer. It reuses the pretraining machinery: fused backend
@@ -23,8 +25,9 @@ model.safetensors + tokenizer) that transformers' Auto class and pipeline for th
 Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
-model's own limit (at most 512; 384 for qa, as run_qa). A classifier that never beats
-predicting the majority class says so.
+model's own limit (at most 512; 384 for qa, as run_qa), --doc-stride to a third of it (run_qa's
+128 of 384). A run that never beats the trivial answer says so: the majority class, the
+majority tag or all-O entity F1 0, the null answer's SQuAD EM/F1, chance among the options.
 
 SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal's number (143,
 130); the same command then resumes, and refuses a checkpoint trained on another LR
@@ -67,15 +70,15 @@ class FinetuneConfig:
 
     model: str = ""  # HF-format RoBERTa directory or Hub name to start from (required)
     train: str = ""  # training file: see --task for its format (required)
-    task: str = "classify"  # classify (CSV/JSONL rows) | token (CoNLL, JSONL) | qa (SQuAD JSON) | choice (RACE JSONL)
+    task: str = "classify"  # classify (CSV, GLUE .tsv, JSONL) | token (CoNLL) | qa (SQuAD) | choice (RACE); also Parquet
     out: str = "runs/finetune"  # output directory: checkpoints, metrics.jsonl and the exported model/
     valid: str | None = None  # held-out file, as --train (default: a deterministic 10% of --train, held out)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
     text_field: str = "text"  # classify: column / JSON field holding the text
-    pair_field: str | None = None  # classify: column / field of a second text, for pairs such as NLI (default: none)
+    pair_field: str | None = None  # classify: column / field of a second text (GLUE: sentence2, hypothesis) (default: none)
     label_field: str = "label"  # classify: column / field holding the label (any strings or integers)
     max_len: int | None = None  # tokens per sequence with the special ones (default: the model's limit, <= 512; qa <= 384)
-    doc_stride: int = 128  # qa: tokens shared by consecutive windows over a long context (run_qa's doc_stride)
+    doc_stride: int | None = None  # qa: tokens shared by consecutive windows (default: --max-len // 3, run_qa's 128 of 384)
     max_answer_len: int = 30  # qa: longest predicted answer, in tokens
     n_best: int = 20  # qa: start and end candidates tried per window
     null_threshold: float = 0.0  # qa, SQuAD v2.0: answer nothing when the null score beats the best span by more

@@ -2,11 +2,15 @@
 
     python -m roberta_fast.preprocess --tokenizer TOKDIR --out DATADIR INPUT...
     roberta_fast.preprocess.preprocess(inputs, tokenizer, out)    # the same from Python
+    roberta_fast.preprocess.preprocess(dataset, tokenizer, out)   # a datasets.Dataset
 
-Inputs are `.txt` files (documents separated by blank lines, or one document per file
-with --doc-per-file; `\r\n` line ends read as `\n`), `.jsonl` files (one JSON object per line, the text under
---text-field) and directories of them (searched recursively for .txt/.text/.md/.rst and
-.jsonl/.ndjson). The dataset directory holds:
+Inputs are read by documents.py, the one reader of every format: `.txt` files (documents
+separated by blank lines, or one document per file with --doc-per-file; `\r\n` line ends
+read as `\n`), `.jsonl` files (one JSON object per line, the text under --text-field),
+either compressed (.gz .bz2 .xz .zst, told by their bytes), Parquet and Arrow files (the
+--text-field column), `datasets` save_to_disk directories, a `datasets.Dataset` (from
+Python), and directories of them, searched recursively. A Dataset held in memory or
+reindexed (shuffle, select) is first written to DATADIR/inputs/. The dataset directory holds:
 
     manifest.json           written last: tokenizer hash, vocab size, special ids, dtype,
                             per-split shard list, token/document counts and largest id, each shard's
@@ -34,9 +38,13 @@ Streaming, bounded memory: files are read line by line in blocks of at most 1 Mi
 long documents are tokenized in pieces of about 1 MiB cut at a single space between
 two words, where byte-level BPE gives the same ids as on the whole text (a piece with
 no such space is cut hard; those cuts are counted). JSONL records are parsed whole.
-Input is planned into chunks of about --shard-mb MB cut at document boundaries; chunks
-run in parallel worker processes, each writing its shards via temporary files and
-renames, then its chunks/ marker. A rerun with the same inputs and options skips the
+Input is planned into chunks of about --shard-mb MB of input (compressed bytes for
+compressed files, text bytes for tables) cut at document boundaries, from units that can be
+read apart: byte ranges of plain files, runs of whole zstd frames (a .zst of several
+frames), whole files for other compressed files (a stream cannot be entered mid-way: one
+large .gz is read by one process, whose tokenizer then uses every core), Parquet row groups
+and Arrow record batches. Chunks run in parallel worker processes, each writing its shards
+via temporary files and renames, then its chunks/ marker. A rerun with the same inputs and options skips the
 finished chunks whose shards still match the sizes and checksums in their markers (one
 read of them) and redoes the others, so a rerun also repairs a damaged dataset;
 different inputs or options are refused unless --overwrite.
@@ -45,17 +53,19 @@ Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced 
 U+FFFD and counted, naming the files (as are lone surrogates escaped in JSON), empty files
 and empty documents are skipped and counted, files with NUL bytes (binary) are refused by
 name, undecodable JSONL lines are counted with their byte offsets; the final report prints
-every count and the manifest keeps them.
+every count and the manifest keeps them. A damaged file (a truncated .gz, a corrupt zstd
+frame, an unreadable Parquet file) stops the run with an error naming it and how far it got
+(documents, byte or row); the chunks already finished are kept, so the rerun resumes. With
+--skip-damaged it is left out instead (for a zstd file of several frames: the runs of frames
+that cannot be read), counted and named in the manifest's `refused`, as binary files are.
 """
 from __future__ import annotations
 
 import argparse
-import codecs
 import heapq
 import json
 import multiprocessing as mp
 import os
-import re
 import shutil
 import sys
 import time
@@ -63,163 +73,21 @@ import zlib
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from roberta_fast import documents
+from roberta_fast.documents import MAX_EXAMPLES
 from roberta_fast.integrity import HashingWriter, sha256_file
 from roberta_fast.files import publish, temp_path_for, write_text_atomic
 from roberta_fast.tokenizer import RobertaTokenizer
 
 FORMAT = "roberta_fast.tokens"
 VERSION = 1
-TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
-JSONL_EXTS = {".jsonl", ".ndjson"}
-READ_BLOCK = 1 << 20  # bytes read per readline call: bounds memory on enormous lines
-PIECE_CHARS = 1 << 20  # long documents are tokenized in pieces of about this many chars
 BATCH_CHARS = 1 << 20  # chars per encode_batch call
-SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary (as git does)
-BLANK = " \t\r\n\x0b\x0c"  # a line of only these separates documents
-MAX_EXAMPLES = 20  # file names / offsets kept per count in the report
 MIN_VALID_TOKENS = 16 * 128  # a valid split smaller than one batch of the tiny preset is topped up
 MAX_TOP_UP = 64  # documents a top-up may add (also at most 10% of them); each chunk keeps this many candidates
-
-
-# --------------------------------------------------------------------------- decoding
-_INVALID = [0]
-
-
-def _count_and_replace(err: UnicodeDecodeError):
-    """Codec error handler: U+FFFD for each invalid sequence, counted."""
-    _INVALID[0] += 1
-    return "\ufffd", err.end
-
-
-codecs.register_error("roberta_fast.count_replace", _count_and_replace)
-
-
-def _decoder():
-    return codecs.getincrementaldecoder("utf-8")(errors="roberta_fast.count_replace")
-
-
-def _is_blank(raw: bytes) -> bool:
-    return not raw.strip(BLANK.encode())
-
-
-# --------------------------------------------------------------------------- pieces
-def _cut(text: str) -> int:
-    """Index at which to cut a long text: a single space between two non-spaces, late as possible."""
-    lo = len(text) // 2
-    i = text.rfind(" ", lo, len(text) - 1)
-    while i > lo:
-        if not text[i - 1].isspace() and not text[i + 1].isspace():
-            return i
-        i = text.rfind(" ", lo, i)
-    return -1
-
-
-def _split_long(text: str, stats: dict) -> Iterator[str]:
-    """Yield `text` in pieces of about PIECE_CHARS whose tokenizations concatenate to its own."""
-    start = 0
-    while len(text) - start > PIECE_CHARS:
-        window = text[start: start + PIECE_CHARS + 1]
-        i = _cut(window)
-        if i < 0:
-            i = PIECE_CHARS
-            stats["hard_splits"] += 1
-        yield window[:i]
-        start += i
-    yield text[start:]
-
-
-def _text_pieces(f, start: int, end: int, doc_per_file: bool, stats: dict):
-    """Yield (piece, first, last) for the documents of a text file between byte offsets."""
-    f.seek(start)
-    dec = _decoder()
-    parts: list[str] = []  # the current document's text not yet yielded
-    size = 0  # chars in parts
-    in_doc = first = False
-    newline = ""  # "\n" owed before the next line of the document
-    at_line_start = True
-    pos = start
-    while pos < end:
-        raw = f.readline(READ_BLOCK)
-        if not raw:
-            break
-        pos += len(raw)
-        whole_line = at_line_start and raw.endswith(b"\n")
-        at_line_start = raw.endswith(b"\n")
-        text = dec.decode(raw, final=pos >= end)
-        if whole_line and not doc_per_file and _is_blank(raw):
-            if in_doc:
-                yield "".join(parts), first, True
-                parts, size, in_doc, newline = [], 0, False, ""
-            continue
-        if not in_doc:
-            in_doc, first = True, True
-        if text.endswith("\n"):
-            text = text[:-2] if text.endswith("\r\n") else text[:-1]
-            parts.append(newline + text)
-            newline = "\n"
-        else:
-            parts.append(newline + text)
-            newline = ""
-        size += len(parts[-1])
-        if size > PIECE_CHARS:
-            *head, tail = _split_long("".join(parts), stats)
-            for piece in head:
-                yield piece, first, False
-                first = False
-            parts, size = [tail], len(tail)
-    tail = dec.decode(b"", final=True)
-    if tail:
-        parts.append(newline + tail)
-    if in_doc:
-        yield "".join(parts), first, True
-
-
-def _jsonl_pieces(f, start: int, end: int, field: str, name: str, stats: dict):
-    """Yield (piece, first, last) for the records of a JSONL file between byte offsets."""
-    f.seek(start)
-    pos = start
-    while pos < end:
-        at = pos
-        raw = f.readline()
-        if not raw:
-            break
-        pos += len(raw)
-        if _is_blank(raw):
-            stats["blank_jsonl_lines"] += 1
-            continue
-        line = raw.decode("utf-8", errors="roberta_fast.count_replace")
-        try:
-            record = json.loads(line)
-        except ValueError:
-            _note(stats, "bad_json_lines", f"{name}@byte{at}")
-            continue
-        text = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            _note(stats, "records_without_text", f"{name}@byte{at}")
-            continue
-        if not text.strip():
-            _note(stats, "empty_documents", f"{name}@byte{at}")
-            continue
-        if not text.isascii() and _SURROGATE.search(text):  # "\ud800" escapes: not encodable text
-            text, n = _SURROGATE.subn("\ufffd", text)
-            stats["lone_surrogates_replaced"] += n
-        pieces = list(_split_long(text, stats)) if len(text) > PIECE_CHARS else [text]
-        for k, piece in enumerate(pieces):
-            yield piece, k == 0, k == len(pieces) - 1
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _note(stats: dict, key: str, example: str, count: int = 1) -> None:
-    stats[key] += count
-    examples = stats["examples"].setdefault(key, [])
-    if len(examples) < MAX_EXAMPLES:
-        examples.append(example)
 
 
 # --------------------------------------------------------------------------- writing
@@ -244,6 +112,10 @@ class _ShardWriter:
     def end_document(self) -> None:
         self.offsets.append(self.n)
 
+    def discard(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
     def close(self) -> dict:
         self.f.close()
         idx_path = self.bin_path.with_name(self.bin_path.stem + ".idx.npy")
@@ -257,16 +129,9 @@ class _ShardWriter:
                 "bin_sha256": self.f.sha256, "idx_bytes": idx.size, "idx_sha256": idx.sha256}
 
 
-def _new_stats() -> dict:
-    keys = ["bytes", "documents", "tokens", "pieces", "hard_splits", "invalid_utf8_replaced",
-            "lone_surrogates_replaced", "empty_documents", "blank_files", "bad_json_lines", "records_without_text",
-            "blank_jsonl_lines", "valid_added"]
-    return {**{k: 0 for k in keys}, "examples": {}}
-
-
 def _crc(text: str) -> int:
     """The document's hash that decides its split (of its first piece: at most PIECE_CHARS chars)."""
-    return zlib.crc32(text[:PIECE_CHARS].encode("utf-8"))
+    return zlib.crc32(text[:documents.PIECE_CHARS].encode("utf-8"))
 
 
 class _Lowest:
@@ -308,11 +173,26 @@ def _init_worker(tokenizer_file: str, progress, single_threaded: bool) -> None:
 
 
 def _run_chunk(task: dict) -> dict:
-    """Tokenize one chunk of input into its train/valid shards; return its counts."""
+    """Tokenize one chunk of input into its train/valid shards; return its counts. A damaged file
+    is a DamagedInputError (the chunk's temporary shards removed), or with skip_damaged the chunk
+    is redone without it and the file named in its counts."""
+    damaged = []
+    while True:
+        segments = [s for s in task["segments"] if s[0] not in damaged]
+        try:
+            return _tokenize_chunk(task, segments, damaged)
+        except documents.DamagedInputError as err:
+            if not task["options"].get("skip_damaged"):
+                raise
+            damaged.append(err.path)
+            print(f"preprocess: skipping damaged file: {err}", file=sys.stderr)
+
+
+def _tokenize_chunk(task: dict, segments: list, damaged: list) -> dict:
     out, index, opts = Path(task["out"]), task["index"], task["options"]
     dtype = np.dtype(task["dtype"])
-    stats = _new_stats()
-    _INVALID[0] = 0
+    stats = documents.new_stats()
+    documents._INVALID[0] = 0
     writers = {s: _ShardWriter(out / s / f"{index:05d}.bin", dtype) for s in ("train", "valid")}
     eos = _TOKENIZER.eos_id
     batch: list[tuple[str, bool, bool]] = []
@@ -347,37 +227,49 @@ def _run_chunk(task: dict) -> dict:
         state["chars"] = 0
         return n
 
-    for path, kind, start, end in task["segments"]:
-        name, invalid = os.path.basename(path), _INVALID[0]
-        with open(path, "rb") as f:
-            if kind == "jsonl":
-                pieces = _jsonl_pieces(f, start, end, opts["text_field"], name, stats)
-            else:
-                pieces = _text_pieces(f, start, end, opts["doc_per_file"], stats)
-            last_pos, docs_before = start, stats["documents"] + stats["empty_documents"]
-            for piece in pieces:
+    reported = 0  # input bytes reported to the progress bar
+    try:
+        for path, kind, codec, start, end, weights in segments:
+            source = documents.Source(path, kind, codec)
+            invalid = documents._INVALID[0]
+            reader = documents.SegmentReader(source, start, end, opts["text_field"], opts["doc_per_file"],
+                                             stats, weights)
+            docs_before = stats["documents"] + stats["empty_documents"]
+            base = reader.pos()
+            for piece in reader:
                 if piece[1] and piece[2] and not piece[0].strip():
-                    _note(stats, "empty_documents", f"{name}@byte{f.tell()}")
+                    documents.note(stats, "empty_documents", reader.where())
                     continue
                 batch.append(piece)
                 state["chars"] += len(piece[0])
                 if state["chars"] >= BATCH_CHARS:
                     n = flush()
-                    pos = f.tell()
-                    _report(pos - last_pos, n)
-                    last_pos = pos
+                    _report(reader.pos() - base - reported, n)
+                    reported = reader.pos() - base
             n = flush() if batch else 0
-            _report(end - last_pos, n)
-            if start == 0 and end == os.path.getsize(path) and kind == "text" and \
+            size = _segment_bytes(start, end, weights)
+            _report(size - reported, n)
+            reported = 0
+            if kind == "text" and start == 0 and end == source.size and \
                     stats["documents"] + stats["empty_documents"] == docs_before:
-                _note(stats, "blank_files", path)  # only blank lines: nothing to keep
-        if _INVALID[0] > invalid:
-            _note(stats, "invalid_utf8_replaced", path, _INVALID[0] - invalid)
-        stats["bytes"] += end - start
+                documents.note(stats, "blank_files", path)  # only blank lines: nothing to keep
+            if documents._INVALID[0] > invalid:
+                documents.note(stats, "invalid_utf8_replaced", path, documents._INVALID[0] - invalid)
+            stats["bytes"] += size
+    except BaseException:
+        for w in writers.values():
+            w.discard()
+        raise
     stats["shards"] = {s: w.close() for s, w in writers.items()}
     stats["candidates"], stats["forced_valid"] = candidates.lowest(), sorted(forced)
+    stats["damaged_files"] = damaged
     write_text_atomic(out / "chunks" / f"{index:05d}.json", json.dumps(stats))
     return stats
+
+
+def _segment_bytes(start: int, end: int, weights) -> int:
+    """Input bytes of a segment: its byte range, a compressed file's size, or its table units' text bytes."""
+    return sum(weights) if weights else end - start
 
 
 def _report(nbytes: int, ntokens: int) -> None:
@@ -386,106 +278,61 @@ def _report(nbytes: int, ntokens: int) -> None:
 
 
 # --------------------------------------------------------------------------- planning
-def _collect(inputs: Sequence[str | os.PathLike], log: Callable) -> tuple[list[tuple[str, str]], dict]:
-    """Input files as (path, kind), and the files refused or skipped, by reason."""
-    files, refused = [], {"binary_files": [], "empty_files": [], "unreadable_files": [], "unsupported_files": []}
-    seen = set()
-
-    def add(p: Path, explicit: bool):
-        ext = p.suffix.lower()
-        kind = "jsonl" if ext in JSONL_EXTS else "text" if (ext in TEXT_EXTS or explicit) else None
-        if kind is None:
-            refused["unsupported_files"].append(str(p))
-            return
-        key = os.path.realpath(p)
-        if key in seen:
-            return
-        seen.add(key)
-        try:
-            size = p.stat().st_size
-            with open(p, "rb") as f:
-                head = f.read(SNIFF_BYTES)
-        except OSError as err:  # permissions, a dangling link, ...
-            refused["unreadable_files"].append(str(p))
-            log(f"skipping unreadable file {p}: {err.strerror or err}")
-            return
-        if size == 0:
-            refused["empty_files"].append(str(p))
-            log(f"skipping empty file {p}")
-            return
-        if b"\x00" in head:
-            refused["binary_files"].append(str(p))
-            log(f"refusing binary file {p}: it holds NUL bytes (convert UTF-16 text to UTF-8)")
-            return
-        files.append((str(p), kind))
-
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    if not inputs:
-        raise ValueError("preprocess needs at least one input file or directory")
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            for root, dirs, names in os.walk(p):
-                if (Path(root) / "plan.json").is_file():  # a dataset directory: never read as input
-                    log(f"skipping {root}: it is a preprocess output")
-                    dirs[:] = []
-                    continue
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for n in sorted(names):
-                    if not n.startswith("."):
-                        add(Path(root) / n, explicit=False)
-        elif p.is_file():
-            add(p, explicit=True)
-        else:
-            raise ValueError(f"input {str(p)!r} does not exist (pass .txt/.jsonl files or directories)")
-    return files, refused
+def _units(source: documents.Source, room: int, shard_bytes: int, doc_per_file: bool, text_field: str):
+    """The parallel units of a source as (start, end, weights): byte ranges cut at document starts
+    (plain files: the first of about `room` bytes, the others shard_bytes), runs of whole frames
+    (zstd; its documents are those starting in them, see documents.SegmentReader), the whole
+    file (other compressed files), or each row group / record batch (tables, weights: text bytes)."""
+    if source.kind in ("parquet", "arrow"):
+        for i, w in enumerate(documents.table_units(source, text_field)):
+            yield i, i + 1, [w]
+        return
+    size = source.size
+    if source.codec == "zstd" and not (doc_per_file and source.kind == "text"):
+        frames = documents.zstd_frame_offsets(source.path) + [size]  # several frames: units of whole frames
+        start = 0
+        for offset in frames[1:]:
+            if offset - start >= room or offset == size:
+                yield start, offset, []
+                start, room = offset, shard_bytes
+        return
+    if not source.splittable:
+        yield 0, size, []
+        return
+    with open(source.path, "rb") as f:
+        start = 0
+        while start < size:
+            end = documents.next_boundary(f, start + room, size, source.kind, doc_per_file) \
+                if start + room < size else size
+            end = size if end <= start else end
+            yield start, end, []
+            start, room = end, shard_bytes
 
 
-def _next_boundary(f, x: int, size: int, kind: str, doc_per_file: bool) -> int:
-    """Smallest offset >= x where a document starts (after a blank line; a line for JSONL)."""
-    if x <= 0:
-        return 0
-    if kind == "text" and doc_per_file:
-        return size
-    f.seek(x - 1)
-    at_line_start = f.read(1) == b"\n"
-    if kind == "jsonl" and at_line_start:
-        return x
-    pos = x
-    while pos < size:
-        raw = f.readline(READ_BLOCK)
-        if not raw:
-            break
-        whole = at_line_start and raw.endswith(b"\n")
-        at_line_start = raw.endswith(b"\n")
-        pos += len(raw)
-        if kind == "jsonl":
-            if at_line_start:  # just read past the newline ending the line that holds x
-                return pos
-        elif whole and _is_blank(raw):
-            return pos
-    return size
-
-
-def _plan(files: list[tuple[str, str]], shard_bytes: int, doc_per_file: bool) -> list[list[tuple]]:
-    """Chunks of about shard_bytes: lists of (path, kind, start, end) cut at document starts."""
+def _plan(sources: list[documents.Source], shard_bytes: int, doc_per_file: bool, text_field: str,
+          skip_damaged: bool, refused: dict, log: Callable) -> list[list]:
+    """Chunks of about shard_bytes of input: lists of segments (path, kind, codec, start, end,
+    weights); a chunk ends once it holds shard_bytes, a segment never crosses a document. A table
+    whose metadata cannot be read is a DamagedInputError, or skipped into refused["damaged_files"]."""
     chunks, current, filled = [], [], 0
-    for path, kind in files:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            start = 0
-            while start < size:
-                room = shard_bytes - filled
-                end = _next_boundary(f, start + room, size, kind, doc_per_file) if start + room < size else size
-                if end <= start:
-                    end = size
-                current.append((path, kind, start, end))
-                filled += end - start
-                start = end
-                if filled >= shard_bytes:
-                    chunks.append(current)
-                    current, filled = [], 0
+    for source in sources:
+        try:
+            units = list(_units(source, shard_bytes - filled, shard_bytes, doc_per_file, text_field))
+        except documents.DamagedInputError as err:
+            if not skip_damaged:
+                raise
+            log(f"skipping damaged file: {err}")
+            refused["damaged_files"].append(source.path)
+            continue
+        for start, end, weights in units:
+            if current and current[-1][0] == source.path and weights and current[-1][4] == start:
+                last = current.pop()  # consecutive table units of one file: one segment
+                start, weights = last[3], last[5] + weights
+            current.append((source.path, source.kind, source.codec, start, end, weights))
+            filled += weights[-1] if weights else end - start
+            if filled >= shard_bytes:
+                chunks.append(current)
+                current, filled = [], 0
     if current:
         chunks.append(current)
     return chunks
@@ -503,10 +350,12 @@ def preprocess(
     shard_mb: float = 32,
     workers: int | None = None,
     overwrite: bool = False,
+    skip_damaged: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Tokenize `inputs` into the dataset directory `out`; return its manifest (see module doc)."""
+    """Tokenize `inputs` (files, directories, a datasets.Dataset) into the dataset directory `out`;
+    return its manifest (see module doc)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if not 0.0 <= valid_fraction < 1.0:
         raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction!r}")
@@ -519,35 +368,36 @@ def preprocess(
     if not isinstance(tokenizer, RobertaTokenizer):
         tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
     out = Path(out)
-    files, refused = _collect(inputs, log)
-    if not files:
-        raise ValueError(_nothing_to_read(inputs, refused))
     existed = out.exists()
     fresh = not existed or not any(out.iterdir())  # emptied again if the inputs yield no document
+    files, refused = documents.find_sources(inputs, log, out / "inputs", skip_damaged)
+    if not files:
+        raise ValueError(documents.nothing_to_read(inputs, refused))
     options = {"valid_fraction": valid_fraction, "text_field": text_field, "doc_per_file": doc_per_file,
                "shard_mb": shard_mb, "split_special_tokens": True}
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
-    sources = [{"path": os.path.abspath(p), "kind": k, "bytes": os.path.getsize(p),
-                "mtime_ns": os.stat(p).st_mtime_ns} for p, k in files]
+    sources = [{"path": os.path.abspath(f.path), "kind": f.kind, **({"codec": f.codec} if f.codec else {}),
+                "bytes": f.size, "mtime_ns": os.stat(f.path).st_mtime_ns} for f in files]
     plan = {"format": FORMAT, "version": VERSION, "tokenizer_hash": tokenizer.tokenizer_hash,
             "dtype": dtype, "options": options, "sources": sources}
     _prepare_out(out, plan, overwrite)
     tokenizer.save(out / "tokenizer")
-    chunks = _plan(files, int(shard_mb * 1e6), doc_per_file)
+    chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
     todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, log)]
     if len(todo) < len(chunks):
         log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
-    tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": options}
+    run_options = {**options, "skip_damaged": skip_damaged}  # (skipping is no part of what the shards are)
+    tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": run_options}
              for i in todo]
     t0 = time.time()
 
     def run(tasks: list[dict]) -> None:
         _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
-                 sum(e - s for t in tasks for _, _, s, e in t["segments"]))
+                 sum(_segment_bytes(*segment[3:]) for t in tasks for segment in t["segments"]))
 
     run(tasks)
     run(_top_up_valid(out, chunks, valid_fraction, log,
-                      {"out": str(out), "dtype": dtype, "options": options}))
+                      {"out": str(out), "dtype": dtype, "options": run_options}))
     manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
     _print_report(manifest, time.time() - t0, log)
     splits = manifest["splits"]
@@ -556,54 +406,12 @@ def preprocess(
             shutil.rmtree(out, ignore_errors=True)
             if existed:
                 out.mkdir()
-        raise ValueError(_nothing_to_read(inputs, refused, manifest["counts"]))
+        raise ValueError(documents.nothing_to_read(inputs, refused, manifest["counts"]))
     if not splits["valid"]["documents"]:
         log(f"warning: the valid split is empty ({splits['train']['documents']} documents, --valid-fraction "
             f"{valid_fraction}): python -m roberta_fast.train needs one; give more text or a larger --valid-fraction")
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
     return manifest
-
-
-def _nothing_to_read(inputs, refused: dict, counts: dict | None = None) -> str:
-    """The error for inputs that yield no document, naming them and what was skipped."""
-    names = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
-    why = [f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-           for k, v in refused.items() if v]
-    why += [f"{v} {k.replace('_', ' ')}" for k, v in (counts or {}).items()
-            if v and k in ("empty_documents", "blank_files", "bad_json_lines", "records_without_text")]
-    return (f"no document to read in {', '.join(names)}" + (f": {'; '.join(why)}" if why else "")
-            + f"; pass .txt files ({', '.join(sorted(TEXT_EXTS))}, documents separated by blank lines), .jsonl "
-              "files (the text under --text-field) or directories holding them")
-
-
-def read_documents(inputs: Sequence[str | os.PathLike], text_field: str = "text",
-                   log: Callable[[str], None] | None = None) -> Iterator[str]:
-    """The text of `inputs` as preprocess reads it (the files and directories it accepts, .jsonl
-    by `text_field`), document by document (pieces of about PIECE_CHARS for longer ones): what
-    `RobertaTokenizer.train` learns from. Inputs are checked now; a ValueError names inputs
-    that hold no file to read, or (when the iterator ends) no document."""
-    log = log or (lambda msg: print(msg, file=sys.stderr))
-    files, refused = _collect(inputs, log)
-    if not files:
-        raise ValueError(_nothing_to_read(inputs, refused))
-
-    def documents() -> Iterator[str]:
-        stats, n = _new_stats(), 0
-        for path, kind in files:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                if kind == "jsonl":
-                    pieces = _jsonl_pieces(f, 0, size, text_field, os.path.basename(path), stats)
-                else:
-                    pieces = _text_pieces(f, 0, size, False, stats)
-                for piece, _, _ in pieces:
-                    if piece.strip():
-                        n += 1
-                        yield piece
-        if not n:
-            raise ValueError(_nothing_to_read(inputs, refused, stats))
-
-    return documents()
 
 
 def _top_up_valid(out: Path, chunks: list, fraction: float, log: Callable, common: dict) -> list[dict]:
@@ -680,7 +488,7 @@ def _shard_files(out: Path, split: str, index: int, info: dict, dtype: str) -> d
 def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
     """Create the output tree, or check that an existing one is the same run (resume)."""
     plan_file = out / "plan.json"
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != "inputs" for p in out.iterdir()):  # inputs/: a datasets.Dataset written out
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None
         if old != plan:
             if not overwrite:
@@ -759,7 +567,8 @@ def _init_pool(tokenizer_file: str, counters) -> None:
 
 def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int, refused: dict) -> dict:
     """Aggregate the chunk markers into the dataset manifest."""
-    counts = {k: 0 for k in _new_stats() if k != "examples"}
+    counts = {k: 0 for k in documents.new_stats() if k != "examples"}
+    refused = {k: list(v) for k, v in refused.items()}
     examples: dict[str, list] = {}
     splits = {s: {"tokens": 0, "documents": 0, "shards": []} for s in ("train", "valid")}
     for i in range(n_chunks):
@@ -769,6 +578,7 @@ def _manifest(out: Path, tokenizer: RobertaTokenizer, plan: dict, n_chunks: int,
         for k, v in stats["examples"].items():  # (a file read in two chunks is named once)
             kept = examples.setdefault(k, [])
             kept += [e for e in v if e not in kept][: MAX_EXAMPLES - len(kept)]
+        refused["damaged_files"] += [p for p in stats.get("damaged_files", []) if p not in refused["damaged_files"]]
         for s, info in stats["shards"].items():
             splits[s]["tokens"] += info["tokens"]
             splits[s]["documents"] += info["documents"]
@@ -812,16 +622,21 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI of `python -m roberta_fast.preprocess`."""
     p = argparse.ArgumentParser(prog="python -m roberta_fast.preprocess", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories of them")
+    p.add_argument("inputs", nargs="+", help="text / JSONL files (or their .gz .bz2 .xz .zst), Parquet or Arrow "
+                                             "files, datasets save_to_disk directories, or directories of them")
     p.add_argument("--tokenizer", required=True,
                    help="tokenizer directory (RobertaTokenizer.save, or roberta-base's files) or a Hub name")
     p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
     p.add_argument("--valid-fraction", type=float, default=0.005, help="share of documents held out (default 0.005)")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--text-field", default="text",
+                   help="JSONL field / Parquet or Arrow column holding the text (default: text)")
     p.add_argument("--doc-per-file", action="store_true",
                    help="each .txt file is one document (default: blank lines separate documents)")
     p.add_argument("--shard-mb", type=float, default=32, help="input MB per shard (default 32)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="leave out a damaged file (truncated, corrupt), naming it in the manifest (default: stop "
+                        "with an error naming it; finished shards are kept either way)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an output made from other inputs or options (default: refuse)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (default: show one)")
@@ -833,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         preprocess(args.inputs, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                    text_field=args.text_field, doc_per_file=args.doc_per_file, shard_mb=args.shard_mb,
-                   workers=args.workers, overwrite=args.overwrite, progress=not args.quiet)
+                   workers=args.workers, overwrite=args.overwrite, skip_damaged=args.skip_damaged,
+                   progress=not args.quiet)
     except (ValueError, FileNotFoundError) as err:  # FileNotFoundError: a tokenizer name the Hub lacks
         print(f"error: {err}", file=sys.stderr)
         return 2

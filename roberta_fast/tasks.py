@@ -1,7 +1,9 @@
 """The fine-tuning tasks of `python -m roberta_fast.finetune --task classify|token|qa|choice`:
 their file formats, encoding, batches and metrics. The training loop is finetune.py's.
 
-- classify: CSV / JSONL rows of a text, an optional pair text and a label; accuracy, macro-F1.
+- classify: CSV, GLUE .tsv (tab-separated, no quoting, as GLUE's loaders read it) or JSONL rows of
+  a text, an optional pair text (GLUE: sentence1/sentence2, question/sentence, premise/hypothesis)
+  and a label; accuracy, macro-F1.
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
   column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
@@ -10,7 +12,7 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   run_ner). Accuracy over words, and entity precision/recall/F1 with seqeval's default
   (conlleval) chunking of BIO / IOB2 / IOBES tags, when every tag is `O` or `X-TYPE`.
 - qa: SQuAD v1.1 / v2.0 JSON. Long contexts are cut into windows of --max-len tokens that
-  overlap by --doc-stride tokens (transformers' run_qa); an answer outside a window, or an
+  overlap by --doc-stride tokens (default: a third of --max-len, run_qa's 128 of 384); an answer outside a window, or an
   unanswerable v2.0 question, points at `<s>` (position 0). Predictions are run_qa's
   postprocessing (n best starts x ends, at most --max-answer-len tokens, v2.0: the empty
   answer when the null score beats the best span by more than --null-threshold), scored with
@@ -21,7 +23,13 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   Each option is encoded `<s> article </s></s> question option </s>` (an `_` in the question
   is replaced by the option, as fairseq's RACE preprocessing), the article truncated; accuracy.
 
-Bad input is a ValueError naming the file and line (or question id) and the fix.
+Every task also reads Parquet / Arrow files and datasets save_to_disk directories in the Hub's
+layouts (documents.table_rows; ClassLabel ids become their names): classify by the field flags,
+token "tokens" + "tags" / "ner_tags", qa squad's columns, choice race's. A run whose best epoch
+does no better than the trivial answer (the majority class or tag, tagging everything O,
+answering nothing, chance among the options) says so at the end.
+
+Bad input is a ValueError naming the file and line or row (or question id) and the fix.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .documents import is_table, table_rows
 from .files import write_text_atomic
 from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, RobertaForSequenceClassification,
                     RobertaForTokenClassification)
@@ -46,13 +55,14 @@ IGNORE = -100  # label of the tokens the loss skips
 # ------------------------------------------------------------------ shared helpers
 def data_file(path) -> Path:
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such data file: {path}")
+    if not path.is_file() and not (path.is_dir() and is_table(path)):
+        raise FileNotFoundError(f"no such data file: {path}" + (
+            " (a directory: pass a datasets save_to_disk directory, or a file)" if path.is_dir() else ""))
     return path
 
 
 def json_lines(path: Path):
-    """(line number, object) of every non-blank line of a JSONL file."""
+    """(location "file:line", object) of every non-blank line of a JSONL file."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if line.strip():
@@ -62,7 +72,23 @@ def json_lines(path: Path):
                     raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
                 if not isinstance(row, dict):
                     raise ValueError(f"{path}:{number}: a JSON {type(row).__name__}, expected an object")
-                yield number, row
+                yield f"{path}:{number}", row
+
+
+def records(path: Path):
+    """(location, row dict) of a JSONL file, or of a Parquet / Arrow file or datasets directory
+    (documents.table_rows: ClassLabel ids as their names)."""
+    return table_rows(path) if is_table(path) else json_lines(path)
+
+
+def delimited_rows(path: Path, delimiter: str):
+    """(location "file:line", row dict) of a CSV (Excel quoting) or a GLUE .tsv: tab-separated with
+    no quoting at all (csv.QUOTE_NONE, as GLUE's own loaders: SST-2 sentences hold quote characters)."""
+    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
+        for row in reader:
+            yield f"{path}:{reader.line_num}", row
 
 
 def hold_out(train: list, seed: int) -> tuple[list, list]:
@@ -125,23 +151,25 @@ def read_examples(path, cfg) -> list[tuple[str, str | None, str]]:
     """(text, pair or None, label as a string) of every row of a CSV or JSONL file."""
     path = data_file(path)
     fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
-    if path.suffix.lower() == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(enumerate(csv.DictReader(f), start=2))
-    elif path.suffix.lower() in (".jsonl", ".json"):
-        rows = list(json_lines(path))
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        rows = delimited_rows(path, "," if suffix == ".csv" else "\t")
+    elif suffix in (".jsonl", ".json") or is_table(path):
+        rows = records(path)
     else:
-        raise ValueError(f"{path}: expected a .csv (with a header row) or .jsonl file")
+        raise ValueError(f"{path}: expected a .csv or .tsv (GLUE's, with a header row), a .jsonl, a Parquet or "
+                         "Arrow file or a datasets save_to_disk directory")
     examples = []
-    for number, row in rows:
+    for where, row in rows:
         missing = [name for name in fields if name not in row]
         if missing:
-            raise ValueError(f"{path}:{number}: missing {missing} (the row has {sorted(row)}); "
-                             "name the columns with --text-field / --pair-field / --label-field")
+            raise ValueError(f"{where}: missing {missing} (the row has {sorted(row)}); name the columns with "
+                             "--text-field / --pair-field / --label-field (GLUE pairs: sentence1/sentence2, "
+                             "question/sentence, premise/hypothesis)")
         empty = [name for name in fields if row[name] is None or not str(row[name]).strip()]
         if empty:  # a CSV row short of columns reads None, an empty cell ""
             what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
-            raise ValueError(f"{path}:{number}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
+            raise ValueError(f"{where}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
                              "is empty on this line; fill it in or remove the row")
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
@@ -228,20 +256,21 @@ class ClassifyTask(Task):
 
 # --------------------------------------------------------- token classification
 def read_tagged(path) -> list[tuple[list[str], list[str]]]:
-    """(words, tags) of every sentence of a CoNLL-style file or a JSONL file (by suffix .jsonl / .json)."""
+    """(words, tags) of every sentence of a CoNLL-style file, or of a JSONL file (by suffix .jsonl /
+    .json), Parquet / Arrow file or datasets directory with "tokens" and "tags" (or "ner_tags")."""
     path = data_file(path)
     sentences = []
-    if path.suffix.lower() in (".jsonl", ".json"):
-        for number, row in json_lines(path):
-            words, tags = row.get("tokens"), row.get("tags")
+    if path.suffix.lower() in (".jsonl", ".json") or is_table(path):
+        for where, row in records(path):
+            words, tags = row.get("tokens"), row.get("tags", row.get("ner_tags"))
             if not isinstance(words, list) or not isinstance(tags, list):
-                raise ValueError(f"{path}:{number}: expected {{\"tokens\": [...], \"tags\": [...]}} "
+                raise ValueError(f"{where}: expected {{\"tokens\": [...], \"tags\": [...]}} "
                                  f"(the object has {sorted(row)})")
             if len(words) != len(tags) or not words:
-                raise ValueError(f"{path}:{number}: {len(words)} tokens and {len(tags)} tags; "
+                raise ValueError(f"{where}: {len(words)} tokens and {len(tags)} tags; "
                                  "give one tag per token, at least one token")
             if not all(isinstance(w, str) and w and not w.isspace() for w in words):
-                raise ValueError(f"{path}:{number}: every token must be a non-blank string")
+                raise ValueError(f"{where}: every token must be a non-blank string")
             sentences.append((words, [str(t) for t in tags]))
     else:
         words, tags = [], []
@@ -379,6 +408,19 @@ class TokenTask(Task):
             yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
                    "labels": pad([labels[i] for i in chosen], IGNORE)}
 
+    def baseline_warning(self, best):
+        if self.chunked:
+            if best["f1"] <= 0:
+                return ("no epoch found a single entity right (entity F1 0, what tagging every word O scores): "
+                        "the model has not learned the task")
+            return None
+        words = np.concatenate([labels[labels != IGNORE] for labels in self.valid_labels])
+        majority = np.bincount(words).max() / len(words)
+        if best["accuracy"] <= majority:
+            return (f"no epoch beat tagging every word with the most frequent tag ({majority:.4f}): "
+                    "the model has not learned the task")
+        return None
+
     def evaluate(self, run, batch_size, pad_id):
         """Loss, accuracy over the (untruncated) words, and entity scores when the tags are BIO-like."""
         loss, gold, predicted = 0.0, [], []
@@ -419,12 +461,29 @@ class QAFeature:
     end: int
 
 
+def _squad_paragraph(where: str, row: dict) -> dict:
+    """A row of the Hub's squad / squad_v2 layout as SQuAD JSON's paragraph with one question."""
+    answers = row.get("answers")
+    if not isinstance(answers, dict) or not isinstance(answers.get("text"), list):
+        raise ValueError(f"{where}: expected the Hub's squad columns id, question, context and answers "
+                         f"({{text: [...], answer_start: [...]}}); the row has {sorted(row)}")
+    pairs = zip(answers["text"], answers.get("answer_start") or [])
+    return {"context": row.get("context"), "qas": [{
+        "id": row.get("id", where), "question": row.get("question"), "is_impossible": not answers["text"],
+        "answers": [{"text": t, "answer_start": a} for t, a in pairs]}]}
+
+
 def read_squad(path) -> tuple[list[QAExample], bool]:
-    """The questions of a SQuAD v1.1 / v2.0 JSON file, and whether it has unanswerable ones (v2.0)."""
+    """The questions of a SQuAD v1.1 / v2.0 JSON file, or of a Parquet / Arrow file or datasets directory
+    in the Hub's squad layout (id, question, context, answers: {text: [...], answer_start: [...]}; no
+    answer: unanswerable), and whether it has unanswerable ones (v2.0)."""
     path = data_file(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            squad = json.load(f)
+        if is_table(path):
+            squad = {"data": [{"paragraphs": [_squad_paragraph(where, row)]} for where, row in table_rows(path)]}
+        else:
+            with open(path, encoding="utf-8") as f:
+                squad = json.load(f)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a JSON file ({err}); --task qa reads SQuAD's JSON") from err
     if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
@@ -554,6 +613,11 @@ def squad_scores(examples: list[QAExample], predictions: dict[str, str]) -> dict
     return {"exact_match": 100 * exact / len(examples), "f1": 100 * f1 / len(examples)}
 
 
+def doc_stride_for(max_len: int) -> int:
+    """The default --doc-stride: run_qa's ratio, 128 tokens of 384, scaled to --max-len."""
+    return max_len * 128 // 384
+
+
 class QATask(Task):
     name, model_class, best_metric = "qa", RobertaForQuestionAnswering, "f1"
     max_len = 384  # run_qa's default
@@ -572,10 +636,18 @@ class QATask(Task):
         return f"SQuAD {'v2.0 (unanswerable questions)' if self.version_2 else 'v1.1'}"
 
     def encode(self, tokenizer, max_len):
-        if not 0 <= self.cfg.doc_stride < max_len:
-            raise ValueError(f"--doc-stride {self.cfg.doc_stride} must be at least 0 and below --max-len {max_len}")
-        self.train_features = qa_features(tokenizer, self.train, max_len, self.cfg.doc_stride)
-        self.valid_features = qa_features(tokenizer, self.valid, max_len, self.cfg.doc_stride)
+        stride = self.cfg.doc_stride if self.cfg.doc_stride is not None else doc_stride_for(max_len)
+        if not 0 <= stride < max_len:
+            raise ValueError(f"--doc-stride {stride} must be at least 0 and below --max-len {max_len}")
+        self.train_features = qa_features(tokenizer, self.train, max_len, stride)
+        self.valid_features = qa_features(tokenizer, self.valid, max_len, stride)
+
+    def baseline_warning(self, best):
+        null = squad_scores(self.valid, {e.id: "" for e in self.valid})
+        if best["f1"] <= null["f1"]:
+            return (f"no epoch beat answering nothing to every question (exact match {null['exact_match']:.2f}, "
+                    f"F1 {null['f1']:.2f}): the model has not learned the task")
+        return None
 
     def __len__(self):
         return len(self.train_features)
@@ -633,8 +705,7 @@ def read_choices(path) -> list[ChoiceExample]:
     """The questions of a RACE-style JSONL file: one per line, or RACE's per-article objects."""
     path = data_file(path)
     examples = []
-    for number, row in json_lines(path):
-        where = f"{path}:{number}"
+    for where, row in records(path):
         if "questions" in row:  # RACE's own layout: an article with parallel lists
             qs, opts, answers = row.get("questions"), row.get("options"), row.get("answers")
             if not (isinstance(qs, list) and isinstance(opts, list) and isinstance(answers, list)
@@ -711,6 +782,14 @@ class ChoiceTask(Task):
             x = pad([ids[i] for i in chosen], pad_id)  # (batch, num_choices, longest)
             yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
                    "labels": torch.tensor([examples[i].answer for i in chosen])}
+
+    def baseline_warning(self, best):
+        options = len(self.valid[0].options)
+        majority = max(1 / options, np.bincount([e.answer for e in self.valid]).max() / len(self.valid))
+        if best["accuracy"] <= majority:
+            return (f"no epoch beat chance, or always picking the most frequent answer ({majority:.4f}, "
+                    f"{options} options): the model has not learned the task")
+        return None
 
     def evaluate(self, run, batch_size, pad_id):
         loss = right = 0.0

@@ -19,8 +19,8 @@ its text begins with whitespace, when it is a special token, or when the token
 before it ends with whitespace or is special. `word_start_tables()` gives the two
 per-id lookup tables, so the data pipeline computes the flags from ids alone.
 
-`train` reads its inputs as `preprocess` does (.txt, .jsonl by its text field, directories
-of them) and warns when the text runs out of merges before `vocab_size`. A damaged or
+`train` reads its inputs as `preprocess` does (documents.py: text, JSONL, compressed,
+Parquet, Arrow, `datasets`) and warns when the text runs out of merges before `vocab_size`. A damaged or
 empty tokenizer file is a ValueError naming it, wherever a tokenizer is loaded.
 
 `tokenizer_hash` identifies the vocabulary, merges and special tokens independently
@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from .documents import read_documents
 from .files import write_text_atomic
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0..3 in a trained vocabulary
@@ -132,14 +133,13 @@ class RobertaTokenizer:
     # ------------------------------------------------------------------ construction
     @classmethod
     def train(
-        cls, files: Sequence[str | os.PathLike], vocab_size: int = 50265, min_frequency: int = 2,
+        cls, files, vocab_size: int = 50265, min_frequency: int = 2,
         show_progress: bool = False, text_field: str = "text",
     ) -> "RobertaTokenizer":
-        """Train byte-level BPE on files and directories, read as `preprocess` reads them: .txt
-        as text, .jsonl by its `text_field`, directories searched for both (files it skips are
-        named on stderr). `vocab_size` counts every id, `<mask>` included."""
-        from .preprocess import read_documents
-
+        """Train byte-level BPE on files and directories, or a `datasets.Dataset`, read as
+        `preprocess` reads them (documents.py: text, JSONL by its `text_field`, either compressed,
+        Parquet and Arrow by the `text_field` column; files it skips are named on stderr).
+        `vocab_size` counts every id, `<mask>` included."""
         tok, trainer = cls._untrained(vocab_size, min_frequency, show_progress)
         tok.train_from_iterator(read_documents(files, text_field=text_field), trainer)
         return cls._finish(tok, vocab_size, min_frequency)

@@ -276,3 +276,30 @@ def test_macro_f1():
     accuracy, f1 = accuracy_and_macro_f1(predictions, labels, 3)
     assert accuracy == 0.75
     assert f1 == pytest.approx(np.mean([2 / 3, 2 / 3, 1.0]))
+
+
+def test_glue_tsv_files_fine_tune_end_to_end(task, tmp_path):
+    """GLUE's .tsv as shipped: a header, tabs, no quoting (SST-2 sentences hold lone quote characters),
+    single sentences (SST-2) and pairs under GLUE's column names (RTE: index, sentence1, sentence2, label)."""
+    from roberta_fast.tasks import read_examples
+
+    with open(task / "train.csv", newline="") as f:
+        train = [(r["sentence"], r["label"]) for r in csv.DictReader(f)]
+    valid = [(r["sentence"], r["label"]) for r in map(json.loads, open(task / "valid.jsonl"))]
+    for split, rows in (("train", train), ("dev", valid)):
+        quoted = [(f'{text} " it \'s', label) for text, label in rows]  # an unbalanced quote on every line
+        (tmp_path / f"sst2-{split}.tsv").write_text("sentence\tlabel\n" + "".join(
+            f"{t}\t{int(lab == 'pos')}\n" for t, lab in quoted))
+        (tmp_path / f"rte-{split}.tsv").write_text("index\tsentence1\tsentence2\tlabel\n" + "".join(
+            f"{i}\tthe weather \" report\t{t}\t{lab}\n" for i, (t, lab) in enumerate(quoted)))
+    single = read_examples(tmp_path / "sst2-train.tsv", config(task, tmp_path, text_field="sentence"))
+    assert len(single) == len(train) and single[0] == (train[0][0] + ' " it \'s', None, str(int(train[0][1] == "pos")))
+    pair_fields = dict(text_field="sentence1", pair_field="sentence2")
+    pairs = read_examples(tmp_path / "rte-train.tsv", config(task, tmp_path, **pair_fields))
+    assert len(pairs) == len(train) and pairs[1] == ('the weather " report', train[1][0] + ' " it \'s', train[1][1])
+    for name, fields, epochs in [("sst2", dict(text_field="sentence"), 6), ("rte", pair_fields, 1)]:
+        cfg = config(task, tmp_path / name, train=str(tmp_path / f"{name}-train.tsv"),
+                     valid=str(tmp_path / f"{name}-dev.tsv"), epochs=epochs, **fields)
+        result = Finetuner(cfg, log=lambda *_: None).run()
+        assert result["best"]["accuracy"] >= (0.9 if epochs == 6 else 0.0), (name, result)  # (one epoch: it runs)
+        assert (tmp_path / name / "model" / "config.json").is_file()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from roberta_fast import RobertaTokenizer
+from roberta_fast import documents
 from roberta_fast import preprocess as pp
 from roberta_fast.corpus import iter_documents
 
@@ -174,8 +175,8 @@ def test_bad_input_is_counted_never_lost(tok, hf, tmp_path):
 
 def test_enormous_line(tok, hf, tmp_path, monkeypatch):
     """Lines longer than the read block and documents longer than a piece, at small limits."""
-    monkeypatch.setattr(pp, "READ_BLOCK", 1000)
-    monkeypatch.setattr(pp, "PIECE_CHARS", 3000)
+    monkeypatch.setattr(documents, "READ_BLOCK", 1000)
+    monkeypatch.setattr(documents, "PIECE_CHARS", 3000)
     words = " ".join(f"word{i % 97} ünï{i % 13}" for i in range(2000))  # one ~30 kB line
     (tmp_path / "long.txt").write_text(words + "\n\nnext doc", encoding="utf-8")
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": words}) + "\n")
@@ -192,7 +193,7 @@ def test_enormous_line(tok, hf, tmp_path, monkeypatch):
 def test_real_size_single_line(tok, hf, tmp_path):
     """A 1.2 MB line with no newline at the real limits: read in blocks, tokenized in pieces."""
     line = " ".join(["the", "value", "of", "a", "function", "is"][i % 6] for i in range(250_000))
-    assert len(line) > pp.READ_BLOCK and len(line) > pp.PIECE_CHARS
+    assert len(line) > documents.READ_BLOCK and len(line) > documents.PIECE_CHARS
     (tmp_path / "big.txt").write_text(line)
     m, _ = run([tmp_path / "big.txt"], tok, tmp_path / "out", valid_fraction=0.0)
     assert m["counts"]["pieces"] >= 2 and m["counts"]["hard_splits"] == 0

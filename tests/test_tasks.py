@@ -286,3 +286,81 @@ def test_a_task_checkpoint_exports_as_its_model_and_no_other_task_resumes_it(mod
         "RobertaForMultipleChoice"
     with pytest.raises(ValueError, match=r"is of --task choice, this run is --task token: use another --out"):
         run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(CONLL), epochs=1)
+
+
+# ------------------------------------------------------- Hub layouts, defaults, warnings
+def test_every_task_reads_parquet_and_datasets_directories_in_the_hubs_layouts(tmp_path):
+    """conll2003's tokens/ner_tags (ClassLabel ids), squad_v2's columns, race's, sst2's label ids: the
+    same examples as the sample files, from .parquet and from a save_to_disk directory."""
+    datasets = pytest.importorskip("datasets", reason="writing Hub-layout files needs datasets (the [data] extra)")
+    from roberta_fast.tasks import read_examples
+
+    def both(name, rows, features=None):
+        ds = datasets.Dataset.from_list(rows, features=features)
+        ds.to_parquet(str(tmp_path / f"{name}.parquet"))
+        ds.save_to_disk(str(tmp_path / name))
+        return tmp_path / f"{name}.parquet", tmp_path / name
+
+    sentences = read_tagged(CONLL)
+    tags = sorted({t for _, ts in sentences for t in ts})
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                  "ner_tags": datasets.Sequence(datasets.ClassLabel(names=tags))})
+    for path in both("conll", [{"tokens": w, "ner_tags": [tags.index(t) for t in ts]} for w, ts in sentences],
+                     features):
+        assert read_tagged(path) == sentences, path
+
+    squad, v2 = read_squad(SQUAD)
+    rows = [{"id": e.id, "title": "t", "question": e.question, "context": e.context,
+             "answers": {"text": [a for a, _ in e.answers], "answer_start": [s for _, s in e.answers]}}
+            for e in squad]
+    for path in both("squad", rows):
+        assert read_squad(path) == (squad, v2), path
+
+    race = read_choices(RACE)
+    rows = [{"example_id": str(i), "article": e.article, "question": e.question, "options": e.options,
+             "answer": "ABCD"[e.answer]} for i, e in enumerate(race)]
+    for path in both("race", rows):
+        assert read_choices(path) == race, path
+
+    cfg = FinetuneConfig(text_field="sentence", label_field="label")
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["negative", "positive"])})
+    for path in both("sst2", [{"sentence": "a fine film", "label": 1}, {"sentence": "dull", "label": 0}], features):
+        assert read_examples(path, cfg) == [("a fine film", None, "positive"), ("dull", None, "negative")], path
+
+
+def test_qa_runs_at_every_default_on_a_small_model(model_dir, tmp_path):
+    """--doc-stride defaults to a third of --max-len (run_qa's 128 of 384): the model's 64 positions
+    give windows of 64 tokens sharing 21, where a fixed 128 was refused."""
+    from roberta_fast.tasks import doc_stride_for
+
+    assert doc_stride_for(384) == 128 and doc_stride_for(64) == 21
+    result = run_task(model_dir, tmp_path / "run", task="qa", train=str(SQUAD), valid=str(SQUAD), epochs=1)
+    assert set(result["best"]) == {"epoch", "loss", "exact_match", "f1"}
+
+
+def test_token_qa_and_choice_runs_that_learn_nothing_say_so():
+    """The trivial answers: all-O entity F1 0 (or the majority tag), the null answer's EM/F1, chance or
+    the most frequent option."""
+    from roberta_fast.tasks import ChoiceTask, QATask, TokenTask
+
+    token = object.__new__(TokenTask)
+    token.chunked = True
+    assert "entity F1 0" in token.baseline_warning({"f1": 0.0, "accuracy": 0.8})
+    assert token.baseline_warning({"f1": 0.2, "accuracy": 0.8}) is None
+    token.chunked, token.valid_labels = False, [np.array([-100, 0, 0, 1, -100]), np.array([0, 0])]
+    assert "most frequent tag (0.8000)" in token.baseline_warning({"accuracy": 0.8})
+    assert token.baseline_warning({"accuracy": 0.85}) is None
+
+    qa = object.__new__(QATask)
+    qa.valid = read_squad(SQUAD)[0]
+    null = squad_scores(qa.valid, {e.id: "" for e in qa.valid})
+    assert 0 < null["f1"] < 100  # the sample has answerable and unanswerable questions
+    assert "answering nothing to every question" in qa.baseline_warning({"f1": null["f1"]})
+    assert qa.baseline_warning({"f1": null["f1"] + 1}) is None
+
+    choice = object.__new__(ChoiceTask)
+    choice.valid = read_choices(RACE)
+    majority = max(0.25, np.bincount([e.answer for e in choice.valid]).max() / len(choice.valid))
+    assert "no epoch beat chance" in choice.baseline_warning({"accuracy": majority})
+    assert choice.baseline_warning({"accuracy": majority + 0.01}) is None

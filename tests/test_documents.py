@@ -1,0 +1,266 @@
+"""roberta_fast.documents: every format gives the documents of the plain .jsonl, in preprocess and
+tokenizer training; formats told by their bytes; damaged files named, their rerun resumed.
+
+The text is the embedded corpus (English prose from the Python documentation), written in
+tmp_path as plain JSONL and as each other format at test time."""
+import builtins
+import bz2
+import gzip
+import json
+import lzma
+import re
+
+import numpy as np
+import pytest
+
+from roberta_fast import RobertaTokenizer
+from roberta_fast import documents
+from roberta_fast import preprocess as pp
+from roberta_fast.corpus import iter_documents
+
+pa = pytest.importorskip("pyarrow", reason="the Parquet / Arrow formats need pyarrow (the [data] extra)")
+pq = pytest.importorskip("pyarrow.parquet")
+zstandard = pytest.importorskip("zstandard", reason="the zstd format needs zstandard (the [data] extra)")
+
+DOCS = list(iter_documents(max_bytes=60_000))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return RobertaTokenizer.train_from_iterator(iter_documents(max_bytes=150_000), vocab_size=1000)
+
+
+def jsonl_bytes(docs) -> bytes:
+    return "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
+
+
+def txt_bytes(docs) -> bytes:
+    """The documents blank-line separated (a blank line inside one would split it)."""
+    return "\n\n".join(re.sub(r"\n\s*\n", "\n", d) for d in docs).encode()
+
+
+def zstd_frames(data: bytes, frames: int) -> bytes:
+    """Several zstd frames back to back, cut at arbitrary bytes (as pzstd writes them)."""
+    step = len(data) // frames + 1
+    return b"".join(zstandard.ZstdCompressor(write_checksum=True).compress(data[a:a + step])
+                    for a in range(0, len(data), step))
+
+
+def write_table(path, docs, kind, rows_per_group=3):
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    if kind == "parquet":
+        pq.write_table(table, path, row_group_size=rows_per_group)
+    else:
+        with pa.OSFile(str(path), "wb") as sink:
+            new = pa.ipc.new_file if kind == "arrow-file" else pa.ipc.new_stream
+            with new(sink, table.schema) as writer:
+                for batch in table.to_batches(max_chunksize=rows_per_group):
+                    writer.write_batch(batch)
+
+
+FORMATS = {
+    "jsonl.gz": lambda p, d: p.write_bytes(gzip.compress(jsonl_bytes(d))),
+    "jsonl.bz2": lambda p, d: p.write_bytes(bz2.compress(jsonl_bytes(d))),
+    "jsonl.xz": lambda p, d: p.write_bytes(lzma.compress(jsonl_bytes(d))),
+    "jsonl.zst": lambda p, d: p.write_bytes(zstd_frames(jsonl_bytes(d), 8)),
+    "txt.zst": lambda p, d: p.write_bytes(zstd_frames(txt_bytes(d), 8)),
+    "txt.gz": lambda p, d: p.write_bytes(gzip.compress(txt_bytes(d))),
+    "parquet": lambda p, d: write_table(p, d, "parquet"),
+    "arrow": lambda p, d: write_table(p, d, "arrow-stream"),
+    "arrow-file.arrow": lambda p, d: write_table(p, d, "arrow-file"),
+}
+
+
+def shard_docs(out):
+    """Every document of both splits as a list of ids, in shard order."""
+    m = json.loads((out / "manifest.json").read_text())
+    docs = []
+    for split in ("train", "valid"):
+        for shard in m["splits"][split]["shards"]:
+            ids = np.fromfile(out / shard["bin"], dtype=m["dtype"])
+            idx = np.load(out / shard["idx"])
+            docs += [ids[a:b].tolist() for a, b in zip(idx[:-1], idx[1:])]
+    return docs
+
+
+def run(inputs, tok, out, **kw):
+    log = []
+    kw.setdefault("valid_fraction", 0.05)
+    m = pp.preprocess(inputs, tok, out, progress=False, log=log.append, **kw)
+    return m, "\n".join(log)
+
+
+@pytest.fixture(scope="module")
+def plain(tok, tmp_path_factory):
+    """The plain .jsonl of DOCS (and of the .txt reading of them), preprocessed: what every format must give."""
+    d = tmp_path_factory.mktemp("plain")
+    (d / "docs.jsonl").write_bytes(jsonl_bytes(DOCS))
+    m, _ = run([d / "docs.jsonl"], tok, d / "out")
+    return m, shard_docs(d / "out")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_gives_the_plain_jsonl_documents(fmt, tok, plain, tmp_path):
+    path = tmp_path / f"docs.{fmt}"
+    FORMATS[fmt](path, DOCS)
+    # small shards: several chunks from the row groups / record batches of one table
+    m, _ = run([path], tok, tmp_path / "out", shard_mb=0.004, workers=2)
+    want_manifest, want = plain
+    if fmt.startswith("txt"):  # the same text as a plain .txt file
+        (tmp_path / "docs.txt").write_bytes(txt_bytes(DOCS))
+        want_manifest, _ = run([tmp_path / "docs.txt"], tok, tmp_path / "plain")
+        want = shard_docs(tmp_path / "plain")
+    assert m["counts"]["documents"] == len(DOCS) == want_manifest["counts"]["documents"]
+    assert sorted(shard_docs(tmp_path / "out")) == sorted(want)
+    assert m["splits"]["valid"]["documents"] == want_manifest["splits"]["valid"]["documents"]
+    if fmt in ("parquet", "arrow", "jsonl.zst", "txt.zst"):  # row groups, record batches, runs of zstd frames
+        assert len(m["splits"]["train"]["shards"]) > 2  # the units really ran as separate chunks
+
+
+def test_tokenizer_training_reads_every_format_alike(tmp_path):
+    (tmp_path / "docs.jsonl").write_bytes(jsonl_bytes(DOCS))
+    want = RobertaTokenizer.train([tmp_path / "docs.jsonl"], vocab_size=600).tokenizer_hash
+    for fmt in ("jsonl.zst", "parquet", "arrow"):
+        FORMATS[fmt](tmp_path / f"d.{fmt}", DOCS)
+        assert RobertaTokenizer.train([tmp_path / f"d.{fmt}"], vocab_size=600).tokenizer_hash == want, fmt
+
+
+def test_datasets_directories_and_objects(tok, plain, tmp_path):
+    """A save_to_disk directory, a Dataset backed by its arrow files, an in-memory (and a shuffled)
+    Dataset: the same documents, in preprocess and in tokenizer training."""
+    datasets = pytest.importorskip("datasets", reason="reading datasets objects needs datasets (the [data] extra)")
+    ds = datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))})
+    ds.save_to_disk(str(tmp_path / "saved"), max_shard_size="20KB")  # several .arrow files
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) > 1
+    on_disk = datasets.load_from_disk(str(tmp_path / "saved"))
+    _, want = plain
+    for name, source in [("dir", tmp_path / "saved"), ("on_disk", on_disk), ("memory", ds)]:
+        m, _ = run(source, tok, tmp_path / f"out-{name}")
+        assert m["counts"]["documents"] == len(DOCS) and shard_docs(tmp_path / f"out-{name}") == want, name
+    shuffled = ds.shuffle(seed=0)
+    m, _ = run(shuffled, tok, tmp_path / "out-shuffled")
+    assert sorted(shard_docs(tmp_path / "out-shuffled")) == sorted(want)
+    again, log = run(shuffled, tok, tmp_path / "out-shuffled")  # the copy it wrote is found again
+    assert "chunks already done" in log and again["splits"] == m["splits"]
+    (tmp_path / "docs.jsonl").write_bytes(jsonl_bytes(DOCS))
+    want_tok = RobertaTokenizer.train([tmp_path / "docs.jsonl"], vocab_size=600).tokenizer_hash
+    assert RobertaTokenizer.train(ds, vocab_size=600).tokenizer_hash == want_tok
+    assert RobertaTokenizer.train(tmp_path / "saved", vocab_size=600).tokenizer_hash == want_tok
+
+
+def test_files_are_read_by_their_bytes_or_refused_by_name(tok, tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "really_gzip.jsonl.zst").write_bytes(gzip.compress(jsonl_bytes(DOCS[:3])))
+    (d / "plain.txt.gz").write_text("plain text under a .gz name\n")
+    (d / "noext").write_bytes(gzip.compress(jsonl_bytes(DOCS[3:5])))  # skipped in a directory: no known type
+    (d / "fake.parquet").write_bytes(b"\x00\x01 not parquet at all")
+    (d / "archive.tar.gz").write_bytes(gzip.compress(b"x" * 100))
+    (d / "bzh.txt").write_text("BZh9 is how this text begins, as bzip2's files do\n")  # no block magic: text
+    m, log = run([d / "noext", d], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["documents"] == 3 + 1 + 2 + 1
+    assert "really_gzip.jsonl.zst is gzip-compressed, not zstd: read as gzip" in log
+    assert "plain.txt.gz is plain text, not gzip: read as text" in log
+    assert m["refused"]["mislabelled_files"] == [str(d / "fake.parquet")] and "named parquet" in log
+    assert m["refused"]["unsupported_files"] == [str(d / "archive.tar.gz")]
+    binary = tmp_path / "binary.txt.gz"
+    binary.write_bytes(gzip.compress(b"text\x00\x01\x02"))
+    with pytest.raises(ValueError, match="1 binary files"):
+        run([binary], tok, tmp_path / "out2")
+
+
+def test_parquet_column_errors_name_the_choice(tok, tmp_path):
+    write_table(tmp_path / "t.parquet", DOCS[:4], "parquet")
+    with pytest.raises(ValueError, match=r"has no column 'body' \(its columns: \['id', 'text'\]\); pass --text-field"):
+        run([tmp_path / "t.parquet"], tok, tmp_path / "out", text_field="body")
+    with pytest.raises(ValueError, match="column 'id' holds int64, not text"):
+        run([tmp_path / "t.parquet"], tok, tmp_path / "out2", text_field="id")
+
+
+def damage(path, fmt):
+    data = path.read_bytes()
+    if fmt == "parquet":
+        path.write_bytes(data[:-20])  # the footer (its metadata) cut off
+    elif fmt == "jsonl.zst":
+        bad = bytearray(data)
+        bad[len(data) * 2 // 3] ^= 0xFF  # a corrupt byte inside the last frame
+        path.write_bytes(bytes(bad))
+    else:
+        path.write_bytes(data[: len(data) * 2 // 3])  # truncated mid-stream
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.gz", "jsonl.zst", "txt.gz", "parquet"])
+def test_a_damaged_file_is_named_and_the_rerun_resumes(fmt, tok, tmp_path):
+    """The error names the file and how far it got; the other files' shards are kept; the rerun with
+    --skip-damaged resumes them and names the file in the manifest."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:20]))
+    FORMATS[fmt](d / f"b.{fmt}", DOCS * 3)
+    (d / "c.jsonl").write_bytes(jsonl_bytes(DOCS[:10]))
+    damage(d / f"b.{fmt}", fmt)
+    out = tmp_path / "out"
+    kw = dict(shard_mb=0.005, workers=1)
+    with pytest.raises(documents.DamagedInputError) as err:
+        run([d], tok, out, **kw)
+    message = str(err.value)
+    assert message.startswith(f"{d / f'b.{fmt}'} is damaged or truncated") and "--skip-damaged" in message
+    done = len(list((out / "chunks").glob("*.json")))
+    if fmt == "parquet":  # a table without its footer (its metadata) is refused when planning, before any row
+        assert "reading its metadata" in message
+    else:
+        assert "after " in message and " documents (at b." in message and done >= 1
+    assert not (out / "manifest.json").exists()
+    assert not list(out.rglob("*.tmp"))  # the damaged chunk's half-written shards are gone
+    m, log = run([d], tok, out, skip_damaged=True, **kw)
+    assert f"resuming: {done} of" in log or not done
+    assert m["refused"]["damaged_files"] == [str(d / f"b.{fmt}")] and m["counts"]["damaged_files"] == 1
+    want, _ = run([d / "a.jsonl", d / "c.jsonl"], tok, tmp_path / "clean", **kw)
+    clean = len(DOCS[:20]) + len(DOCS[:10])
+    assert want["counts"]["documents"] == clean
+    if fmt == "jsonl.zst":  # several frames: only the runs of frames that cannot be read are left out
+        assert clean < m["counts"]["documents"] < clean + 3 * len(DOCS)
+    else:
+        assert m["counts"]["documents"] == clean
+
+
+def test_a_missing_library_names_the_extra(tok, tmp_path, monkeypatch):
+    write_table(tmp_path / "t.parquet", DOCS[:4], "parquet")
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kw):
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(ValueError, match=r"needs pyarrow: pip install 'roberta_fast\[data\]'"):
+        run([tmp_path / "t.parquet"], tok, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "parquet", "arrow"])
+def test_an_interrupted_run_resumes_to_the_same_shards(fmt, tok, tmp_path):
+    """Frames, row groups and record batches are chunks like byte ranges: a run killed before its last
+    chunk and its manifest continues from the finished ones and gives the same shards."""
+    FORMATS[fmt](tmp_path / f"docs.{fmt}", DOCS)
+    out = tmp_path / "out"
+    run([tmp_path / f"docs.{fmt}"], tok, out, shard_mb=0.004)
+    before = shard_docs(out)
+    markers = sorted((out / "chunks").glob("*.json"))
+    assert len(markers) >= 3
+    markers[-1].unlink()  # the last chunk never finished, the manifest was never written
+    (out / "manifest.json").unlink()
+    untouched = {p: p.stat().st_mtime_ns for p in (out / "train").glob("00000.*")}
+    _, log = run([tmp_path / f"docs.{fmt}"], tok, out, shard_mb=0.004)
+    assert f"{len(markers) - 1} of {len(markers)} chunks already done" in log
+    assert shard_docs(out) == before and untouched == {p: p.stat().st_mtime_ns for p in untouched}
+
+
+def test_invalid_utf8_in_a_table_is_replaced_and_counted(tok, tmp_path):
+    """pyarrow refuses to turn invalid UTF-8 into str; it is replaced and counted as in text files."""
+    data, offsets = b"caf\xe9 ok" + b"good text", np.array([0, 7, 16], dtype=np.int32)
+    column = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)])
+    pq.write_table(pa.table({"text": column}), tmp_path / "bad.parquet")
+    m, _ = run([tmp_path / "bad.parquet"], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["invalid_utf8_replaced"] == 1 and m["counts"]["documents"] == 2
+    assert [tok.decode(d) for d in shard_docs(tmp_path / "out")] == ["caf\ufffd ok</s>", "good text</s>"]
