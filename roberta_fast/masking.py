@@ -32,8 +32,9 @@ Span boundaries (`return_spans=True`, for the span boundary objective, roberta_f
 for a predicted token j of the span [s, e] of its row, (s - 1, e + 1, j - s); -1 for a
 boundary outside the row (s = 0, or e + 1 = seqlen: a row cut mid-text), all -1 for
 tokens not predicted. Spans never contain a special token, so a boundary is the
-nearest token not predicted: a word, or `<s>` / `</s>` / pad at a text's edge, whose
-hidden state the SBO head uses as it is. (SpanBERT's span_masking instead drops the
+nearest token not predicted: a word, or `<s>` / `</s>` at a text's edge, whose hidden
+state the SBO head uses as it is. A pad is never a boundary (-1 instead, as outside the
+row): its hidden state is meaningless, and zero on the unpadded inference path. (SpanBERT's span_masking instead drops the
 pair targets of spans that touch its block's edges, so its [CLS]/[SEP] are never
 boundaries; a head wanting that can drop targets whose boundary id is special.)
 A span never crosses a document: roberta_fast.data ends every document with `</s>`,
@@ -80,7 +81,7 @@ def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=No
     return_spans: also return `spans`, (batch, seqlen, 3) int64: for a predicted
         token j of the span [s, e] of its row (s - 1, e + 1, j - s), the positions
         in the row of the tokens just before and just after its span (-1 when that
-        is outside the row) and j's offset in it; (-1, -1, -1) where nothing is
+        is outside the row or a pad) and j's offset in it; (-1, -1, -1) where nothing is
         predicted. Meant for the span strategy and the SBO (see the module docstring
         for what the boundary tokens can be); defined for every strategy.
     Returns int64 tensors on input_ids' device: the masked ids and the labels
@@ -91,11 +92,14 @@ def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=No
     a = _arguments(input_ids, seed, step, vocab_size, mask_token_id, pad_token_id,
                    special_token_ids, mlm_probability, mask_replace_prob,
                    random_replace_prob, strategy, word_starts, sample_offset)
-    return tuple(_ext.load().mask_tokens(
+    result = _ext.load().mask_tokens(
         a["ids"], a["word_starts"], a["seed"] & 0xFFFFFFFF, a["seed"] >> 32, a["step"],
         a["sample_offset"], a["strategy"], a["mlm_probability"], a["mask_replace_prob"],
         a["random_replace_prob"], a["vocab_size"], a["mask_token_id"], a["special"],
-        _flag("return_spans", return_spans)))
+        _flag("return_spans", return_spans))
+    if len(result) == 3:
+        result = (*result[:2], no_pad_boundaries(result[2], a["ids"], a["pad_token_id"]))
+    return tuple(result)
 
 
 def mask_tokens_ref(input_ids, *, return_spans=False, **kwargs):
@@ -112,8 +116,19 @@ def mask_tokens_ref(input_ids, *, return_spans=False, **kwargs):
     for r in range(ids.shape[0]):
         out[r], labels[r], spans[r] = rule.mask_row(
             ids[r], None if starts is None else starts[r], a["sample_offset"] + r)
-    result = (torch.from_numpy(out), torch.from_numpy(labels), torch.from_numpy(spans))
+    spans = no_pad_boundaries(torch.from_numpy(spans), a["ids"].cpu(), a["pad_token_id"])
+    result = (torch.from_numpy(out), torch.from_numpy(labels), spans)
     return result if _flag("return_spans", return_spans) else result[:2]
+
+
+def no_pad_boundaries(spans, ids, pad_token_id):
+    """`spans` with a boundary that is a pad token set to -1, as one outside the row: a pad's
+    hidden state means nothing (the unpadded inference path zeroes it, the padded one does
+    not), so the SBO never reads it (a user-made row with no `</s>` before its padding)."""
+    is_pad = ids.eq(pad_token_id)  # (batch, seqlen)
+    bounds = spans[..., :2]  # (batch, seqlen, 2): left, right
+    at_pad = bounds.ge(0) & is_pad.gather(1, bounds.clamp(min=0).flatten(1)).view_as(bounds)
+    return torch.cat([bounds.masked_fill(at_pad, -1), spans[..., 2:]], dim=-1)
 
 
 _DEFAULTS = dict(seed=0, step=0, vocab_size=50265, mask_token_id=None, pad_token_id=1,
@@ -202,7 +217,7 @@ def _arguments(input_ids, seed, step, vocab_size, mask_token_id, pad_token_id,
         step=_int("step", step, 0, _TWO32), sample_offset=sample_offset,
         strategy=STRATEGIES[strategy], mlm_probability=_prob("mlm_probability", mlm_probability),
         mask_replace_prob=mask_replace_prob, random_replace_prob=random_replace_prob,
-        vocab_size=vocab_size, mask_token_id=mask_token_id, special=special)
+        vocab_size=vocab_size, mask_token_id=mask_token_id, pad_token_id=pad_token_id, special=special)
 
 
 # ----------------------------------------------------------------------------

@@ -10,9 +10,10 @@ tokens just outside the span and i's offset inside it:
 and the SBO loss is the cross-entropy of those logits, averaged over the tokens it
 predicts. The spans and their boundaries come from `mask_tokens(..., return_spans=True)`
 (a span is a maximal run of predicted tokens, SpanBERT's merged intervals). A boundary
-may be `<s>`, `</s>` or pad: the head reads its hidden state as it is. A span that
-touches the row's end has no right boundary (-1) and, like a span longer than
-`max_offset` tokens beyond that offset, is left to the MLM loss alone (SpanBERT's
+may be `<s>` or `</s>`, whose hidden state the head reads as it is, never a pad (masking
+marks it -1). A span that touches the row's end or a pad has no right boundary (-1) and,
+like a span longer than `max_offset` tokens beyond that offset, is left to the MLM loss
+alone (SpanBERT's
 released code also drops pair targets at the sequence edges and keeps 15 per span).
 The offset embedding is hidden-sized so f's input is 3 * hidden, as in the paper's
 formula (the released code used 200 dimensions).

@@ -555,6 +555,11 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------ the run
+    def _eval_line(self, step: int, result: dict) -> str:
+        """The validation line of `step`, the same at step 0 as later (the SBO loss with the SBO)."""
+        return (f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.1f}, "
+                f"accuracy {result['accuracy']:.3f}" + (f", SBO loss {result['sbo_loss']:.4f}" if self.with_sbo else ""))
+
     def run(self, on_step=None) -> dict:
         """Train to max_steps (or stop_at / a stop signal); returns a summary dict."""
         cfg = self.cfg
@@ -570,7 +575,7 @@ class Trainer:
             if not resumed and self.step == 0:
                 first_eval = self.evaluate()
                 log.log({"kind": "eval", "step": 0, **first_eval})
-                log.write(f"step 0: validation loss {first_eval['loss']:.4f}")
+                log.write(self._eval_line(0, first_eval))
             end = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
             self.window["t0"] = time.perf_counter()
             with StopSignal() as stop:
@@ -589,9 +594,7 @@ class Trainer:
                     if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
                         last_eval = self.evaluate()
                         log.log({"kind": "eval", "step": self.step, **last_eval})
-                        log.write(f"step {self.step}: validation loss {last_eval['loss']:.4f}, "
-                                  f"perplexity {last_eval['perplexity']:.1f}, accuracy {last_eval['accuracy']:.3f}"
-                                  + (f", SBO loss {last_eval['sbo_loss']:.4f}" if self.with_sbo else ""))
+                        log.write(self._eval_line(self.step, last_eval))
                     stopped_by = self._stop_requested(stop)
                     if self.step % cfg.save_every == 0 or self.step == end or stopped_by:
                         path = self.save_checkpoint()

@@ -225,11 +225,13 @@ def test_bad_input():
 
 
 # ------------------------------------------------------------ spans (SpanBERT, SBO)
-def python_spans(labels):
+def python_spans(labels, ids=None, pad=1):
     """(batch, seqlen, 3) read off the labels in plain Python: for each maximal run
-    [s, e] of predicted tokens, (s - 1, e + 1 or -1 at the row's end, j - s)."""
+    [s, e] of predicted tokens, (s - 1, e + 1 or -1 at the row's end, j - s); a boundary
+    that is a pad (in `ids`) is -1 too."""
     rows = []
-    for row in labels.tolist():
+    for r, row in enumerate(labels.tolist()):
+        is_pad = [False] * len(row) if ids is None else [t == pad for t in ids[r].tolist()]
         n, spans, j = len(row), [[-1, -1, -1] for _ in row], 0
         while j < n:
             if row[j] == -100:
@@ -238,8 +240,10 @@ def python_spans(labels):
             e = j
             while e + 1 < n and row[e + 1] != -100:
                 e += 1
+            left = j - 1 if j > 0 and not is_pad[j - 1] else -1
+            right = e + 1 if e + 1 < n and not is_pad[e + 1] else -1
             for k in range(j, e + 1):
-                spans[k] = [j - 1, e + 1 if e + 1 < n else -1, k - j]
+                spans[k] = [left, right, k - j]
             j = e + 1
         rows.append(spans)
     return torch.tensor(rows, dtype=torch.int64).reshape(*labels.shape, 3)
@@ -321,14 +325,14 @@ def test_spans_are_maximal_runs_on_awkward_rows(device, strategy):
             got = rf.mask_tokens(ids.to(device), **{**kw, "word_starts": starts.to(device)},
                                  return_spans=True)
             _, labels, spans = (g.cpu() for g in got)
-            assert torch.equal(spans, python_spans(labels)), (seed, p)
+            assert torch.equal(spans, python_spans(labels, ids)), (seed, p)
             assert all(torch.equal(g.cpu(), w) for g, w in
                        zip(got, mask_tokens_ref(ids, return_spans=True, **kw)))
             if p == 1.0:  # every maskable token: one span per text, bounded by the specials
                 assert spans[0, 1:7].tolist() == [[0, 7, k] for k in range(6)]
                 assert spans[1, 1:].tolist() == [[0, -1, k] for k in range(12)]
                 assert spans[2].tolist() == [[-1, -1, k] for k in range(13)]
-                assert spans[3, 1:6].tolist() == [[0, 6, k] for k in range(5)]
+                assert spans[3, 1:6].tolist() == [[0, -1, k] for k in range(5)]  # a pad is no boundary
                 assert spans[4, 1:4].tolist() == [[0, 4, k] for k in range(3)]
                 assert spans[4, 6:9].tolist() == [[5, 9, k] for k in range(3)]
             assert (spans[5] == -1).all() and (spans[labels == -100] == -1).all()
@@ -345,7 +349,8 @@ def test_span_cut_by_the_budget_and_merged_spans():
                                           strategy="span", word_starts=starts, return_spans=True)
         for r in range(5):
             (j,) = (labels[r] != -100).nonzero().flatten().tolist()
-            assert spans[r, j].tolist() == [j - 1, j + 1 if j + 1 < 13 else -1, 0]
+            right = j + 1 if j + 1 < 13 and ids[r, j + 1] != 1 else -1  # the row's end or a pad: none
+            assert spans[r, j].tolist() == [j - 1, right, 0]
     ids = torch.randint(4, VOCAB - 1, (8, 300), generator=torch.Generator().manual_seed(0))
     starts = torch.ones_like(ids, dtype=torch.bool)
     out, labels, spans = rf.mask_tokens(ids, vocab_size=VOCAB, mlm_probability=0.5, strategy="span",
@@ -447,7 +452,7 @@ def test_packed_rows_boundaries_never_cross_a_document(packed, p):
         ids, vocab_size=ds.vocab_size, mask_token_id=ds.mask_id, pad_token_id=ds.pad_id,
         special_token_ids=special, mlm_probability=p, strategy="span", word_starts=b["word_starts"],
         return_spans=True, seed=1)
-    assert torch.equal(spans, python_spans(labels))
+    assert torch.equal(spans, python_spans(labels, ids, ds.pad_id))
     r, j = (labels != -100).nonzero().unbind(1)
     left, right, _ = spans[r, j].unbind(1)
     assert len(r) > 50 and (left >= 0).all() and (right >= 0).all()

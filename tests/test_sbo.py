@@ -140,3 +140,25 @@ def test_no_target_gives_a_zero_that_reaches_every_parameter():
     loss.backward()
     assert count == 0 and loss.item() == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in head.parameters())
+
+
+def test_a_pad_is_never_a_boundary_so_training_and_evaluation_agree():
+    """A user-made row with padding right after its text (no `</s>`): the span before the pad
+    has no right boundary, so the SBO never reads the pad's hidden state, which the
+    no-grad unpadded path zeroes and the training path does not: both give one loss."""
+    import roberta_fast as rf
+
+    model = tiny_spanbert().eval()
+    ids = torch.tensor([[0] + list(range(5, 15)) + [1] * 4, [0] + list(range(20, 33)) + [2]])
+    mask = ids.ne(1).long()
+    losses, targets = [], []
+    for seed in range(4):
+        _, labels, spans = rf.mask_tokens(ids, seed=seed, vocab_size=37, mlm_probability=0.6, strategy="span",
+                                          word_starts=torch.ones_like(ids, dtype=torch.bool), return_spans=True)
+        train = model(ids, labels=labels, spans=spans, attention_mask=mask).sbo_loss
+        with torch.no_grad():
+            evaluate = model(ids, labels=labels, spans=spans, attention_mask=mask)
+        torch.testing.assert_close(evaluate.sbo_loss, train.detach())
+        assert not spans[0, :, :2].eq(11).any(), spans[0]  # position 11: the first pad
+        targets.append(evaluate.sbo_targets)
+    assert sum(targets) > 0

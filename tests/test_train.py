@@ -457,13 +457,16 @@ def test_fused_backend_trains_like_the_reference(dataset, tmp_path, pack):
     torch.testing.assert_close(losses["fused"], losses["reference"], rtol=1e-4, atol=1e-4)
 
 
-def test_spanbert_objective_lowers_both_losses_resumes_exactly_and_exports(dataset, tmp_path):
-    """--objective mlm+sbo: MLM and SBO losses both logged and falling; a run stopped at
-    step 6 and resumed equals a straight one (SBO head and its Adam state included);
-    the export loads in transformers with the SBO head beside it."""
+def test_spanbert_objective_lowers_both_losses_resumes_exactly_and_exports(dataset, tmp_path, capsys):
+    """--objective mlm+sbo: MLM and SBO losses both logged (step 0's line too) and falling; a
+    run stopped at step 6 and resumed equals a straight one (SBO head and its Adam state
+    included); the export loads in transformers with the SBO head beside it."""
     transformers = pytest.importorskip("transformers")
     spanbert = dict(masking="span", objective="mlm+sbo", max_steps=12, eval_every=12, dropout=0.0)
     whole, _ = run(small_config(dataset, tmp_path / "whole", **spanbert))
+    lines = [line for line in capsys.readouterr().err.splitlines() if ": validation loss" in line]
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 12"]
+    assert all(", SBO loss " in line for line in lines), lines
     run(small_config(dataset, tmp_path / "split", stop_at=6, **spanbert))
     resumed, summary = run(small_config(dataset, tmp_path / "split", **spanbert))
     assert summary["status"] == "finished"
