@@ -41,6 +41,9 @@ to hf-eager and hf-compile. Output: a terminal table, `--json PATH` (schema in
 benchmarks/results/README.md), a bar chart (`--chart PATH`, PNG with matplotlib, else
 SVG), `--compare OLD.json`. A full run on a GPU is also recorded in benchmarks/results/
 (one JSON per run, and the README table of the latest run per device) unless --no-record.
+`--gate GATE.json` (benchmarks/gpu_gate.py's verdict, from the same gpu_session.sh call) marks
+the figures verified or, kept all the same, unverified with the reason. `--refresh-record
+STAGE.tgz ...` records the reports of the archives a GPU session hands back.
 
 Measured on: nothing yet (no GPU run recorded; see benchmarks/results/README.md).
 """
