@@ -236,7 +236,8 @@ case $stage in
     ;;
   kernels)
     ensure_built
-    for bench in attention bias_gelu layer_norm cross_entropy fused_adam mask_tokens preprocess inference; do
+    # GPU_SESSION_BENCHES: a subset (CI's dry run takes one: tests/test_benchmarks.py runs each --quick --json)
+    for bench in ${GPU_SESSION_BENCHES:-attention bias_gelu layer_norm cross_entropy fused_adam mask_tokens preprocess inference}; do
       run "bench_$bench" 75 "$py" "benchmarks/bench_$bench.py" "${quick[@]}" --json "$out/bench_$bench.json"
     done
     # attention as the model trains (dropout 0.1 in every contender)
