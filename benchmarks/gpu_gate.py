@@ -13,6 +13,8 @@ its figures verified or not (benchmarks/gpu_session.sh runs both in one call):
    masked_only=True), in eval mode (dropout draws differ between backends, so it is off).
    The loss and every parameter's gradient must agree within tests/test_fused_model.py's
    tolerances (TOLERANCE below): |fused - ref| <= tol * max|ref| (+ 1e-6 for gradients).
+   gpu_session.sh runs it with ROBERTA_FAST_AUTOTUNE=0 (the default block sizes: no tuning
+   time); autotuned sizes change the tiling, not the arithmetic.
 2. The CUDA tests of FusedAdam and the masking (`pytest tests/test_fused_adam.py
    tests/test_mask_tokens.py -k "cuda or gpu"`), junit XML beside the JSON. On a GPU at
    least one must pass; on a CPU they are not run (they would all skip).

@@ -4,8 +4,8 @@
 #   benchmarks/gpu_session.sh STAGE [OUTDIR]          # on the GPU machine: OUTDIR=$OUT
 #   GPU_SESSION_DRY=1 benchmarks/gpu_session.sh STAGE  # rehearsal on a CPU (CI runs it for every stage)
 #
-# Run `first` first: it alone gives the headline record. Expected times on an H100 (16 cores) are
-# estimates (no stage has run on a GPU yet); every step also has a hard cap, and each stage stops
+# Run `first` first: it alone gives the headline record; then, with time left, the others in the
+# order below. Expected times on an H100 (16 cores) are estimates (no stage has run on a GPU yet); every step also has a hard cap, and each stage stops
 # starting steps once its budget (GPU_SESSION_BUDGET_S, default 540 s: the call's 10 minutes less
 # the machine's start, the transfers and a margin) is spent, so a stage always ends, packed, in time.
 #
@@ -16,15 +16,15 @@
 #                      batch 32 (no batch search), rf-fused, rf-reference, hf-eager, hf-compile, profiled:
 #                      autotuning rf-fused's attention ~1 min, compiling hf-compile ~1.5 min, 55 steps each
 #                      a few seconds), the roofline (seconds)
-#   test       ~8 min  build, then the suite in parts, each writing its junit XML as it ends: the CUDA
-#                      cases first (~2 min), the rest in three parts (~1.5 min each, 8 xdist workers), the
-#                      emulated-CUDA tests last (~1 min: they compile csrc/ with g++)
-#   sanitize   ~4 min  build, the CUDA tests of FusedAdam and masking under compute-sanitizer memcheck and
-#                      racecheck (~1.5 min each: the sanitizer slows the kernels 10-100x, the shapes are small)
 #   e2e        ~8 min  build, gate (fp16 and bf16), base/512 in fp16 (batch 32, all five contenders, SpanBERT's
 #                      too, profiled; ~3.5 min), large/512 in auto's dtype (batch 16, four contenders; ~3.5 min:
 #                      hf-compile compiles 24 layers)
+#   test       ~8 min  build, then the suite in parts, each writing its junit XML as it ends: the CUDA
+#                      cases first (~2 min), the rest in three parts (~1.5 min each, 8 xdist workers), the
+#                      emulated-CUDA tests last (~1 min: they compile csrc/ with g++)
 #   e2e-128    ~7 min  build, gate (auto's dtype), base and large at 128 (batch 128), four contenders each
+#   sanitize   ~4 min  build, the CUDA tests of FusedAdam and masking under compute-sanitizer memcheck and
+#                      racecheck (~1.5 min each: the sanitizer slows the kernels 10-100x, the shapes are small)
 #   kernels    ~7 min  every per-kernel benchmark (~40 s each), attention with dropout, the compile report
 #
 # Each stage's logs, JSON reports, charts, junit XML and summary go into ONE file, OUTDIR/STAGE.tgz
@@ -37,10 +37,10 @@
 # GPU_SESSION_DRY=1 runs the same commands with the same flags on the CPU (Triton's interpreter), at
 # the smallest shapes (tiny preset, seq 16, batch 1, one timed step, --quick benchmarks), skipping the
 # build (the extension must be built) and compute-sanitizer: a renamed flag or a missing file fails
-# CI (tests/test_gpu_session.py), not the GPU session.
+# CI (tests/test_session_script.py), not the GPU session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stages="first e2e e2e-128 test sanitize kernels"
+stages="first e2e test e2e-128 sanitize kernels"
 stage=${1:?usage: benchmarks/gpu_session.sh ${stages// /|} [OUTDIR]}
 if [[ " $stages " != *" $stage "* ]]; then
   echo "error: unknown stage '$stage'; choose one of: $stages" >&2
@@ -159,7 +159,8 @@ ensure_built() {  # the extension with its CUDA ops (MAX_JOBS=16: the machine's 
 gate() {  # gate CAP DTYPES...: the correctness gate; gate.json says whether the figures of this call are verified
   local cap=$1
   shift
-  run gate "$cap" "$py" benchmarks/gpu_gate.py "${gate_shape[@]}" --dtypes "$@" --json "$out/gate.json"
+  run gate "$cap" env ROBERTA_FAST_AUTOTUNE=0 "$py" benchmarks/gpu_gate.py "${gate_shape[@]}" --dtypes "$@" \
+    --json "$out/gate.json"
 }
 
 throughput() {  # throughput NAME CAP FLAGS...: one throughput.py run, its JSON and chart, verified by this call's gate
@@ -167,7 +168,7 @@ throughput() {  # throughput NAME CAP FLAGS...: one throughput.py run, its JSON 
   shift 2
   run "$name" "$cap" "$py" benchmarks/throughput.py "$@" "${timing[@]}" --no-record --gate "$out/gate.json" \
     --json "$out/$name.json" --chart "$out/$name.png"
-  note "$name: $(grep -E '^verified: ' "$out/$name.log" | tail -1 || true)"
+  note "$name: $(grep -E '^verified: ' "$out/$name.log" | tail -1 || echo 'verified: not reached (cut off)')"
 }
 
 roofline() {  # the predicted floor of the same step, beside the measured profile
@@ -178,7 +179,7 @@ roofline() {  # the predicted floor of the same step, beside the measured profil
 pytest_part() {  # pytest_part NAME CAP ARGS...: one part of the suite, with its own junit XML
   local name=$1 cap=$2
   shift 2
-  ROBERTA_FAST_AUTOTUNE=0 run "pytest-$name" "$cap" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" \
+  run "pytest-$name" "$cap" env ROBERTA_FAST_AUTOTUNE=0 "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" \
     "${collect[@]}" --durations=10 --junitxml="$out/pytest-$name.xml" "$@"
   note "pytest-$name: $(grep -E '[0-9]+ (passed|failed|error|skipped|tests? collected)' "$out/pytest-$name.log" | tail -1)"
 }

@@ -940,6 +940,8 @@ def main(argv=None) -> int:
             print(f"  {setting.key} batch {b} {name}: {status}", flush=True)
     add_ratios(report["results"])
     report["targets"] = evaluate_targets(report["results"], device)
+    if args.json is not None:  # the ratios and targets too, before the (optional) profiles
+        write_report(args.json, report)
 
     missed = {(t["model"], t["seq_len"], t["dtype"]) for t in report["targets"] if t["status"] == "missed"}
     for r in report["results"]:

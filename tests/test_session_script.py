@@ -22,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-STAGES = ("first", "e2e", "e2e-128", "test", "sanitize", "kernels")
+STAGES = ("first", "e2e", "test", "e2e-128", "sanitize", "kernels")
 FOUR = ["rf-fused", "rf-reference", "hf-eager", "hf-compile"]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="gpu_session.sh needs bash and coreutils' timeout")
