@@ -56,7 +56,8 @@ def _title(report: dict) -> str:
     what = "encoder inference, real tokens/s" if _is_inference(report) else "training throughput"
     device = env["device"]
     name = f"CPU ({device['name']}, {device['cores']} cores)" if device["type"] == "cpu" else device["name"]
-    return f"RoBERTa {what} - {name} - {env['date'][:10]}"
+    unverified = report.get("verification", {}).get("verified") is False  # throughput.py --gate
+    return f"RoBERTa {what} - {name} - {env['date'][:10]}" + (" - UNVERIFIED" if unverified else "")
 
 
 def _png(report: dict, path: Path) -> None:

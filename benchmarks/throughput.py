@@ -41,6 +41,9 @@ to hf-eager and hf-compile. Output: a terminal table, `--json PATH` (schema in
 benchmarks/results/README.md), a bar chart (`--chart PATH`, PNG with matplotlib, else
 SVG), `--compare OLD.json`. A full run on a GPU is also recorded in benchmarks/results/
 (one JSON per run, and the README table of the latest run per device) unless --no-record.
+`--gate GATE.json` (benchmarks/gpu_gate.py's verdict, from the same gpu_session.sh call) marks
+the figures verified or, kept all the same, unverified with the reason. `--refresh-record
+STAGE.tgz ...` records the reports of the archives a GPU session hands back.
 
 Measured on: nothing yet (no GPU run recorded; see benchmarks/results/README.md).
 """
@@ -54,6 +57,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -68,6 +72,7 @@ RESULTS_DIR = HERE / "results"
 if str(HERE) not in sys.path:  # _common.py and plot.py sit beside this file
     sys.path.insert(0, str(HERE))
 import _common as bc  # noqa: E402
+from gpu_gate import SCHEMA as GATE_SCHEMA  # noqa: E402
 from plot import atomic_write, throughput_chart  # noqa: E402
 
 bc.use_interpreter_without_gpu()  # before triton is imported (only --interpret uses it)
@@ -632,6 +637,42 @@ def compare(old: dict, new: dict) -> str:
     return "\n".join(notes + lines)
 
 
+# -------------------------------------------------------------- verification
+def verification(gate_path: Path | None, env: dict) -> dict:
+    """Whether this run's figures are verified: benchmarks/gpu_gate.py's correctness gate passed
+    on the same device and commit (gpu_session.sh runs the gate and this run in one call and
+    gives --gate; its output folder is emptied at the start of each call). A figure that is
+    not verified is kept, marked with the reason."""
+    def unverified(reason):
+        return {"verified": False, "reason": reason}
+
+    if gate_path is None:
+        return unverified("no correctness gate was given (--gate)")
+    try:
+        gate = json.loads(Path(gate_path).read_text())
+    except FileNotFoundError:
+        return unverified(f"the correctness gate did not run ({Path(gate_path).name} is missing)")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return unverified(f"the gate file {Path(gate_path).name} is unreadable ({type(err).__name__})")
+    if not isinstance(gate, dict) or gate.get("schema") != GATE_SCHEMA:
+        return unverified(f"{Path(gate_path).name} is not a gpu_gate.py report ({GATE_SCHEMA})")
+    gate_env = gate.get("environment", {})
+    for what in ("name", "type"):
+        if gate_env.get("device", {}).get(what) != env["device"][what]:
+            return unverified(f"the gate ran on {gate_env.get('device', {}).get(what)!r}, "
+                              f"this run on {env['device'][what]!r}")
+    if gate_env.get("commit") != env["commit"]:
+        return unverified(f"the gate ran on commit {gate_env.get('commit')}, this run on {env['commit']}")
+    summary = {"gate": Path(gate_path).name, "gate_date": gate_env.get("date"), "setting": gate.get("setting"),
+               "worst_error_over_allowed": gate.get("worst_error_over_allowed"),
+               "cuda_tests_passed": gate.get("tests", {}).get("passed")}
+    if gate.get("passed") is not True:
+        failures = gate.get("failures") or ["no reason recorded"]
+        return {**unverified("the correctness gate failed: " + "; ".join(map(str, failures[:3]))[:300]),
+                **summary}
+    return {"verified": True, **summary}
+
+
 # ------------------------------------------------------------------ record
 TABLE_START, TABLE_END = "<!-- latest-runs:start -->", "<!-- latest-runs:end -->"
 
@@ -664,10 +705,12 @@ def record_table(results_dir: Path) -> str:
         return "No GPU run recorded yet."
     lines = []
     if runs:
-        lines += ["| device | date | commit | setting | batch | contender | tokens/s | MFU | x hf-eager | x hf-compile | file |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| device | date | commit | setting | batch | contender | tokens/s | MFU | x hf-eager | x hf-compile "
+                  "| verified | file |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (name, _), (data, fname) in sorted(runs.items()):
         env = data["environment"]
+        verified = verified_cell(data)
         for r in data["results"]:
             if r["status"] != "ok":
                 cells = [r["status"] + ": " + r.get("reason", "")[:60], "", "", ""]
@@ -676,13 +719,22 @@ def record_table(results_dir: Path) -> str:
                          _fmt(r.get("vs_hf_eager"), ".2f"), _fmt(r.get("vs_hf_compile"), ".2f")]
             lines.append(f"| {name} | {env['date'][:10]} | {env['commit'][:8]} | "
                          f"{r['model']}/seq{r['seq_len']}/{r['dtype']} | {r['batch']} | {r['contender']} | "
-                         + " | ".join(cells) + f" | {fname} |")
+                         + " | ".join(cells) + f" | {verified} | {fname} |")
     if kernels:
         lines += ["", "| kernel benchmark | device | date | commit | file |", "|---|---|---|---|---|"]
         for (name, bench), (data, fname) in sorted(kernels.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             env = data["environment"]
             lines.append(f"| {bench} | {name} | {env['date'][:10]} | {env['commit'][:8]} | {fname} |")
     return "\n".join(lines).strip()
+
+
+def verified_cell(report: dict) -> str:
+    """The record table's `verified` cell: yes, or why not (a run recorded before the gate existed:
+    not checked)."""
+    v = report.get("verification")
+    if v is None:
+        return "not checked"
+    return "yes" if v.get("verified") else "**no**: " + v.get("reason", "")[:80].replace("|", "/")
 
 
 def update_record_readme(results_dir: Path) -> None:
@@ -697,11 +749,70 @@ def update_record_readme(results_dir: Path) -> None:
     atomic_write(readme, lambda tmp: tmp.write_text(text))
 
 
-def record_path(report: dict) -> Path:
+def record_path(report: dict, prefix: str = "throughput", results_dir: Path = RESULTS_DIR) -> Path:
+    """results_dir/<prefix>-<device>-<UTC date and time>.json for a report with an environment."""
     env = report["environment"]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]["name"]).strip("-").lower()
     stamp = env["date"].replace(":", "").replace("-", "")[:15]
-    return RESULTS_DIR / f"throughput-{slug}-{stamp}.json"
+    return results_dir / f"{prefix}-{slug}-{stamp}.json"
+
+
+SESSION_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.(json|png|svg)")
+
+
+def import_session(archive: Path, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """Copy the GPU reports of one `gpu_session.sh` STAGE.tgz into results_dir under record names.
+
+    Kept: throughput reports (with their chart), the kernel benchmarks' (`bench_*.json`) and the
+    correctness gate's (`gate-*.json`), from a CUDA device; the rest (logs, CPU dry runs, files
+    without an environment) stays in the archive. Members are read, never extracted, so no path
+    in the archive can write outside results_dir; a file already there with the same bytes is
+    left as it is. Returns one line per member saying what happened to it.
+    """
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = {Path(m.name).name: tar.extractfile(m).read() for m in tar.getmembers()
+                       if m.isfile() and SESSION_FILE.fullmatch(Path(m.name).name)}
+    except (OSError, tarfile.TarError, EOFError) as err:
+        raise SystemExit(f"error: {archive} is not a gpu_session.sh STAGE.tgz ({err}); pass the .tgz files "
+                         "the GPU session returned")
+    done = []
+    for name, data in sorted(members.items()):
+        if not name.endswith(".json"):
+            continue
+        try:
+            report = json.loads(data)
+            env = report["environment"]
+            is_gpu = env["device"]["type"] == "cuda"
+        except (ValueError, KeyError, TypeError):
+            done.append(f"{name}: kept in the archive only (not a report with an environment)")
+            continue
+        if not is_gpu:
+            done.append(f"{name}: kept in the archive only (not a GPU run)")
+            continue
+        if report.get("schema") == SCHEMA:
+            prefix = "throughput"
+        elif report.get("schema") == GATE_SCHEMA:
+            prefix = "gate"
+        elif name.startswith("bench_"):
+            prefix = Path(name).stem.split("-")[0]
+        else:
+            done.append(f"{name}: kept in the archive only (not a throughput, gate or kernel report)")
+            continue
+        dest = record_path(report, prefix, results_dir)
+        copies = [(data, dest)]
+        if prefix == "throughput":  # its chart, under the same name
+            copies += [(members[chart], dest.with_suffix(suffix)) for suffix in (".png", ".svg")
+                       if (chart := Path(name).stem + suffix) in members]
+        for payload, path in copies:
+            if path.exists() and path.read_bytes() == payload:
+                done.append(f"{name}: {path.name} is already in the record")
+                continue
+            if path.exists():  # same device and second, different bytes: keep both
+                path = path.with_name(f"{path.stem}-{archive.stem}{path.suffix}")
+            atomic_write(path, lambda tmp, payload=payload: tmp.write_bytes(payload))
+            done.append(f"{name}: recorded as {path.name}")
+    return done
 
 
 # -------------------------------------------------------------------- main
@@ -730,8 +841,12 @@ def parse_args(argv=None):
     p.add_argument("--chart", type=Path, default=None, help="bar chart of tokens/s (PNG; SVG without matplotlib)")
     p.add_argument("--compare", type=Path, default=None, help="a previous --json file to compare against")
     p.add_argument("--no-record", action="store_true", help="on a GPU, do not record the run in benchmarks/results/")
-    p.add_argument("--refresh-record", action="store_true",
-                   help="only rebuild the table in benchmarks/results/README.md from the JSON files there")
+    p.add_argument("--refresh-record", nargs="*", type=Path, metavar="STAGE.tgz", default=None,
+                   help="only refresh the record: copy the reports in these gpu_session.sh archives (if any) "
+                        "into benchmarks/results/, then rebuild the table in its README.md")
+    p.add_argument("--gate", type=Path, default=None,
+                   help="gpu_gate.py's JSON from the same session: the figures are marked verified only if it "
+                        "passed on this device and commit (otherwise kept and marked unverified)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed contenders")
     args = p.parse_args(argv)
@@ -743,6 +858,9 @@ def parse_args(argv=None):
         p.error(f"--seq-lens must be at least 8 tokens each, got {args.seq_lens}")
     if args.compare is not None and not args.compare.is_file():
         p.error(f"--compare: no such file {args.compare}")
+    missing = [str(a) for a in args.refresh_record or [] if not a.is_file()]
+    if missing:
+        p.error(f"--refresh-record: no such file {', '.join(missing)}")
     if args.device is not None:
         try:
             kind = torch.device(args.device).type
@@ -776,7 +894,11 @@ def settings_from(args, device) -> list[tuple[str, int, str]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.refresh_record:
+    if args.refresh_record is not None:
+        for archive in args.refresh_record:
+            print(f"{archive}:")
+            for line in import_session(archive):
+                print(f"  {line}")
         update_record_readme(RESULTS_DIR)
         print(f"updated {RESULTS_DIR.relative_to(ROOT)}/README.md")
         return 0
@@ -796,8 +918,11 @@ def main(argv=None) -> int:
               "config": {"quick": quick, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
                          "mlm_probability": MLM_PROBABILITY, "contenders": args.contenders,
                          "timing": "median over repeats of (block time / steps); CUDA events on a GPU"},
-              "results": [], "batch_choice": {}, "targets": [], "profiles": []}
+              "results": [], "batch_choice": {}, "targets": [], "profiles": [], "complete": False}
     env = report["environment"]
+    report["verification"] = verification(args.gate, env)
+    print("figures verified by the correctness gate" if report["verification"]["verified"]
+          else f"figures NOT verified: {report['verification']['reason']}")
     print(f"device: {env['device']['name']}  torch {torch.__version__}  commit {env['commit'][:12]}")
     for model, seq_len, dtype in settings_from(args, device):
         if batch is None:
@@ -809,10 +934,14 @@ def main(argv=None) -> int:
         for name in args.contenders:
             row = measure(name, setting, device, args)
             report["results"].append(row)
+            if args.json is not None:  # after every contender: a run cut off keeps what it measured
+                write_report(args.json, report)
             status = f"{row['ms_per_step']:.1f} ms/step" if row["status"] == "ok" else f"{row['status']}: {row['reason']}"
             print(f"  {setting.key} batch {b} {name}: {status}", flush=True)
     add_ratios(report["results"])
     report["targets"] = evaluate_targets(report["results"], device)
+    if args.json is not None:  # the ratios and targets too, before the (optional) profiles
+        write_report(args.json, report)
 
     missed = {(t["model"], t["seq_len"], t["dtype"]) for t in report["targets"] if t["status"] == "missed"}
     for r in report["results"]:
@@ -825,6 +954,8 @@ def main(argv=None) -> int:
 
     print()
     print(format_table(report["results"]))
+    v = report["verification"]
+    print("verified: yes (" + v["gate"] + ")" if v["verified"] else f"verified: NO ({v['reason']})")
     if report["targets"]:
         print("\ntargets (rf-fused):")
         print(format_targets(report["targets"]))
@@ -839,6 +970,7 @@ def main(argv=None) -> int:
         print(f"\ncompared with {args.compare}:")
         print(compare(json.loads(args.compare.read_text()), report))
 
+    report["complete"] = True
     if args.json is not None:
         write_report(args.json, report)
         print(f"\nwrote {args.json}")

@@ -53,7 +53,7 @@ def runs(tmp_path_factory):
                            "--json", str(out / "quick.json"), "--chart", str(out / "quick.png")]}
     for name in KERNEL_BENCHES:
         if (BENCH / f"{name}.py").exists():
-            jobs[name] = [f"benchmarks/{name}.py", "--quick"]
+            jobs[name] = [f"benchmarks/{name}.py", "--quick", "--json", str(out / f"{name}.json")]  # as gpu_session.sh
     if "bench_inference" in jobs:
         jobs["bench_inference"] += ["--device", "cpu", "--json", str(out / "inference.json")]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -134,11 +134,12 @@ def test_compare_against_a_previous_run(quick_report, tmp_path):
 
 @pytest.mark.parametrize("name", KERNEL_BENCHES)
 def test_kernel_benchmark_quick(name, runs):
-    _, procs = runs
+    out, procs = runs
     if name not in procs:
         pytest.skip(f"benchmarks/{name}.py is not written yet")
     proc = procs[name]
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / ("inference.json" if name == "bench_inference" else f"{name}.json")).stat().st_size > 0  # --json
 
 
 def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):

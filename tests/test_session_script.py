@@ -1,0 +1,264 @@
+"""benchmarks/gpu_session.sh rehearsed on the CPU (GPU_SESSION_DRY=1), and what it feeds: the
+correctness gate (benchmarks/gpu_gate.py) that marks throughput figures verified or not, and
+`throughput.py --refresh-record STAGE.tgz` that records what a session hands back.
+
+Every stage runs here with the flags it uses on the GPU at the smallest shapes, so a renamed
+flag, a missing file or a broken summary fails CI, not the one GPU session.
+"""
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+STAGES = ("first", "e2e", "test", "e2e-128", "sanitize", "kernels")
+FOUR = ["rf-fused", "rf-reference", "hf-eager", "hf-compile"]
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="gpu_session.sh needs bash and coreutils' timeout")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+T = _load("throughput")
+G = sys.modules["gpu_gate"]  # throughput.py imports it from benchmarks/
+
+
+def _session(stage, dest, **env):
+    """The stage's dry run; the kernels stage on one benchmark (test_benchmarks.py runs each --quick --json)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GPU_SESSION_DRY": "1",
+           "GPU_SESSION_BENCHES": "cross_entropy", **env}
+    return subprocess.run(["bash", str(SCRIPT), stage, str(dest)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def _members(archive):
+    with tarfile.open(archive, "r:gz") as tar:
+        return {Path(m.name).name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """Every stage's dry run, two at a time (CI has 2 cores): {stage: (process, archive members)}."""
+    dest = tmp_path_factory.mktemp("session")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip(STAGES, pool.map(lambda s: _session(s, dest), STAGES)))
+    return {s: (p, _members(dest / f"{s}.tgz") if (dest / f"{s}.tgz").exists() else {}) for s, p in procs.items()}
+
+
+EXPECTED = {  # files each stage must hand back (dry shapes: tiny preset, seq 16)
+    "first": ["gate.json", "throughput-tiny16-bf16.json", "throughput-tiny16-bf16.png",
+              "roofline-tiny-16.json"],
+    "e2e": ["gate.json", "throughput-tiny16-fp16.json", "throughput-tiny16-bf16.json"],
+    "e2e-128": ["gate.json", "throughput-seq16-bf16.json"],
+    "test": ["pytest-cuda.xml", "pytest-rest-1.xml", "pytest-rest-2.xml", "pytest-rest-3.xml", "pytest-emulated.xml"],
+    "sanitize": ["sanitize-memcheck.xml", "sanitize-racecheck.xml"],
+    "kernels": ["bench_cross_entropy.json", "bench_attention_dropout.json", "compile_report.json"],
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_runs_dry_and_packs_its_files(dry_runs, stage):
+    proc, files = dry_runs[stage]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = files["summary.txt"].decode()
+    for flag in ("FAILED", "CUT OFF", "SKIPPED"):
+        assert flag not in summary, summary
+    assert f"==== {stage} summary" in proc.stdout and "DRY RUN" in proc.stdout
+    assert summary.strip().splitlines()[-1] in proc.stdout  # the summary is printed last
+    assert "environment.txt" in files
+    for name in EXPECTED[stage]:
+        assert name in files and files[name], f"{stage} did not hand back {name}: {sorted(files)}"
+
+
+def test_first_records_the_four_contenders_verified(dry_runs):
+    _, files = dry_runs["first"]
+    gate = json.loads(files["gate.json"])
+    assert gate["schema"] == G.SCHEMA and gate["passed"] is True, gate["failures"]
+    assert set(gate["setting"]["dtypes"]) == {"fp16", "bf16"}
+    checked = {c["what"] for c in gate["results"]}
+    assert "loss" in checked and sum(w.startswith("grad ") for w in checked) > 10  # every parameter's gradient
+    report = json.loads(files["throughput-tiny16-bf16.json"])
+    assert report["complete"] is True and report["verification"]["verified"] is True
+    assert [r["contender"] for r in report["results"]] == FOUR
+    assert report["profiles"], "--profile was given"
+
+
+def test_test_stage_puts_the_cuda_cases_first_and_misses_no_file(dry_runs):
+    _, files = dry_runs["test"]
+    order = [line.split(":")[0] for line in files["summary.txt"].decode().splitlines() if line.startswith("pytest-")]
+    assert order[0] == "pytest-cuda" and order[-1] == "pytest-emulated"
+    parts = [files[name[:-4] + ".log"].decode() for name in EXPECTED["test"]]
+    listed = {line.split("::")[0] for log in parts for line in log.splitlines() if line.startswith("tests/")}
+    assert listed == {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+
+
+def test_failed_gate_marks_the_figures_unverified(tmp_path, monkeypatch):
+    """A fused model that disagrees with the reference fails the gate, and the throughput run given
+    that gate keeps its figures, marked unverified (JSON, terminal and record table)."""
+    build = G.build_models
+
+    def broken(*args):  # the fused model computes something else than the reference
+        reference, fused = build(*args)
+        with torch.no_grad():
+            for p in fused.parameters():
+                p.mul_(1.5)
+        return reference, fused
+
+    monkeypatch.setattr(G, "build_models", broken)
+    gate = tmp_path / "gate.json"
+    assert G.main(["--model", "tiny", "--seq-len", "16", "--batch", "1", "--dtypes", "fp16", "--skip-tests",
+                   "--json", str(gate)]) == 1
+    verdict = json.loads(gate.read_text())
+    assert verdict["passed"] is False and any(" grad roberta." in f for f in verdict["failures"])
+    report_path = tmp_path / "run.json"
+    assert T.main(["--models", "tiny", "--seq-lens", "16", "--batch", "1", "--dtypes", "fp32", "--warmup", "0",
+                   "--steps", "1", "--repeats", "1", "--device", "cpu", "--contenders", "rf-reference",
+                   "--no-record", "--gate", str(gate), "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["results"][0]["status"] == "ok" and report["results"][0]["tokens_per_s"] > 0  # kept
+    v = report["verification"]
+    assert v["verified"] is False and v["reason"].startswith("the correctness gate failed")
+    report["environment"]["device"].update(type="cuda", name="NVIDIA H100 80GB HBM3")  # as if on the GPU
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "throughput-h100-1.json").write_text(json.dumps(report))
+    row = next(li for li in T.record_table(tmp_path / "results").splitlines() if "rf-reference" in li)
+    assert "**no**: the correctness gate failed" in row
+
+
+def test_verification_needs_a_passed_gate_of_this_device_and_commit(tmp_path):
+    env = T.environment(torch.device("cpu"))
+    assert T.verification(None, env)["verified"] is False
+    assert "did not run" in T.verification(tmp_path / "gate.json", env)["reason"]
+    (tmp_path / "bad.json").write_text("{")
+    assert "unreadable" in T.verification(tmp_path / "bad.json", env)["reason"]
+    gate = {"schema": G.SCHEMA, "environment": json.loads(json.dumps(env)), "passed": True, "failures": []}
+    (tmp_path / "gate.json").write_text(json.dumps(gate))
+    assert T.verification(tmp_path / "gate.json", env)["verified"] is True
+    for key, value in (("commit", "0123abc"), ("device", {**env["device"], "name": "other"})):
+        (tmp_path / "other.json").write_text(json.dumps({**gate, "environment": {**env, key: value}}))
+        assert T.verification(tmp_path / "other.json", env)["verified"] is False
+
+
+def test_gate_tolerances_are_the_fused_model_tests():
+    """The gate uses exactly the autocast tolerances of tests/test_fused_model.py."""
+    source = (ROOT / "tests" / "test_fused_model.py").read_text()
+    found = re.findall(r"tol = \{torch\.float16: ([0-9.e-]+), torch\.bfloat16: ([0-9.e-]+)\}\[dtype\]", source)
+    assert found and {(float(a), float(b)) for a, b in found} == {(G.TOLERANCE["fp16"], G.TOLERANCE["bf16"])}
+
+
+def test_gate_runs_existing_cuda_tests():
+    """The gate's CUDA tests exist (on a CPU the gate does not run them; the dry sanitize stage
+    runs the same files and selection)."""
+    assert all((ROOT / path).is_file() for path in G.CUDA_TESTS)
+    assert G.CUDA_SELECTION in SCRIPT.read_text()
+
+
+def _as_gpu_archive(files, path, extra=()):
+    """The dry run's archive rewritten as a GPU run's, plus `extra` (name, bytes) members."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in [*files.items(), *extra]:
+            report = json.loads(data) if name.endswith(".json") else None
+            if report and "device" in report.get("environment", {}):
+                report["environment"]["device"].update(type="cuda", name="NVIDIA H100 80GB HBM3")
+                data = json.dumps(report).encode()
+            info = tarfile.TarInfo(name if "/" in name else f"./{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_refresh_record_takes_the_returned_archives(dry_runs, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "README.md").write_text(f"# record\n\n{T.TABLE_START}\nold\n{T.TABLE_END}\n")
+    _, first = dry_runs["first"]
+    _, kernels = dry_runs["kernels"]
+    archive = tmp_path / "first.tgz"
+    _as_gpu_archive(first, archive, extra=[("../escape.json", b'{"environment": {}}')])
+    _as_gpu_archive(kernels, tmp_path / "kernels.tgz")
+    lines = T.import_session(archive, results) + T.import_session(tmp_path / "kernels.tgz", results)
+    names = sorted(p.name for p in results.iterdir())
+    slug = "nvidia-h100-80gb-hbm3"
+    record = [n for n in names if n.startswith(f"throughput-{slug}-") and n.endswith(".json")]
+    assert len(record) == 1 and record[0].replace(".json", ".png") in names  # the chart beside it
+    assert any(n.startswith(f"gate-{slug}-") for n in names)
+    assert any(n.startswith(f"bench_attention_dropout-{slug}-") for n in names)
+    assert not (tmp_path / "escape.json").exists() and not any("escape" in n for n in names)
+    assert any("roofline-tiny-16.json: kept in the archive only" in li for li in lines)
+    T.update_record_readme(results)
+    table = (results / "README.md").read_text()
+    assert "| yes |" in table and "old" not in table and "bench_attention_dropout" in table
+    assert T.import_session(archive, results) and sorted(p.name for p in results.iterdir()) == names  # idempotent
+    with pytest.raises(SystemExit, match="not a gpu_session.sh STAGE.tgz"):
+        T.import_session(results / "README.md", results)
+
+
+def test_a_dry_archive_is_not_recorded(dry_runs, tmp_path):
+    _, first = dry_runs["first"]
+    archive = tmp_path / "first.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in first.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    lines = T.import_session(archive, tmp_path)
+    assert any("not a GPU run" in li for li in lines) and not list(tmp_path.glob("throughput-*"))
+
+
+def test_refresh_record_rejects_a_missing_archive(capsys):
+    with pytest.raises(SystemExit):
+        T.parse_args(["--refresh-record", "no-such-first.tgz"])
+    assert "no such file no-such-first.tgz" in capsys.readouterr().err
+
+
+def test_a_spent_budget_skips_steps_and_still_packs(tmp_path):
+    proc = _session("sanitize", tmp_path, GPU_SESSION_BUDGET_S="20")
+    assert proc.returncode == 0, proc.stderr
+    summary = _members(tmp_path / "sanitize.tgz")["summary.txt"].decode()
+    assert "sanitize-memcheck: not run (the stage's 20 s budget is spent)" in summary
+
+
+def test_unknown_stage_is_a_one_line_error(tmp_path):
+    proc = _session("e2e-more", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: unknown stage 'e2e-more'; choose one of: {' '.join(STAGES)}")
+
+
+# tokenizers is a declared dependency (pyproject.toml) and on the GPU image; the script's environment
+# check names it if it is ever missing
+BARE = ("transformers", "safetensors", "onnx", "onnxruntime", "pytest_benchmark", "xdist",
+        "matplotlib", "yaml", "huggingface_hub", "peft", "datasets", "pyarrow", "zstandard")
+
+
+def test_the_suite_collects_on_a_bare_torch_image(tmp_path):
+    """What a bare torch image may lack: with those packages hidden, every test file still
+    imports (the tests that need one skip, naming it), so the test stage does not stop."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"BLOCKED = {set(BARE)!r}\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (hidden)', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and " error" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "(hidden)" in proc.stdout  # the packages were hidden, and the tests needing them skip
