@@ -164,7 +164,8 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
 
     Encoder weights must all be present; a head absent from the checkpoint (the pooler
     of an MLM checkpoint, the MLM head of a bare encoder) is initialised and reported,
-    as transformers does.
+    as transformers does. The model comes back in eval mode (dropout off), as transformers'
+    from_pretrained returns it; call .train() to fine-tune.
     """
     config, hf_state = read_hf_checkpoint(path_or_model, revision)
     model = cls(config, backend=backend, **model_kwargs)
@@ -189,7 +190,7 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
-    return model
+    return model.eval()
 
 
 def _align_prefix(state: dict, prefix: str) -> dict:

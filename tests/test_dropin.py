@@ -351,3 +351,40 @@ def test_patch_on_a_cpu_without_the_interpreter_runs_the_reference_ops():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.split("max diff")[1]) < 1e-5
+
+
+# --------------------------------------------- behaving as transformers' models do (issue 26)
+DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
+          "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
+
+
+def dropin_inputs(cls, seed=0):
+    """(input_ids, attention_mask) for `cls`: a padded (4, 22) batch; multiple choice (2, 2, 22)."""
+    ids, mask = padded_batch("right", seed)
+    if cls == "RobertaForMultipleChoice":
+        return ids.view(2, 2, 22), mask.view(2, 2, 22)
+    return ids, mask
+
+
+def main_output(out):
+    """The first tensor an output leads with (logits, start_logits or last_hidden_state)."""
+    return out[1] if getattr(out, "loss", None) is not None else out[0]
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_from_pretrained_returns_eval_mode_and_transformers_outputs(cls, tmp_path):
+    """transformers' from_pretrained returns model.eval(): dropout off, the same outputs every call,
+    and those of transformers' model. A model built from a config stays in training mode, as there."""
+    hf = hf_model(cls, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
+    hf.save_pretrained(tmp_path)
+    ids, mask = dropin_inputs(cls)
+    with torch.no_grad():
+        want = main_output(hf(input_ids=ids, attention_mask=mask))
+        for source in (hf, str(tmp_path)):
+            ours = getattr(rf, cls).from_pretrained(source, backend="reference")
+            assert not ours.training and not any(m.training for m in ours.modules())
+            getattr(ours, "roberta", ours).unpad = False  # padded positions computed, as transformers does
+            got = [main_output(ours(ids, attention_mask=mask)) for _ in range(2)]
+            assert torch.equal(got[0], got[1])
+            assert rel_err(got[0], want) < 1e-5
+    assert getattr(rf, cls)(rf.RobertaConfig(**FIELDS)).training
