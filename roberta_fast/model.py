@@ -27,19 +27,43 @@ IGNORE_INDEX = -100  # label of a position that is not predicted
 
 
 # ----------------------------------------------------------------------- outputs
-class _Output:
-    """Attribute access plus HF-style indexing (out[0], out["logits"]) over non-None fields."""
+class ModelOutput:
+    """transformers' ModelOutput behaviour on a dataclass, over the fields that are not None:
+    attributes, out["logits"], out[0] and slices, keys() / values() / items(), iteration over
+    the keys, "logits" in out, len(out) and to_tuple(). Not a dict (as transformers' is), so
+    torch.export takes it as a pytree dataclass; under torch.jit.trace the models return
+    to_tuple() instead (TorchScript takes tuples; _PreTrained._result)."""
 
-    def _items(self):
+    def items(self):
         return [(k, v) for k, v in self.__dict__.items() if v is not None]
+
+    def keys(self):
+        return [k for k, _ in self.items()]
+
+    def values(self):
+        return [v for _, v in self.items()]
+
+    def to_tuple(self):
+        return tuple(self.values())
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
 
     def __getitem__(self, key):
         if isinstance(key, str):
+            if key not in self:  # transformers' KeyError for a field that is None
+                raise KeyError(key)
             return getattr(self, key)
-        return tuple(v for _, v in self._items())[key]
+        return self.to_tuple()[key]
 
-    def to_tuple(self):
-        return tuple(v for _, v in self._items())
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __contains__(self, key):
+        return key in self.keys()
+
+    def __len__(self):
+        return len(self.keys())
 
 
 def _output(cls):
@@ -50,15 +74,16 @@ def _output(cls):
 
 
 @_output
-class BaseModelOutput(_Output):
+class BaseModelOutput(ModelOutput):
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    cross_attentions: tuple[()] | None = None  # () with attentions, as transformers' encoder returns
 
 
 @_output
-class MaskedLMOutput(_Output):
+class MaskedLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -66,7 +91,7 @@ class MaskedLMOutput(_Output):
 
 
 @_output
-class SequenceClassifierOutput(_Output):
+class SequenceClassifierOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -74,7 +99,7 @@ class SequenceClassifierOutput(_Output):
 
 
 @_output
-class TokenClassifierOutput(_Output):
+class TokenClassifierOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -82,7 +107,7 @@ class TokenClassifierOutput(_Output):
 
 
 @_output
-class QuestionAnsweringModelOutput(_Output):
+class QuestionAnsweringModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     start_logits: torch.Tensor | None = None
     end_logits: torch.Tensor | None = None
@@ -91,7 +116,7 @@ class QuestionAnsweringModelOutput(_Output):
 
 
 @_output
-class MultipleChoiceModelOutput(_Output):
+class MultipleChoiceModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -99,6 +124,12 @@ class MultipleChoiceModelOutput(_Output):
 
 
 # ----------------------------------------------------------------- input checks
+def _tracing() -> bool:
+    """Whether values are symbolic (torch.export, torch.compile, torch.jit.trace / the TorchScript ONNX
+    exporter): checks on values, which need a host sync, are skipped; shapes are still checked."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
                  position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None):
     """Raise ValueError naming the problem for inputs that would index out of range.
@@ -164,7 +195,7 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
     for name, t, _, _ in ranges:
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    if torch.compiler.is_compiling():  # torch.export / torch.compile: values are symbolic, shapes checked above
+    if _tracing():  # values are symbolic, shapes checked above
         return
     # One host sync for every range check: [min, max] of each tensor.
     bounds = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, _, _ in ranges]).tolist()
@@ -212,7 +243,7 @@ def key_padding_mask(attention_mask, batch: int, seqlen: int):
             f"negative number or -inf = masked), got dtype {mask.dtype}; pass a 0/1 mask in the 2-D "
             "(batch, seqlen) form")
     keep = mask == 0
-    if not torch.compiler.is_compiling() and bool((~keep & ~(mask <= -1e4)).any()):
+    if not _tracing() and bool((~keep & ~(mask <= -1e4)).any()):
         raise ValueError(
             "a 4-D float attention_mask must be additive: 0 where attended and a large negative number "
             "(<= -1e4, e.g. torch.finfo(dtype).min) or -inf where masked; this one holds other values, an "
@@ -236,7 +267,7 @@ def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
     total, seqlen = input_ids.numel(), input_ids.shape[1]
     if cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens needs at least two boundaries, 0 and batch·seqlen")
-    if torch.compiler.is_compiling():  # the boundaries' values are symbolic under torch.export / torch.compile
+    if _tracing():  # the boundaries' values are symbolic
         return
     row_starts = torch.arange(0, total + 1, seqlen, device=cu_seqlens.device, dtype=torch.int32)
     first, last, smallest_step, rows_kept = torch.stack([
@@ -382,11 +413,18 @@ class _PreTrained(nn.Module):
             nn.init.zeros_(module.bias)
 
     def _backend_for(self, tensor) -> str:
-        """The backend for `tensor`'s device; torch.export traces the reference one (plain aten ops,
-        which ONNX and any device take; the fused path's unpadding syncs on data)."""
-        if torch.compiler.is_exporting():
+        """The backend for `tensor`'s device; torch.export and torch.jit.trace trace the reference one
+        (plain aten ops, which ONNX and any device take; the fused path's unpadding syncs on data)."""
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():
             return "reference"
         return ops.resolve_backend(self.backend, tensor.device)
+
+    def _result(self, out: ModelOutput, return_dict: bool | None):
+        """`out`, or its to_tuple() when return_dict (else the config's) is False, and under
+        torch.jit.trace (which takes tuples, not objects; the ONNX TorchScript exporter traces too)."""
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        return out if return_dict and not torch.jit.is_tracing() else out.to_tuple()
 
     def _checked_mask(self, input_ids, inputs_embeds, attention_mask, token_type_ids=None, position_ids=None,
                       cu_seqlens=None, labels=None):
@@ -427,16 +465,16 @@ class RobertaModel(_PreTrained):
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
+                inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None):
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
                                             cu_seqlens)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
                           output_hidden_states, output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-               output_hidden_states: bool = False, output_attentions: bool = False,
+               output_hidden_states: bool | None = None, output_attentions: bool | None = None,
                cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None) -> BaseModelOutput:
         """forward() without the input checks (for callers that have done them).
 
@@ -453,6 +491,10 @@ class RobertaModel(_PreTrained):
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
         keeps attention inside each segment, and `position_ids` restart per document.
         """
+        if output_hidden_states is None:  # the config's, as transformers reads them
+            output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         shaped = input_ids if inputs_embeds is None else inputs_embeds
         shape = tuple(shaped.shape[:2])  # (batch, seqlen)
         backend = self._backend_for(shaped)
@@ -493,7 +535,7 @@ class RobertaModel(_PreTrained):
             states = [packing.unpack(h) for h in states] if output_hidden_states else states
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
         return BaseModelOutput(x, pooled, tuple(states) if output_hidden_states else None,
-                               tuple(attentions) if output_attentions else None)
+                               tuple(attentions) if output_attentions else None, () if output_attentions else None)
 
 
 class _Packing:
@@ -570,9 +612,9 @@ class RobertaForMaskedLM(_PreTrained):
         nn.init.zeros_(self.lm_head.bias)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, masked_only: bool = False, loss_reduction: str = "mean",
-                return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
+                position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, masked_only: bool = False, loss_reduction: str = "mean",
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
@@ -616,7 +658,7 @@ class RobertaForMaskedLM(_PreTrained):
             loss = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), loss_reduction,
                                      backend)
         out = MaskedLMOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 def _num_labels(config: RobertaConfig, num_labels: int | None) -> int:
@@ -637,7 +679,7 @@ def _check_class_labels(labels, num_classes: int, name: str = "labels"):
     device-side assert; one host sync, skipped under torch.export / torch.compile (data-dependent)."""
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(f"{name} must be integer class ids, got dtype {labels.dtype}; convert with .long()")
-    if torch.compiler.is_compiling() or not labels.numel():
+    if _tracing() or not labels.numel():
         return
     low, high = torch.stack([labels.masked_fill(labels == IGNORE_INDEX, 0).min(), labels.max()]).tolist()
     if low < 0 or high >= num_classes:
@@ -679,15 +721,15 @@ class RobertaForSequenceClassification(_PreTrained):
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True):
+                position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
         logits = self.classifier(encoded.last_hidden_state)
         loss = None if labels is None else self._loss(logits, labels)
         out = SequenceClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
     def _loss(self, logits, labels):
         problem = self.config.extra.get("problem_type")
@@ -727,8 +769,8 @@ class RobertaForTokenClassification(_PreTrained):
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True):
+                inputs_embeds=None, labels=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         """Logits (batch, seqlen, num_labels); labels (batch, seqlen) give the loss."""
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
@@ -743,7 +785,7 @@ class RobertaForTokenClassification(_PreTrained):
             _check_class_labels(labels, self.num_labels)
             loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.reshape(-1))
         out = TokenClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 class RobertaForQuestionAnswering(_PreTrained):
@@ -765,8 +807,8 @@ class RobertaForQuestionAnswering(_PreTrained):
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True):
+                inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         """start_logits, end_logits (batch, seqlen); start/end_positions (batch,) give the loss."""
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
@@ -783,7 +825,7 @@ class RobertaForQuestionAnswering(_PreTrained):
                 losses.append(F.cross_entropy(scores, positions.clamp(0, ignored), ignore_index=ignored))
             loss = (losses[0] + losses[1]) / 2
         out = QuestionAnsweringModelOutput(loss, start_logits, end_logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 def _answer_positions(name: str, positions, batch: int):
@@ -814,8 +856,8 @@ class RobertaForMultipleChoice(_PreTrained):
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, token_type_ids=None, attention_mask=None, labels=None, position_ids=None,
-                inputs_embeds=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True):
+                inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         shaped = input_ids if input_ids is not None else inputs_embeds
         dims = 3 if input_ids is not None else 4
         if not isinstance(shaped, torch.Tensor) or shaped.dim() != dims:
@@ -848,7 +890,7 @@ class RobertaForMultipleChoice(_PreTrained):
             _check_class_labels(labels, num_choices)
             loss = F.cross_entropy(logits, labels)
         out = MultipleChoiceModelOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 # -------------------------------------------------------------------------- MFU

@@ -38,7 +38,7 @@ from torch import nn
 
 from . import ops
 from .config import RobertaConfig
-from .model import RobertaForMaskedLM, _Output, check_inputs
+from .model import ModelOutput, RobertaForMaskedLM, check_inputs
 
 SBO_WEIGHTS = "sbo.safetensors"
 
@@ -105,7 +105,7 @@ class SpanBoundaryHead(nn.Module):
 
 
 @dataclass
-class SpanBertOutput(_Output):
+class SpanBertOutput(ModelOutput):
     loss: torch.Tensor | None = None  # mlm_loss + sbo_loss ("mean"); None with "sum" (normalise each yourself)
     mlm_loss: torch.Tensor | None = None
     sbo_loss: torch.Tensor | None = None

@@ -388,3 +388,60 @@ def test_from_pretrained_returns_eval_mode_and_transformers_outputs(cls, tmp_pat
             assert torch.equal(got[0], got[1])
             assert rel_err(got[0], want) < 1e-5
     assert getattr(rf, cls)(rf.RobertaConfig(**FIELDS)).training
+
+
+def label_kwargs(cls, seed=0):
+    """Labels for `cls`'s loss (none for the bare encoder)."""
+    g = torch.Generator().manual_seed(seed)
+    if cls == "RobertaForMaskedLM":
+        return {"labels": torch.randint(3, FIELDS["vocab_size"], (4, 22), generator=g)}
+    if cls == "RobertaForSequenceClassification" or cls == "RobertaForMultipleChoice":
+        return {"labels": torch.randint(0, 2, (4 if cls != "RobertaForMultipleChoice" else 2,), generator=g)}
+    if cls == "RobertaForTokenClassification":
+        return {"labels": torch.randint(0, 2, (4, 22), generator=g)}
+    if cls == "RobertaForQuestionAnswering":
+        return {"start_positions": torch.tensor([1, 0, 3, 2]), "end_positions": torch.tensor([4, 0, 5, 9])}
+    return {}
+
+
+def assert_same_outputs(got, want):
+    """got behaves as transformers' ModelOutput `want`: the same keys, in order, and values."""
+    assert list(got.keys()) == list(want.keys()) == list(got) == [k for k, _ in got.items()]
+    assert len(got) == len(want) and len(got.to_tuple()) == len(want.to_tuple()) == len(got.values())
+    for key, value in want.items():
+        assert key in got and got.get(key) is got[key] is getattr(got, key)
+        for g, w in zip(*(v if isinstance(v, tuple) else (v,) for v in (got[key], value)), strict=True):
+            assert rel_err(g, w) < 1e-5, key
+    for i, value in enumerate(got.to_tuple()):
+        assert got[i] is value
+    absent = {"hidden_states", "attentions"} - set(want.keys())
+    for key in absent:
+        assert key not in got and got.get(key) is None
+        with pytest.raises(KeyError):
+            got[key]
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_outputs_behave_as_model_outputs_and_the_config_flags_are_honoured(cls):
+    """keys / values / items / iteration / `in` over the fields that are not None, in transformers'
+    order; config.output_hidden_states, output_attentions and return_dict apply when the call leaves
+    them None, as in transformers."""
+    hf = hf_model(cls, num_labels=2) if cls != "RobertaModel" else hf_model(cls)
+    hf.set_attn_implementation("eager")  # transformers takes config.output_attentions only there
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    getattr(ours, "roberta", ours).unpad = False
+    ids, mask = dropin_inputs(cls)
+    labels = label_kwargs(cls)
+    with torch.no_grad():
+        assert_same_outputs(ours(ids, attention_mask=mask, **labels), hf(input_ids=ids, attention_mask=mask, **labels))
+        for model in (hf, ours):
+            model.config.output_hidden_states = True
+            model.config.output_attentions = True
+        want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
+        assert "hidden_states" in got and "attentions" in got
+        assert_same_outputs(got, want)
+        for model in (hf, ours):
+            model.config.return_dict = False
+        want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
+        assert isinstance(got, tuple) and len(got) == len(want)
+        assert not isinstance(ours(ids, attention_mask=mask, return_dict=True, output_hidden_states=False), tuple)
