@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
@@ -322,6 +323,14 @@ class RobertaEmbeddings(nn.Module):
         return F.dropout(x, p=p, training=p > 0)
 
 
+def _linear_gelu(linear: nn.Module, x, backend: str):
+    """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear; a wrapped one
+    (a PEFT LoRA layer, which keeps the base weight as .weight) runs its own forward."""
+    if type(linear) is nn.Linear:
+        return ops.linear_gelu(x, linear.weight, linear.bias, backend)
+    return F.gelu(linear(x))
+
+
 class RobertaLayer(nn.Module):
     """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
 
@@ -368,7 +377,7 @@ class RobertaLayer(nn.Module):
                                          self.attn_norm.eps, hidden_p, backend, ffn_cast_dtype)
         x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
-        f = ops.linear_gelu(x_ffn, self.ffn_in.weight, self.ffn_in.bias, backend)
+        f = _linear_gelu(self.ffn_in, x_ffn, backend)
         f = self.ffn_out(f)
         out = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
                                          self.ffn_norm.eps, hidden_p, backend, cast_dtype)
@@ -377,9 +386,15 @@ class RobertaLayer(nn.Module):
 
 
 class _PreTrained(nn.Module):
-    """Weight init (as HF's), backend choice, input checks and HF load/save, shared by the models."""
+    """Weight init (as HF's), backend choice, input checks, HF load/save and the model methods
+    transformers users call (embeddings, resizing, num_parameters, gradient checkpointing),
+    shared by the six drop-in classes (and SpanBERT's)."""
 
     config: RobertaConfig
+    base_model_prefix = "roberta"  # transformers' name of the encoder inside a head model
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)
 
     def _setup(self, config: RobertaConfig, backend: str):
         self.config = config
@@ -438,6 +453,102 @@ class _PreTrained(nn.Module):
                          inputs_embeds)
         return attention_mask
 
+    # ------------------------------------------------- transformers' model methods
+    @property
+    def base_model(self) -> "RobertaModel":
+        """The encoder: `self.roberta` in a head model, the model itself for RobertaModel."""
+        return getattr(self, self.base_model_prefix, self)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point parameter, as transformers reports it."""
+        return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters counted once (the tied decoder is the word embeddings); exclude_embeddings
+        leaves out the nn.Embedding tables, as transformers does."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        return sum(p.numel() for p in self.parameters()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.base_model.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        """Replace the word embeddings; the MLM decoder reads them, so it stays tied."""
+        self.base_model.embeddings.word_embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The MLM decoder as transformers exposes it: a Linear whose weight IS the word embeddings'
+        parameter and whose bias is the head's (not a copy: changing either changes the model);
+        None for models without an MLM head."""
+        head = getattr(self, "lm_head", None)
+        if head is None:
+            return None
+        weight = self.get_input_embeddings().weight
+        decoder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        decoder.weight, decoder.bias = weight, head.bias
+        return decoder
+
+    def tie_weights(self, *args, **kwargs):
+        """Nothing to do: the decoder reads the word embeddings, so it is tied by construction."""
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """Grow or shrink the vocabulary as transformers does: old rows kept, new rows drawn around the
+        old embeddings' mean (mean_resizing, transformers' default: a normal with 1e-9 times their
+        covariance) or from N(0, initializer_range); the decoder bias kept, new entries 0 (as transformers'
+        re-tied bias).
+        The decoder stays tied (it reads the embeddings); config.vocab_size follows."""
+        old = self.get_input_embeddings()
+        if pad_to_multiple_of is not None:
+            wanted = old.num_embeddings if new_num_tokens is None else new_num_tokens
+            new_num_tokens = -(-wanted // pad_to_multiple_of) * pad_to_multiple_of
+        if new_num_tokens is None or new_num_tokens == old.num_embeddings:
+            return old
+        if new_num_tokens <= max(self.config.pad_token_id, self.config.bos_token_id or 0, self.config.eos_token_id or 0):
+            raise ValueError(f"resize_token_embeddings({new_num_tokens}) would drop the special tokens' ids "
+                             f"(pad {self.config.pad_token_id}, bos {self.config.bos_token_id}, eos "
+                             f"{self.config.eos_token_id}); keep at least {self.config.pad_token_id + 1} tokens")
+        kept, added = min(old.num_embeddings, new_num_tokens), new_num_tokens - old.num_embeddings
+        new = nn.Embedding(new_num_tokens, old.embedding_dim, padding_idx=old.padding_idx,
+                           device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight[:kept] = old.weight[:kept]
+            if added > 0:
+                new.weight[kept:] = _added_embeddings(old.weight, added, mean_resizing, self.config.initializer_range)
+            for name in self._vocab_bias_heads:
+                head = getattr(self, name, None)
+                if head is not None:  # (vocab,) -> (new_num_tokens,), zeros added
+                    bias = F.pad(head.bias.detach()[:kept], (0, max(added, 0)))
+                    head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        self.set_input_embeddings(new)
+        self.config.vocab_size = new_num_tokens
+        return new
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """Recompute each encoder layer's activations in the backward pass instead of storing them:
+        the same gradients (dropout replays the same RNG state), less activation memory.
+        torch.utils.checkpoint with use_reentrant=False unless gradient_checkpointing_kwargs says."""
+        self.base_model.checkpointing = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+
+    def gradient_checkpointing_disable(self):
+        self.base_model.checkpointing = None
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.base_model.checkpointing is not None
+
+    # transformers 5's names for the same
+    activation_checkpointing_enable = gradient_checkpointing_enable
+    activation_checkpointing_disable = gradient_checkpointing_disable
+    is_activation_checkpointing = is_gradient_checkpointing
+
     @classmethod
     def from_pretrained(cls, path_or_model, backend: str = "auto", **kwargs):
         """Load an HF model directory (config.json + safetensors/bin) or a `transformers` model."""
@@ -462,6 +573,7 @@ class RobertaModel(_PreTrained):
         self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self.unpad = True
+        self.checkpointing = None  # torch.utils.checkpoint's kwargs while gradient checkpointing is on
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -525,8 +637,11 @@ class RobertaModel(_PreTrained):
         states, attentions, x_cast = [x], [], None
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1  # the head casts its own (fewer) rows
-            x, x_cast, probs = layer(x, attention_mask, backend, packed, output_attentions, x_cast,
-                                     None if last else cast_dtype)
+            args = (x, attention_mask, backend, packed, output_attentions, x_cast, None if last else cast_dtype)
+            if self.checkpointing is not None and self.training and torch.is_grad_enabled():
+                x, x_cast, probs = torch.utils.checkpoint.checkpoint(layer, *args, **self.checkpointing)
+            else:
+                x, x_cast, probs = layer(*args)
             states.append(x)
             if output_attentions:
                 attentions.append(probs)
@@ -594,7 +709,7 @@ class RobertaLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, x, decoder_weight, backend="reference"):
-        x = ops.linear_gelu(x, self.dense.weight, self.dense.bias, backend)
+        x = _linear_gelu(self.dense, x, backend)
         x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
                                        self.layer_norm.eps, 0.0, backend)
         return F.linear(x, decoder_weight, self.bias)
@@ -659,6 +774,21 @@ class RobertaForMaskedLM(_PreTrained):
                                      backend)
         out = MaskedLMOutput(loss, logits, encoded.hidden_states, encoded.attentions)
         return self._result(out, return_dict)
+
+
+def _added_embeddings(old, added: int, mean_resizing: bool, std: float):
+    """(added, hidden) new rows for resize_token_embeddings, as transformers draws them."""
+    if not mean_resizing:
+        return torch.randn(added, old.shape[1], device=old.device).mul_(std).to(old.dtype)
+    dtype, old = old.dtype, old.float()
+    mean = old.mean(0)
+    centered = old - mean
+    covariance = 1e-9 * (centered.T @ centered / old.shape[0])  # transformers' epsilon, in its order
+    if torch.distributions.constraints.positive_definite.check(covariance).all():
+        rows = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance).sample((added,))
+    else:  # too few tokens for a full-rank covariance: the mean itself
+        rows = mean.expand(added, -1)
+    return rows.to(dtype)
 
 
 def _num_labels(config: RobertaConfig, num_labels: int | None) -> int:

@@ -120,6 +120,8 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
     predicted tokens only; without `spans` it is RobertaForMaskedLM's forward.
     """
 
+    _vocab_bias_heads = ("lm_head", "sbo")  # resize_token_embeddings resizes both decoder biases
+
     def __init__(self, config: RobertaConfig, backend: str = "auto", max_offset: int = MAX_SPAN_OFFSET):
         super().__init__(config, backend=backend)
         self.sbo = SpanBoundaryHead(config, max_offset)

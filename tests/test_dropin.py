@@ -445,3 +445,91 @@ def test_outputs_behave_as_model_outputs_and_the_config_flags_are_honoured(cls):
         want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
         assert isinstance(got, tuple) and len(got) == len(want)
         assert not isinstance(ours(ids, attention_mask=mask, return_dict=True, output_hidden_states=False), tuple)
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_model_methods_as_transformers(cls):
+    """The methods transformers users call, one shared implementation for every class: embeddings
+    accessors, the tied decoder, num_parameters (both filters), device, dtype, tie_weights."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    for exclude in (False, True):
+        assert ours.num_parameters(exclude_embeddings=exclude) == hf.num_parameters(exclude_embeddings=exclude)
+    for model in (hf, ours):
+        model.get_input_embeddings().weight.requires_grad_(False)
+    assert ours.num_parameters(only_trainable=True) == hf.num_parameters(only_trainable=True) < ours.num_parameters()
+    assert ours.device == hf.device and ours.dtype == hf.dtype == torch.float32
+    assert ours.to(torch.float64).dtype == torch.float64
+    assert ours.get_input_embeddings() is ours.base_model.embeddings.word_embeddings
+    decoder, hf_decoder = ours.get_output_embeddings(), hf.get_output_embeddings()
+    if hf_decoder is None:
+        assert decoder is None
+    else:
+        assert isinstance(decoder, torch.nn.Linear)
+        assert decoder.weight is ours.get_input_embeddings().weight and decoder.bias is ours.lm_head.bias
+    ours.tie_weights()
+    replacement = torch.nn.Embedding(FIELDS["vocab_size"], FIELDS["hidden_size"], padding_idx=1, dtype=torch.float64)
+    ours.set_input_embeddings(replacement)
+    assert ours.get_input_embeddings() is replacement
+    if decoder is not None:
+        assert ours.get_output_embeddings().weight is replacement.weight  # still tied
+
+
+@pytest.mark.parametrize("cls", ["RobertaForMaskedLM", "RobertaForSequenceClassification"])
+@pytest.mark.parametrize("new_size", [FIELDS["vocab_size"] + 9, FIELDS["vocab_size"] - 20])
+def test_resize_token_embeddings_matches_transformers(cls, new_size, tmp_path):
+    """Grown (new rows around the old mean, transformers' default) or shrunk: the outputs equal
+    transformers' model resized the same way, new tokens included; the decoder and its bias are
+    resized and stay tied; the resized model saves and loads in transformers."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    ours.roberta.unpad = False
+    for model in (hf, ours):
+        torch.manual_seed(11)  # the same draws for the new rows
+        resized = model.resize_token_embeddings(new_size)
+        assert resized is model.get_input_embeddings() and resized.num_embeddings == new_size
+        assert model.config.vocab_size == new_size
+    if cls == "RobertaForMaskedLM":
+        assert ours.lm_head.bias.shape == (new_size,)
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    ids, mask = padded_batch("right", seed=9)
+    ids = ids % new_size  # new tokens included when grown
+    ids[:, -1] = new_size - 1
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        assert rel_err(ours(ids, attention_mask=mask).logits, want) < 1e-5
+        ours.save_pretrained(tmp_path)
+        back = getattr(transformers, cls).from_pretrained(tmp_path)
+        assert rel_err(back(input_ids=ids, attention_mask=mask).logits, want) < 1e-5
+    assert ours.resize_token_embeddings(pad_to_multiple_of=8).num_embeddings == -(-new_size // 8) * 8
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_gradient_checkpointing_gives_the_same_gradients(backend):
+    """Each layer recomputed in the backward pass (it runs twice), with dropout on: the recompute
+    replays the same RNG state, so loss and gradients equal those without checkpointing."""
+    config = rf.RobertaConfig(**{**FIELDS, "hidden_size": 64, "num_attention_heads": 2})  # head dim 32: fused attention
+    model = rf.RobertaForMaskedLM(config, backend=backend).train()
+    ids, mask = padded_batch("right", seed=10)
+    labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
+    calls, layer = [], model.roberta.layers[0]
+    forward = layer.forward
+    layer.forward = lambda *args: calls.append(1) or forward(*args)  # counts recomputes (hooks do not see them)
+    results = []
+    for enabled in (False, True):
+        model.gradient_checkpointing_enable() if enabled else model.gradient_checkpointing_disable()
+        assert model.is_gradient_checkpointing == enabled
+        model.zero_grad()
+        torch.manual_seed(1)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(calls) == 3  # once without checkpointing, twice with
+    (loss0, grads0), (loss1, grads1) = results
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    model.eval()
+    with torch.no_grad():  # inference never checkpoints
+        model(ids, attention_mask=mask)
+    assert len(calls) == 4
