@@ -127,6 +127,10 @@ class RobertaConfig:
         """Longest sequence the position table can hold (positions start at pad_token_id + 1)."""
         return self.max_position_embeddings - self.pad_token_id - 1
 
+    def get_text_config(self, *args, **kwargs) -> "RobertaConfig":
+        """transformers' accessor of a composite model's text part: this config itself."""
+        return self
+
     @property
     def use_return_dict(self) -> bool:
         """transformers' older name of return_dict."""

@@ -158,15 +158,19 @@ def _load_bin(file: str) -> dict:
 
 
 def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtype | None = None,
-                    device: str | torch.device | None = None, revision: str | None = None, **model_kwargs):
+                    device: str | torch.device | None = None, revision: str | None = None,
+                    output_loading_info: bool = False, torch_dtype: torch.dtype | None = None, **model_kwargs):
     """Build `cls` (RobertaModel or RobertaForMaskedLM) from an HF checkpoint: a directory,
     a Hub name (`revision` picks a branch, tag or commit) or a `transformers` model.
 
     Encoder weights must all be present; a head absent from the checkpoint (the pooler
     of an MLM checkpoint, the MLM head of a bare encoder) is initialised and reported,
     as transformers does. The model comes back in eval mode (dropout off), as transformers'
-    from_pretrained returns it; call .train() to fine-tune.
+    from_pretrained returns it; call .train() to fine-tune. output_loading_info=True returns
+    (model, {"missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"}) as transformers
+    does (native key names); torch_dtype is transformers' older name of dtype.
     """
+    dtype = dtype if dtype is not None else torch_dtype
     config, hf_state = read_hf_checkpoint(path_or_model, revision)
     model = cls(config, backend=backend, **model_kwargs)
     prefix = "roberta." if hasattr(model, "roberta") else ""
@@ -190,7 +194,10 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
-    return model.eval()
+    model.eval()
+    if output_loading_info:
+        return model, {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": [], "error_msgs": []}
+    return model
 
 
 def _align_prefix(state: dict, prefix: str) -> dict:

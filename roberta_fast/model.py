@@ -392,14 +392,20 @@ class _PreTrained(nn.Module):
 
     config: RobertaConfig
     base_model_prefix = "roberta"  # transformers' name of the encoder inside a head model
+    _keep_in_fp32_modules = _keep_in_fp32_modules_strict = None  # (transformers' hooks: none needed)
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)
 
-    def _setup(self, config: RobertaConfig, backend: str):
+    def _setup(self, config: RobertaConfig, backend: str) -> RobertaConfig:
+        """Keep the config (a transformers RobertaConfig is read through its to_dict) and the backend;
+        returns the RobertaConfig the model is built from."""
+        if not isinstance(config, RobertaConfig) and hasattr(config, "to_dict"):
+            config = RobertaConfig.from_dict(config.to_dict())
         self.config = config
         self.backend = backend
         self.check_inputs = True
+        return config
 
     @property
     def backend(self) -> str:
@@ -531,11 +537,13 @@ class _PreTrained(nn.Module):
         self.config.vocab_size = new_num_tokens
         return new
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      activation_checkpointing_kwargs: dict | None = None):
         """Recompute each encoder layer's activations in the backward pass instead of storing them:
         the same gradients (dropout replays the same RNG state), less activation memory.
-        torch.utils.checkpoint with use_reentrant=False unless gradient_checkpointing_kwargs says."""
-        self.base_model.checkpointing = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        torch.utils.checkpoint with use_reentrant=False unless the kwargs (either name) say."""
+        kwargs = gradient_checkpointing_kwargs or activation_checkpointing_kwargs or {}
+        self.base_model.checkpointing = {"use_reentrant": False, **kwargs}
 
     def gradient_checkpointing_disable(self):
         self.base_model.checkpointing = None
@@ -548,6 +556,27 @@ class _PreTrained(nn.Module):
     activation_checkpointing_enable = gradient_checkpointing_enable
     activation_checkpointing_disable = gradient_checkpointing_disable
     is_activation_checkpointing = is_gradient_checkpointing
+
+    def enable_input_require_grads(self):
+        """Make the word embeddings' output require grad (PEFT calls it for gradient checkpointing
+        on a frozen model, so the checkpointed layers still get a graph)."""
+        self._input_grads_hook = self.get_input_embeddings().register_forward_hook(
+            lambda module, inputs, output: output.requires_grad_(True))
+
+    def disable_input_require_grads(self):
+        self._input_grads_hook.remove()
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """An encoder: no generate()."""
+        return False
+
+    @classmethod
+    def _from_config(cls, config, attn_implementation: str | None = None, **kwargs):
+        """transformers' constructor from a config. There is one attention implementation here (fused or
+        reference by `backend`, each the same function as transformers' eager / SDPA), so
+        attn_implementation picks nothing; output_attentions works with any."""
+        return cls(config, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path_or_model, backend: str = "auto", **kwargs):
@@ -568,12 +597,13 @@ class RobertaModel(_PreTrained):
 
     def __init__(self, config: RobertaConfig, add_pooling_layer: bool = True, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.embeddings = RobertaEmbeddings(config)
         self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self.unpad = True
-        self.checkpointing = None  # torch.utils.checkpoint's kwargs while gradient checkpointing is on
+        # torch.utils.checkpoint's kwargs while gradient checkpointing is on (transformers' config flag too)
+        self.checkpointing = {"use_reentrant": False} if config.extra.get("gradient_checkpointing") else None
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -720,7 +750,7 @@ class RobertaForMaskedLM(_PreTrained):
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.lm_head = RobertaLMHead(config)
         self.apply(self._init_weights)
@@ -844,7 +874,7 @@ class RobertaForSequenceClassification(_PreTrained):
 
     def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.num_labels = _num_labels(config, num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.classifier = RobertaClassificationHead(config, self.num_labels)
@@ -890,7 +920,7 @@ class RobertaForTokenClassification(_PreTrained):
 
     def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.num_labels = _num_labels(config, num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         dropout = config.classifier_dropout
@@ -930,7 +960,7 @@ class RobertaForQuestionAnswering(_PreTrained):
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.num_labels = _num_labels(config, 2)  # start, end (transformers sizes qa_outputs by num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.qa_outputs = nn.Linear(config.hidden_size, self.num_labels)
@@ -979,7 +1009,7 @@ class RobertaForMultipleChoice(_PreTrained):
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.roberta = RobertaModel(config, add_pooling_layer=True, backend=backend)
         self.dropout_p = config.hidden_dropout_prob
         self.classifier = nn.Linear(config.hidden_size, 1)

@@ -1,4 +1,7 @@
-"""CI gate: transformers' own model tests, run on RoBERTa models patched by `rf.patch`.
+"""CI gate: transformers' own model tests, run on RoBERTa models patched by `rf.patch`, and on
+the six drop-in classes themselves (rf.RobertaModel, rf.RobertaFor..., tests/transformers_suite/
+dropin_cases.py, with transformers' own tester shape: head dim 8, FFN 37, 16 token types,
+random padding masks).
 
 At test time this fetches the source distribution of the INSTALLED transformers from
 PyPI (verified against the index's sha256; cached under ~/.cache/roberta_fast, or
@@ -75,6 +78,12 @@ EXPECTED_FAILURES = {
         "output_attentions=True in the call, passes: a patched model runs eager attention for that call"),
 }
 
+# The drop-in gate (dropin_cases.py): further tests left out, each with why.
+DROPIN_DESELECTED = {}
+
+# Failures of the drop-in classes: name -> (text of the failure, why a transformers user can accept it).
+DROPIN_EXPECTED_FAILURES = {}
+
 
 def _fetch(name: str, filename: str) -> bytes:
     """`filename` from the package index's page for `name`, checked against its sha256."""
@@ -137,11 +146,13 @@ def _failures(report: Path) -> dict[str, str]:
     return failed
 
 
-def test_transformers_model_tests_pass_on_patched_roberta(tmp_path):
+def _run_gate(tmp_path, cases: str, plugins: tuple[str, ...], expected: dict, deselected: dict):
+    """Run transformers' ModelTesterMixin through `cases` (tests/transformers_suite/) with the
+    pytest `plugins`; fail on any failure not in `expected`, and on an expected one that passes."""
     if os.environ.get("ROBERTA_FAST_OFFLINE") == "1":
         pytest.skip("ROBERTA_FAST_OFFLINE=1: no network to fetch transformers' tests from PyPI")
     sources = _suite_sources(transformers.__version__)
-    for name in ("roberta_cases.py", "patch_every_model.py"):
+    for name in (cases, *(p + ".py" for p in plugins)):
         shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(sources), str(sources / PARAMETERIZED)]))
@@ -150,16 +161,26 @@ def test_transformers_model_tests_pass_on_patched_roberta(tmp_path):
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     report = tmp_path / "report.xml"
-    select = " and ".join(f"not {word}" for word in DESELECTED)
+    select = " and ".join(f"not {word}" for word in deselected)
+    plugin_args = [arg for p in plugins for arg in ("-p", p)]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "roberta_cases.py", "-p", "patch_every_model", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", cases, *plugin_args, "-p", "no:cacheprovider",
          "-q", "-k", select, f"--junitxml={report}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     assert report.exists(), f"the suite did not run:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     failed = _failures(report)
-    unexpected = {k: v for k, v in failed.items() if k not in EXPECTED_FAILURES or EXPECTED_FAILURES[k][0] not in v}
-    fixed = sorted(set(EXPECTED_FAILURES) - set(failed))
-    assert not unexpected, "transformers' tests fail on the patched model:\n" + "\n".join(
+    unexpected = {k: v for k, v in failed.items() if k not in expected or expected[k][0] not in v}
+    fixed = sorted(set(expected) - set(failed))
+    assert not unexpected, "transformers' tests fail:\n" + "\n".join(
         f"  {k}: {v}" for k, v in sorted(unexpected.items())) + "\n" + result.stdout[-4000:]
-    assert not fixed, f"listed as expected failures but now pass (remove them from EXPECTED_FAILURES): {fixed}"
+    assert not fixed, f"listed as expected failures but now pass (remove them from the list): {fixed}"
     assert "passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+def test_transformers_model_tests_pass_on_patched_roberta(tmp_path):
+    _run_gate(tmp_path, "roberta_cases.py", ("patch_every_model",), EXPECTED_FAILURES, DESELECTED)
+
+
+def test_transformers_model_tests_pass_on_the_dropin_classes(tmp_path):
+    """The same mixin on rf.RobertaModel and the five head classes themselves (dropin_cases.py)."""
+    _run_gate(tmp_path, "dropin_cases.py", (), DROPIN_EXPECTED_FAILURES, {**DESELECTED, **DROPIN_DESELECTED})
