@@ -127,6 +127,9 @@ class RobertaConfig:
         """Longest sequence the position table can hold (positions start at pad_token_id + 1)."""
         return self.max_position_embeddings - self.pad_token_id - 1
 
+    is_encoder_decoder = False  # transformers' flags: RoBERTa is an encoder, with no sub-configs
+    sub_configs: dict = {}
+
     def get_text_config(self, *args, **kwargs) -> "RobertaConfig":
         """transformers' accessor of a composite model's text part: this config itself."""
         return self

@@ -392,7 +392,8 @@ class _PreTrained(nn.Module):
 
     config: RobertaConfig
     base_model_prefix = "roberta"  # transformers' name of the encoder inside a head model
-    _keep_in_fp32_modules = _keep_in_fp32_modules_strict = None  # (transformers' hooks: none needed)
+    _keep_in_fp32_modules, _keep_in_fp32_modules_strict = [], []  # transformers' hooks: nothing kept in fp32
+    _keys_to_ignore_on_load_missing = None
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)
@@ -565,6 +566,15 @@ class _PreTrained(nn.Module):
 
     def disable_input_require_grads(self):
         self._input_grads_hook.remove()
+
+    def init_weights(self):
+        """(Re-)initialise every weight as transformers does (normal(0, initializer_range), zero
+        biases, unit LayerNorms, zero pad rows)."""
+        self.apply(self._init_weights)
+
+    def post_init(self):
+        """Nothing to do: __init__ has initialised every weight, and the decoder is tied by construction
+        (transformers' post_init likewise leaves initialised weights as they are)."""
 
     @classmethod
     def can_generate(cls) -> bool:
