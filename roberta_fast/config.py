@@ -128,7 +128,7 @@ class RobertaConfig:
         return self.max_position_embeddings - self.pad_token_id - 1
 
     is_encoder_decoder = False  # transformers' flags: RoBERTa is an encoder, with no sub-configs
-    sub_configs: dict = {}
+    sub_configs = {}  # (no annotation: a class attribute, not a dataclass field)
 
     def get_text_config(self, *args, **kwargs) -> "RobertaConfig":
         """transformers' accessor of a composite model's text part: this config itself."""

@@ -184,7 +184,8 @@ def _run_gate(tmp_path, cases: str, plugins: tuple[str, ...], expected: dict, de
     for name in (cases, *(p + ".py" for p in plugins)):
         shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(sources), str(sources / PARAMETERIZED)]))
+    paths = [tmp_path, sources, sources / PARAMETERIZED, HERE.parents[1]]  # the last: this checkout's roberta_fast
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
     import torch
 
     if not torch.cuda.is_available():
