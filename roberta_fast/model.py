@@ -337,7 +337,7 @@ class RobertaLayer(nn.Module):
                                          self.attn_norm.eps, hidden_p, backend, ffn_cast_dtype)
         x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
-        f = ops.linear_gelu(x_ffn, self.ffn_in.weight, self.ffn_in.bias, backend)
+        f = ops.module_linear_gelu(x_ffn, self.ffn_in, backend)
         f = self.ffn_out(f)
         out = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
                                          self.ffn_norm.eps, hidden_p, backend, cast_dtype)

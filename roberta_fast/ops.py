@@ -294,6 +294,14 @@ def linear_gelu(x, weight, bias, backend: str):
     return F.gelu(F.linear(x, weight, bias))
 
 
+def module_linear_gelu(x, linear, backend: str):
+    """erf GELU(linear(x)) for a Linear-like module: an nn.Linear takes linear_gelu (the fused bias +
+    GELU), any other (rf.quantize's Int8Linear) runs itself, then GELU."""
+    if isinstance(linear, torch.nn.Linear):
+        return linear_gelu(x, linear.weight, linear.bias, backend)
+    return F.gelu(linear(x))
+
+
 def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float, backend: str,
                            cast_dtype=None):
     """LayerNorm(dropout(x) + residual): the post-LN sublayer ending. residual may be None.
