@@ -163,15 +163,17 @@ def torch_dynamic_int8(model):
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
-def contenders(cfg, device, dtype, skip_compile, example):
-    """name -> callable(ids, mask) -> last hidden state, or name -> the reason it cannot run."""
+def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: True):
+    """name -> callable(ids, mask) -> last hidden state, or name -> the reason it cannot run; the
+    costlier ones (an ONNX export, a second model) are built only when `wanted(name)`."""
     import transformers  # noqa: F401  (imported before weighing the first model)
 
     sdpa = weighed("hf-sdpa", lambda: hf_sdpa(cfg, device, dtype))
-    eager = copy.deepcopy(sdpa)
-    eager.set_attn_implementation("eager")
-    runs = {"hf-sdpa": lambda ids, mask: hidden(sdpa(input_ids=ids, attention_mask=mask)),
-            "hf-eager": lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))}
+    runs = {"hf-sdpa": lambda ids, mask: hidden(sdpa(input_ids=ids, attention_mask=mask))}
+    if wanted("hf-eager"):
+        eager = copy.deepcopy(sdpa)
+        eager.set_attn_implementation("eager")
+        runs["hf-eager"] = lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))
 
     def ours(backend, unpad=True):
         model = rf.RobertaModel.from_pretrained(sdpa, backend=backend).eval().to(device, dtype)
@@ -181,24 +183,28 @@ def contenders(cfg, device, dtype, skip_compile, example):
     if device.type == "cpu":
         unpadded = weighed("rf-unpadded", lambda: ours("reference"))
         runs["rf-unpadded"] = lambda ids, mask: hidden(unpadded(ids, attention_mask=mask))
-        padded = ours("reference", unpad=False)
-        runs["rf-padded"] = lambda ids, mask: hidden(padded(ids, attention_mask=mask))
+        if wanted("rf-padded"):
+            padded = ours("reference", unpad=False)
+            runs["rf-padded"] = lambda ids, mask: hidden(padded(ids, attention_mask=mask))
         if skip_compile:
             runs["rf-compile"] = "skipped (--skip-compile or --quick)"
         else:
             compiled_rf = torch.compile(unpadded, dynamic=True)
             runs["rf-compile"] = lambda ids, mask: hidden(compiled_rf(ids, attention_mask=mask))
         fp32_only = "fp32 only (onnxruntime's CPU provider has no bf16 matmul)"
-        runs["onnxruntime"] = onnx_runner(ours("reference"), example) if dtype == torch.float32 else fp32_only
+        if wanted("onnxruntime"):
+            runs["onnxruntime"] = onnx_runner(ours("reference"), example) if dtype == torch.float32 else fp32_only
         int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
         if dtype != torch.float32:
             runs.update({k: int8_fp32_only for k in ("rf-int8", "onnxruntime-int8", "hf-int8")})
         else:
             int8 = weighed("rf-int8", lambda: rf.quantize(ours("reference")))
             runs["rf-int8"] = lambda ids, mask: hidden(int8(ids, attention_mask=mask))
-            runs["onnxruntime-int8"] = onnx_runner(ours("reference"), example, int8=True)
-            hf_int8 = weighed("hf-int8", lambda: torch_dynamic_int8(hf_sdpa(cfg, device, dtype)))
-            runs["hf-int8"] = lambda ids, mask: hidden(hf_int8(input_ids=ids, attention_mask=mask))
+            if wanted("onnxruntime-int8"):
+                runs["onnxruntime-int8"] = onnx_runner(ours("reference"), example, int8=True)
+            if wanted("hf-int8"):
+                hf_int8 = weighed("hf-int8", lambda: torch_dynamic_int8(hf_sdpa(cfg, device, dtype)))
+                runs["hf-int8"] = lambda ids, mask: hidden(hf_int8(input_ids=ids, attention_mask=mask))
     else:
         for backend in ("fused", "reference"):
             model = ours(backend)
@@ -383,9 +389,10 @@ def main():
         reference = None
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            runs = contenders(cfg, device, dtype, skip_compile, data[0])
-            if args.only:
-                runs = {k: v for k, v in runs.items() if k == "hf-sdpa" or k in args.only.split(",")}
+            only = args.only.split(",") if args.only else None
+            wanted = lambda name: only is None or name in only  # noqa: E731
+            runs = contenders(cfg, device, dtype, skip_compile, data[0], wanted)
+            runs = {k: v for k, v in runs.items() if k == "hf-sdpa" or wanted(k)}
             with torch.inference_mode():
                 if reference is None:  # transformers SDPA in fp32 on the same weights
                     ref_model = hf_sdpa(cfg, device, torch.float32)

@@ -127,6 +127,10 @@ def quantize(model: nn.Module) -> nn.Module:
                          f"{type(model).__name__}; for a transformers model use rf.RobertaModel.from_pretrained(it)")
     if is_quantized(model):
         return model
+    if not hasattr(torch.ops.quantized, "linear_dynamic"):
+        raise RuntimeError(f"this torch ({torch.__version__}) has no quantized Linear kernels "
+                           "(torch.ops.quantized.linear_dynamic), which rf.quantize runs: use a torch that "
+                           "ships them (2.13 does)")
     for p in model.parameters():
         if p.device.type != "cpu" or p.dtype != torch.float32:
             raise ValueError(f"rf.quantize takes an fp32 model on the CPU (int8 Linear runs fbgemm / oneDNN CPU "
