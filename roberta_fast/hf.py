@@ -240,7 +240,9 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
     from safetensors.torch import save_file
 
     from .files import atomic_path
+    from .quantization import refuse_quantized
 
+    refuse_quantized(model, "save_pretrained")
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     prefix = "roberta." if hasattr(model, "roberta") else ""

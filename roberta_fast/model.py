@@ -324,8 +324,9 @@ class RobertaEmbeddings(nn.Module):
 
 
 def _linear_gelu(linear: nn.Module, x, backend: str):
-    """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear; a wrapped one
-    (a PEFT LoRA layer, which keeps the base weight as .weight) runs its own forward."""
+    """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear; any other module
+    (a PEFT LoRA layer, which keeps the base weight as .weight; rf.quantize's Int8Linear) runs its
+    own forward."""
     if type(linear) is nn.Linear:
         return ops.linear_gelu(x, linear.weight, linear.bias, backend)
     return F.gelu(linear(x))
