@@ -17,6 +17,10 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     rf-compile    rf-unpadded under torch.compile(dynamic=True); `graphs` counts its compiled
                   graphs after the warm-up and after the timed passes (equal: no recompile per shape)
     onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
+  int8 on the CPU (issue 30; `weights_mb`: the process's RSS growth while the contender's model was built)
+    rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (fbgemm / oneDNN)
+    onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
+    hf-int8       transformers' RobertaModel (SDPA) after torch.ao.quantization.quantize_dynamic of its nn.Linear
   on a GPU (issue 8)
     rf-fused      fused kernels, padded batches run unpadded;  rf-reference  plain PyTorch
     hf-patched    transformers RobertaModel after roberta_fast.patch(model)
@@ -28,11 +32,13 @@ Per contender: ms per batch, real tokens/s, the ratio to hf-sdpa, peak RSS (the 
 high-water mark while it ran, every model loaded; CPU) and max |difference| to transformers
 fp32 over real positions. Targets: on a GPU rf-fused >= 2x hf-sdpa; on the CPU rf-unpadded >=
 1.6x hf-sdpa and >= 1.0x onnxruntime on the uniform mix, at <= 1e-5 fp32 difference, and
->= 1.0x hf-sdpa on fixed lengths; the record's `targets` says met / missed / not measured.
+>= 1.0x hf-sdpa on fixed lengths; int8 (issue 30): rf-int8 >= 1.8x hf-sdpa and >= 1.0x onnxruntime-int8
+on fixed lengths, >= 3x hf-sdpa on the uniform mix; the record's `targets` says met / missed / not measured.
 --quick (CI): a tiny model, uniform lengths 4..64, fp32, no compile contenders.
 Machine shared with other work? Each row keeps the 1-minute load average after its setting ran.
 """
 import copy
+import gc
 import json
 import os
 import tempfile
@@ -89,9 +95,10 @@ def hidden(out):
     return out.last_hidden_state
 
 
-def onnx_runner(model, example):
+def onnx_runner(model, example, int8=False):
     """The rf encoder exported by torch.onnx.export (dynamic batch and length) in an onnxruntime CPU
-    session with all graph optimisations; a string saying why when it cannot run."""
+    session with all graph optimisations, after onnxruntime's quantize_dynamic when `int8`; a string
+    saying why when it cannot run."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -104,6 +111,11 @@ def onnx_runner(model, example):
                                     dynamic_shapes={"input_ids": dims, "attention_mask": dims})
     path = os.path.join(tempfile.mkdtemp(prefix="bench_inference_"), "encoder.onnx")
     program.save(path)
+    if int8:
+        from onnxruntime.quantization import quantize_dynamic
+
+        quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"))  # int8 weights, uint8 dynamic activations
+        path = path.replace(".onnx", "-int8.onnx")
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -111,7 +123,8 @@ def onnx_runner(model, example):
     # timed after it (measured: every PyTorch contender ~100x slower on 2 cores with spinning on)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    name = "onnxruntime-int8" if int8 else "onnxruntime"
+    session = weighed(name, lambda: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]))
     names = [i.name for i in session.get_inputs()]
 
     def run(ids, mask):
@@ -130,13 +143,37 @@ def hf_sdpa(cfg, device, dtype):
     return model
 
 
-def contenders(cfg, device, dtype, skip_compile, example):
-    """name -> callable(ids, mask) -> last hidden state, or name -> the reason it cannot run."""
-    sdpa = hf_sdpa(cfg, device, dtype)
-    eager = copy.deepcopy(sdpa)
-    eager.set_attn_implementation("eager")
-    runs = {"hf-sdpa": lambda ids, mask: hidden(sdpa(input_ids=ids, attention_mask=mask)),
-            "hf-eager": lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))}
+WEIGHTS_MB = {}  # contender -> the process's RSS growth while its model was built (its weights' memory)
+
+
+def weighed(name, build):
+    """build(), with the process's RSS growth meanwhile recorded as WEIGHTS_MB[name]."""
+    gc.collect()
+    before = _rss_mb()
+    built = build()
+    gc.collect()
+    WEIGHTS_MB[name] = (_rss_mb() or 0) - (before or 0)
+    return built
+
+
+def torch_dynamic_int8(model):
+    """PyTorch's dynamic quantization of every nn.Linear (torch.ao.quantization, deprecated but present)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: True):
+    """name -> callable(ids, mask) -> last hidden state, or name -> the reason it cannot run; the
+    costlier ones (an ONNX export, a second model) are built only when `wanted(name)`."""
+    import transformers  # noqa: F401  (imported before weighing the first model)
+
+    sdpa = weighed("hf-sdpa", lambda: hf_sdpa(cfg, device, dtype))
+    runs = {"hf-sdpa": lambda ids, mask: hidden(sdpa(input_ids=ids, attention_mask=mask))}
+    if wanted("hf-eager"):
+        eager = copy.deepcopy(sdpa)
+        eager.set_attn_implementation("eager")
+        runs["hf-eager"] = lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))
 
     def ours(backend, unpad=True):
         model = rf.RobertaModel.from_pretrained(sdpa, backend=backend).eval().to(device, dtype)
@@ -144,17 +181,30 @@ def contenders(cfg, device, dtype, skip_compile, example):
         return model
 
     if device.type == "cpu":
-        unpadded = ours("reference")
+        unpadded = weighed("rf-unpadded", lambda: ours("reference"))
         runs["rf-unpadded"] = lambda ids, mask: hidden(unpadded(ids, attention_mask=mask))
-        padded = ours("reference", unpad=False)
-        runs["rf-padded"] = lambda ids, mask: hidden(padded(ids, attention_mask=mask))
+        if wanted("rf-padded"):
+            padded = ours("reference", unpad=False)
+            runs["rf-padded"] = lambda ids, mask: hidden(padded(ids, attention_mask=mask))
         if skip_compile:
             runs["rf-compile"] = "skipped (--skip-compile or --quick)"
         else:
             compiled_rf = torch.compile(unpadded, dynamic=True)
             runs["rf-compile"] = lambda ids, mask: hidden(compiled_rf(ids, attention_mask=mask))
-        runs["onnxruntime"] = (onnx_runner(ours("reference"), example) if dtype == torch.float32
-                               else "fp32 only (onnxruntime's CPU provider has no bf16 matmul)")
+        fp32_only = "fp32 only (onnxruntime's CPU provider has no bf16 matmul)"
+        if wanted("onnxruntime"):
+            runs["onnxruntime"] = onnx_runner(ours("reference"), example) if dtype == torch.float32 else fp32_only
+        int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
+        if dtype != torch.float32:
+            runs.update({k: int8_fp32_only for k in ("rf-int8", "onnxruntime-int8", "hf-int8")})
+        else:
+            int8 = weighed("rf-int8", lambda: rf.quantize(ours("reference")))
+            runs["rf-int8"] = lambda ids, mask: hidden(int8(ids, attention_mask=mask))
+            if wanted("onnxruntime-int8"):
+                runs["onnxruntime-int8"] = onnx_runner(ours("reference"), example, int8=True)
+            if wanted("hf-int8"):
+                hf_int8 = weighed("hf-int8", lambda: torch_dynamic_int8(hf_sdpa(cfg, device, dtype)))
+                runs["hf-int8"] = lambda ids, mask: hidden(hf_int8(input_ids=ids, attention_mask=mask))
     else:
         for backend in ("fused", "reference"):
             model = ours(backend)
@@ -230,6 +280,7 @@ def measure(runs, data, device, repeats, reference):
         rows[name].update(ms_per_batch=bc.sig(1e3 * seconds / len(data)), seconds_all=[bc.sig(t) for t in ts])
         if device.type == "cpu":
             rows[name]["peak_rss_mb"] = peaks[name]
+            rows[name]["weights_mb"] = WEIGHTS_MB.get(name)
         if name.endswith("compile"):
             rows[name]["graphs_after_timing"] = graph_count()
     return rows, times
@@ -243,7 +294,10 @@ TARGETS = {
             ("rf-unpadded max |diff| to transformers fp32, uniform, fp32", "uniform", "fp32", "rf-unpadded",
              "max_abs_diff_vs_hf_fp32", 1e-5, False),
             ("rf-unpadded vs hf-sdpa, fixed lengths (no padding), fp32", "fixed", "fp32", "rf-unpadded", "vs_hf_sdpa",
-             1.0, True)],
+             1.0, True),
+            ("rf-int8 vs hf-sdpa fp32, fixed 128", "fixed", "fp32", "rf-int8", "vs_hf_sdpa", 1.8, True),
+            ("rf-int8 vs onnxruntime-int8, fixed 128", "fixed", "fp32", "rf-int8", "vs_onnxruntime-int8", 1.0, True),
+            ("rf-int8 vs hf-sdpa fp32, uniform 8..512", "uniform", "fp32", "rf-int8", "vs_hf_sdpa", 3.0, True)],
     "cuda": [("rf-fused vs hf-sdpa, uniform 8..512, bf16", "uniform", "bf16", "rf-fused", "vs_hf_sdpa", 2.0, True)],
 }
 
@@ -255,8 +309,8 @@ def evaluate_targets(results, device):
     for name, lengths, dtype, contender, metric, goal, at_least in TARGETS[device.type]:
         row = rows.get((lengths, dtype, contender), {})
         achieved = row.get(metric)
-        if metric == "vs_onnxruntime" and row.get("status") == "ok":
-            peer = rows.get((lengths, dtype, "onnxruntime"), {})
+        if metric.startswith("vs_onnxruntime") and row.get("status") == "ok":
+            peer = rows.get((lengths, dtype, metric[3:]), {})
             achieved = bc.sig(peer["ms_per_batch"] / row["ms_per_batch"]) if peer.get("status") == "ok" else None
         if achieved is None:
             status = "not measured"
@@ -278,6 +332,7 @@ def main():
     p.add_argument("--repeats", type=int, default=None, help="timed passes per contender (median)")
     p.add_argument("--only", default=None, help="comma-separated contenders to run (hf-sdpa, the peer, always runs)")
     p.add_argument("--chart", default=None, help="bar chart of real tokens/s (PNG; default: beside the record)")
+    p.add_argument("--note", default=None, help="a sentence kept in the record (e.g. what else ran on the machine)")
     args = p.parse_args()
     device = torch.device(args.device) if args.device else bc.default_device()
     quick = args.quick
@@ -315,7 +370,8 @@ def main():
         if path:
             bc.write_json(path, bc.environment(device), results, config=dict(
                 lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
-                threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg()), targets=targets)
+                threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg(),
+                quantized_engine=torch.backends.quantized.engine, note=args.note), targets=targets)
             print(f"\nwrote {path}")
 
     for dist in lengths:
@@ -333,9 +389,10 @@ def main():
         reference = None
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            runs = contenders(cfg, device, dtype, skip_compile, data[0])
-            if args.only:
-                runs = {k: v for k, v in runs.items() if k == "hf-sdpa" or k in args.only.split(",")}
+            only = args.only.split(",") if args.only else None
+            wanted = lambda name: only is None or name in only  # noqa: E731
+            runs = contenders(cfg, device, dtype, skip_compile, data[0], wanted)
+            runs = {k: v for k, v in runs.items() if k == "hf-sdpa" or wanted(k)}
             with torch.inference_mode():
                 if reference is None:  # transformers SDPA in fp32 on the same weights
                     ref_model = hf_sdpa(cfg, device, torch.float32)
@@ -351,7 +408,7 @@ def main():
                     row["vs_hf_sdpa"] = bc.sig(peer / row["ms_per_batch"])
             print(f"-- {dist} {dtype_name}  (load after: {os.getloadavg()})")
             bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
-                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb"])
+                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb"])
             results += list(rows.values())
         write(results, evaluate_targets(results, device))
     targets = evaluate_targets(results, device)

@@ -19,7 +19,8 @@ from roberta_fast.files import atomic_path
 
 COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "hf-eager": "#1f77b4", "hf-compile": "#aec7e8",
           "rf-unpadded": "#d62728", "rf-padded": "#ff9896", "rf-compile": "#e377c2", "hf-sdpa": "#2ca02c",
-          "onnxruntime": "#7f7f7f", "hf-patched": "#ff7f0e"}
+          "onnxruntime": "#7f7f7f", "hf-patched": "#ff7f0e", "rf-int8": "#8c564b", "onnxruntime-int8": "#bcbd22",
+          "hf-int8": "#98df8a"}
 
 
 def _is_inference(report: dict) -> bool:

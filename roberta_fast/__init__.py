@@ -26,6 +26,7 @@ _LAZY = {
     "mask_tokens": "masking",
     "FusedAdam": "optim",
     "patch": "hf_patch",
+    "quantize": "quantization",
 }
 
 __all__ = sorted(_LAZY)

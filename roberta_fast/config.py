@@ -15,6 +15,8 @@ from typing import Any
 # Keys of an HF config.json that describe things this implementation does not model
 # (generation, provenance). They are kept and written back unchanged.
 _PASSTHROUGH_DEFAULTS = {"architectures": None, "tie_word_embeddings": True}
+# The output flags, with the defaults config.json leaves out.
+_OUTPUT_FLAGS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True}
 # HF settings that make RoBERTa a causal decoder (with cross-attention): another model.
 DECODER_SETTINGS = ("is_decoder", "add_cross_attention")
 
@@ -54,6 +56,10 @@ class RobertaConfig:
     eos_token_id: int = 2
     position_embedding_type: str = "absolute"
     classifier_dropout: float | None = None
+    # What a call returns when it does not say (transformers' PretrainedConfig fields of these names).
+    output_hidden_states: bool = False
+    output_attentions: bool = False
+    return_dict: bool = True
     # Anything else found in an HF config.json, written back as it was read.
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -121,6 +127,18 @@ class RobertaConfig:
         """Longest sequence the position table can hold (positions start at pad_token_id + 1)."""
         return self.max_position_embeddings - self.pad_token_id - 1
 
+    is_encoder_decoder = False  # transformers' flags: RoBERTa is an encoder, with no sub-configs
+    sub_configs = {}  # (no annotation: a class attribute, not a dataclass field)
+
+    def get_text_config(self, *args, **kwargs) -> "RobertaConfig":
+        """transformers' accessor of a composite model's text part: this config itself."""
+        return self
+
+    @property
+    def use_return_dict(self) -> bool:
+        """transformers' older name of return_dict."""
+        return self.return_dict
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -168,6 +186,9 @@ class RobertaConfig:
         out = {k: v for k, v in _PASSTHROUGH_DEFAULTS.items()}
         out.update(self.extra)
         out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
+        for name in _OUTPUT_FLAGS:  # written only when set, as transformers writes a config.json
+            if out[name] == _OUTPUT_FLAGS[name]:
+                del out[name]
         out["model_type"] = out.get("model_type", "roberta")
         return {k: v for k, v in sorted(out.items()) if v is not None or k == "classifier_dropout"}
 

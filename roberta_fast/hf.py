@@ -158,16 +158,29 @@ def _load_bin(file: str) -> dict:
 
 
 def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtype | None = None,
-                    device: str | torch.device | None = None, revision: str | None = None, **model_kwargs):
+                    device: str | torch.device | None = None, revision: str | None = None,
+                    output_loading_info: bool = False, torch_dtype: torch.dtype | None = None,
+                    ignore_mismatched_sizes: bool = False, **model_kwargs):
     """Build `cls` (RobertaModel or RobertaForMaskedLM) from an HF checkpoint: a directory,
     a Hub name (`revision` picks a branch, tag or commit) or a `transformers` model.
 
     Encoder weights must all be present; a head absent from the checkpoint (the pooler
     of an MLM checkpoint, the MLM head of a bare encoder) is initialised and reported,
-    as transformers does.
+    as transformers does. The model comes back in eval mode (dropout off), as transformers'
+    from_pretrained returns it; call .train() to fine-tune. output_loading_info=True returns
+    (model, {"missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"}) as transformers
+    does (native key names); torch_dtype is transformers' older name of dtype.
+    ignore_mismatched_sizes=True initialises (and reports) the weights whose shape differs from
+    the model's, as transformers does (a head loaded with another num_labels); without it they are refused.
     """
+    dtype = dtype if dtype is not None else torch_dtype
+    if isinstance(dtype, str):  # transformers' spellings: "float16", "torch.float16"; "auto" keeps fp32
+        dtype = None if dtype == "auto" else getattr(torch, dtype.removeprefix("torch."))
     config, hf_state = read_hf_checkpoint(path_or_model, revision)
     model = cls(config, backend=backend, **model_kwargs)
+    if any(p.is_meta for p in model.parameters()):
+        raise RuntimeError("You are using `from_pretrained` with a meta device context manager (torch.device('meta')): "
+                           "the weights would not be loaded; call from_pretrained outside it")
     prefix = "roberta." if hasattr(model, "roberta") else ""
     hf_state = _align_prefix(hf_state, prefix)
     state, unknown = hf_to_native(hf_state, prefix)
@@ -178,10 +191,16 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     essential = [k for k in missing if not k.startswith(head_prefixes)]
     if essential:
         raise ValueError(f"checkpoint lacks encoder weights: {essential[:8]}{' ...' if len(essential) > 8 else ''}")
+    mismatched = []
     for key in list(state):
         if key in expected and state[key].shape != expected[key].shape:
-            raise ValueError(f"checkpoint weight {key} has shape {tuple(state[key].shape)}, "
-                             f"the config implies {tuple(expected[key].shape)}")
+            if not ignore_mismatched_sizes:
+                raise ValueError(f"checkpoint weight {key} has shape {tuple(state[key].shape)}, the config "
+                                 f"implies {tuple(expected[key].shape)} (ignore_mismatched_sizes=True initialises "
+                                 "it instead)")
+            mismatched.append((key, tuple(state.pop(key).shape), tuple(expected[key].shape)))
+    if mismatched:
+        warnings.warn(f"newly initialised (shape differs from the checkpoint's): {mismatched}", stacklevel=3)
     if missing:
         warnings.warn(f"newly initialised (not in the checkpoint): {missing}", stacklevel=3)
     if unexpected:
@@ -189,6 +208,10 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
+    model.eval()
+    if output_loading_info:
+        return model, {"missing_keys": set(missing), "unexpected_keys": set(unexpected),
+                       "mismatched_keys": mismatched, "error_msgs": []}
     return model
 
 
@@ -217,7 +240,9 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
     from safetensors.torch import save_file
 
     from .files import atomic_path
+    from .quantization import refuse_quantized
 
+    refuse_quantized(model, "save_pretrained")
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     prefix = "roberta." if hasattr(model, "roberta") else ""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
@@ -27,19 +28,43 @@ IGNORE_INDEX = -100  # label of a position that is not predicted
 
 
 # ----------------------------------------------------------------------- outputs
-class _Output:
-    """Attribute access plus HF-style indexing (out[0], out["logits"]) over non-None fields."""
+class ModelOutput:
+    """transformers' ModelOutput behaviour on a dataclass, over the fields that are not None:
+    attributes, out["logits"], out[0] and slices, keys() / values() / items(), iteration over
+    the keys, "logits" in out, len(out) and to_tuple(). Not a dict (as transformers' is), so
+    torch.export takes it as a pytree dataclass; under torch.jit.trace the models return
+    to_tuple() instead (TorchScript takes tuples; _PreTrained._result)."""
 
-    def _items(self):
+    def items(self):
         return [(k, v) for k, v in self.__dict__.items() if v is not None]
+
+    def keys(self):
+        return [k for k, _ in self.items()]
+
+    def values(self):
+        return [v for _, v in self.items()]
+
+    def to_tuple(self):
+        return tuple(self.values())
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
 
     def __getitem__(self, key):
         if isinstance(key, str):
+            if key not in self:  # transformers' KeyError for a field that is None
+                raise KeyError(key)
             return getattr(self, key)
-        return tuple(v for _, v in self._items())[key]
+        return self.to_tuple()[key]
 
-    def to_tuple(self):
-        return tuple(v for _, v in self._items())
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __contains__(self, key):
+        return key in self.keys()
+
+    def __len__(self):
+        return len(self.keys())
 
 
 def _output(cls):
@@ -50,15 +75,16 @@ def _output(cls):
 
 
 @_output
-class BaseModelOutput(_Output):
+class BaseModelOutput(ModelOutput):
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    cross_attentions: tuple[()] | None = None  # () with attentions, as transformers' encoder returns
 
 
 @_output
-class MaskedLMOutput(_Output):
+class MaskedLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -66,7 +92,7 @@ class MaskedLMOutput(_Output):
 
 
 @_output
-class SequenceClassifierOutput(_Output):
+class SequenceClassifierOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -74,7 +100,7 @@ class SequenceClassifierOutput(_Output):
 
 
 @_output
-class TokenClassifierOutput(_Output):
+class TokenClassifierOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -82,7 +108,7 @@ class TokenClassifierOutput(_Output):
 
 
 @_output
-class QuestionAnsweringModelOutput(_Output):
+class QuestionAnsweringModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     start_logits: torch.Tensor | None = None
     end_logits: torch.Tensor | None = None
@@ -91,7 +117,7 @@ class QuestionAnsweringModelOutput(_Output):
 
 
 @_output
-class MultipleChoiceModelOutput(_Output):
+class MultipleChoiceModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
@@ -99,6 +125,12 @@ class MultipleChoiceModelOutput(_Output):
 
 
 # ----------------------------------------------------------------- input checks
+def _tracing() -> bool:
+    """Whether values are symbolic (torch.export, torch.compile, torch.jit.trace / the TorchScript ONNX
+    exporter): checks on values, which need a host sync, are skipped; shapes are still checked."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
                  position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None):
     """Raise ValueError naming the problem for inputs that would index out of range.
@@ -164,7 +196,7 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
     for name, t, _, _ in ranges:
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    if torch.compiler.is_compiling():  # torch.export / torch.compile: values are symbolic, shapes checked above
+    if _tracing():  # values are symbolic, shapes checked above
         return
     # One host sync for every range check: [min, max] of each tensor.
     bounds = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, _, _ in ranges]).tolist()
@@ -212,7 +244,7 @@ def key_padding_mask(attention_mask, batch: int, seqlen: int):
             f"negative number or -inf = masked), got dtype {mask.dtype}; pass a 0/1 mask in the 2-D "
             "(batch, seqlen) form")
     keep = mask == 0
-    if not torch.compiler.is_compiling() and bool((~keep & ~(mask <= -1e4)).any()):
+    if not _tracing() and bool((~keep & ~(mask <= -1e4)).any()):
         raise ValueError(
             "a 4-D float attention_mask must be additive: 0 where attended and a large negative number "
             "(<= -1e4, e.g. torch.finfo(dtype).min) or -inf where masked; this one holds other values, an "
@@ -236,7 +268,7 @@ def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
     total, seqlen = input_ids.numel(), input_ids.shape[1]
     if cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens needs at least two boundaries, 0 and batch·seqlen")
-    if torch.compiler.is_compiling():  # the boundaries' values are symbolic under torch.export / torch.compile
+    if _tracing():  # the boundaries' values are symbolic
         return
     row_starts = torch.arange(0, total + 1, seqlen, device=cu_seqlens.device, dtype=torch.int32)
     first, last, smallest_step, rows_kept = torch.stack([
@@ -291,6 +323,15 @@ class RobertaEmbeddings(nn.Module):
         return F.dropout(x, p=p, training=p > 0)
 
 
+def _linear_gelu(linear: nn.Module, x, backend: str):
+    """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear; any other module
+    (a PEFT LoRA layer, which keeps the base weight as .weight; rf.quantize's Int8Linear) runs its
+    own forward."""
+    if type(linear) is nn.Linear:
+        return ops.linear_gelu(x, linear.weight, linear.bias, backend)
+    return F.gelu(linear(x))
+
+
 class RobertaLayer(nn.Module):
     """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
 
@@ -337,7 +378,7 @@ class RobertaLayer(nn.Module):
                                          self.attn_norm.eps, hidden_p, backend, ffn_cast_dtype)
         x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
-        f = ops.linear_gelu(x_ffn, self.ffn_in.weight, self.ffn_in.bias, backend)
+        f = _linear_gelu(self.ffn_in, x_ffn, backend)
         f = self.ffn_out(f)
         out = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
                                          self.ffn_norm.eps, hidden_p, backend, cast_dtype)
@@ -346,14 +387,27 @@ class RobertaLayer(nn.Module):
 
 
 class _PreTrained(nn.Module):
-    """Weight init (as HF's), backend choice, input checks and HF load/save, shared by the models."""
+    """Weight init (as HF's), backend choice, input checks, HF load/save and the model methods
+    transformers users call (embeddings, resizing, num_parameters, gradient checkpointing),
+    shared by the six drop-in classes (and SpanBERT's)."""
 
     config: RobertaConfig
+    base_model_prefix = "roberta"  # transformers' name of the encoder inside a head model
+    _keep_in_fp32_modules, _keep_in_fp32_modules_strict = [], []  # transformers' hooks: nothing kept in fp32
+    _keys_to_ignore_on_load_missing = None
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)
 
-    def _setup(self, config: RobertaConfig, backend: str):
+    def _setup(self, config: RobertaConfig, backend: str) -> RobertaConfig:
+        """Keep the config (a transformers RobertaConfig is read through its to_dict) and the backend;
+        returns the RobertaConfig the model is built from."""
+        if not isinstance(config, RobertaConfig) and hasattr(config, "to_dict"):
+            config = RobertaConfig.from_dict(config.to_dict())
         self.config = config
         self.backend = backend
         self.check_inputs = True
+        return config
 
     @property
     def backend(self) -> str:
@@ -382,11 +436,18 @@ class _PreTrained(nn.Module):
             nn.init.zeros_(module.bias)
 
     def _backend_for(self, tensor) -> str:
-        """The backend for `tensor`'s device; torch.export traces the reference one (plain aten ops,
-        which ONNX and any device take; the fused path's unpadding syncs on data)."""
-        if torch.compiler.is_exporting():
+        """The backend for `tensor`'s device; torch.export and torch.jit.trace trace the reference one
+        (plain aten ops, which ONNX and any device take; the fused path's unpadding syncs on data)."""
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():
             return "reference"
         return ops.resolve_backend(self.backend, tensor.device)
+
+    def _result(self, out: ModelOutput, return_dict: bool | None):
+        """`out`, or its to_tuple() when return_dict (else the config's) is False, and under
+        torch.jit.trace (which takes tuples, not objects; the ONNX TorchScript exporter traces too)."""
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        return out if return_dict and not torch.jit.is_tracing() else out.to_tuple()
 
     def _checked_mask(self, input_ids, inputs_embeds, attention_mask, token_type_ids=None, position_ids=None,
                       cu_seqlens=None, labels=None):
@@ -399,6 +460,134 @@ class _PreTrained(nn.Module):
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens, labels,
                          inputs_embeds)
         return attention_mask
+
+    # ------------------------------------------------- transformers' model methods
+    @property
+    def base_model(self) -> "RobertaModel":
+        """The encoder: `self.roberta` in a head model, the model itself for RobertaModel."""
+        return getattr(self, self.base_model_prefix, self)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point parameter, as transformers reports it."""
+        return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters counted once (the tied decoder is the word embeddings); exclude_embeddings
+        leaves out the nn.Embedding tables, as transformers does."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        return sum(p.numel() for p in self.parameters()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.base_model.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        """Replace the word embeddings; the MLM decoder reads them, so it stays tied."""
+        self.base_model.embeddings.word_embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The MLM decoder as transformers exposes it: a Linear whose weight IS the word embeddings'
+        parameter and whose bias is the head's (not a copy: changing either changes the model);
+        None for models without an MLM head."""
+        head = getattr(self, "lm_head", None)
+        if head is None:
+            return None
+        weight = self.get_input_embeddings().weight
+        decoder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        decoder.weight, decoder.bias = weight, head.bias
+        return decoder
+
+    def tie_weights(self, *args, **kwargs):
+        """Nothing to do: the decoder reads the word embeddings, so it is tied by construction."""
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """Grow or shrink the vocabulary as transformers does: old rows kept, new rows drawn around the
+        old embeddings' mean (mean_resizing, transformers' default: a normal with 1e-9 times their
+        covariance) or from N(0, initializer_range); the decoder bias kept, new entries 0 (as transformers'
+        re-tied bias).
+        The decoder stays tied (it reads the embeddings); config.vocab_size follows."""
+        old = self.get_input_embeddings()
+        if pad_to_multiple_of is not None:
+            wanted = old.num_embeddings if new_num_tokens is None else new_num_tokens
+            new_num_tokens = -(-wanted // pad_to_multiple_of) * pad_to_multiple_of
+        if new_num_tokens is None or new_num_tokens == old.num_embeddings:
+            return old
+        if new_num_tokens <= max(self.config.pad_token_id, self.config.bos_token_id or 0, self.config.eos_token_id or 0):
+            raise ValueError(f"resize_token_embeddings({new_num_tokens}) would drop the special tokens' ids "
+                             f"(pad {self.config.pad_token_id}, bos {self.config.bos_token_id}, eos "
+                             f"{self.config.eos_token_id}); keep at least {self.config.pad_token_id + 1} tokens")
+        kept, added = min(old.num_embeddings, new_num_tokens), new_num_tokens - old.num_embeddings
+        new = nn.Embedding(new_num_tokens, old.embedding_dim, padding_idx=old.padding_idx,
+                           device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight[:kept] = old.weight[:kept]
+            if added > 0:
+                new.weight[kept:] = _added_embeddings(old.weight, added, mean_resizing, self.config.initializer_range)
+            for name in self._vocab_bias_heads:
+                head = getattr(self, name, None)
+                if head is not None:  # (vocab,) -> (new_num_tokens,), zeros added
+                    bias = F.pad(head.bias.detach()[:kept], (0, max(added, 0)))
+                    head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        self.set_input_embeddings(new)
+        self.config.vocab_size = new_num_tokens
+        return new
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      activation_checkpointing_kwargs: dict | None = None):
+        """Recompute each encoder layer's activations in the backward pass instead of storing them:
+        the same gradients (dropout replays the same RNG state), less activation memory.
+        torch.utils.checkpoint with use_reentrant=False unless the kwargs (either name) say."""
+        kwargs = gradient_checkpointing_kwargs or activation_checkpointing_kwargs or {}
+        self.base_model.checkpointing = {"use_reentrant": False, **kwargs}
+
+    def gradient_checkpointing_disable(self):
+        self.base_model.checkpointing = None
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.base_model.checkpointing is not None
+
+    # transformers 5's names for the same
+    activation_checkpointing_enable = gradient_checkpointing_enable
+    activation_checkpointing_disable = gradient_checkpointing_disable
+    is_activation_checkpointing = is_gradient_checkpointing
+
+    def enable_input_require_grads(self):
+        """Make the word embeddings' output require grad (PEFT calls it for gradient checkpointing
+        on a frozen model, so the checkpointed layers still get a graph)."""
+        self._input_grads_hook = self.get_input_embeddings().register_forward_hook(
+            lambda module, inputs, output: output.requires_grad_(True))
+
+    def disable_input_require_grads(self):
+        self._input_grads_hook.remove()
+
+    def init_weights(self):
+        """(Re-)initialise every weight as transformers does (normal(0, initializer_range), zero
+        biases, unit LayerNorms, zero pad rows)."""
+        self.apply(self._init_weights)
+
+    def post_init(self):
+        """Nothing to do: __init__ has initialised every weight, and the decoder is tied by construction
+        (transformers' post_init likewise leaves initialised weights as they are)."""
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """An encoder: no generate()."""
+        return False
+
+    @classmethod
+    def _from_config(cls, config, attn_implementation: str | None = None, **kwargs):
+        """transformers' constructor from a config. There is one attention implementation here (fused or
+        reference by `backend`, each the same function as transformers' eager / SDPA), so
+        attn_implementation picks nothing; output_attentions works with any."""
+        return cls(config, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path_or_model, backend: str = "auto", **kwargs):
@@ -419,24 +608,26 @@ class RobertaModel(_PreTrained):
 
     def __init__(self, config: RobertaConfig, add_pooling_layer: bool = True, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.embeddings = RobertaEmbeddings(config)
         self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self.unpad = True
+        # torch.utils.checkpoint's kwargs while gradient checkpointing is on (transformers' config flag too)
+        self.checkpointing = {"use_reentrant": False} if config.extra.get("gradient_checkpointing") else None
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
+                inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None):
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
                                             cu_seqlens)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
                           output_hidden_states, output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-               output_hidden_states: bool = False, output_attentions: bool = False,
+               output_hidden_states: bool | None = None, output_attentions: bool | None = None,
                cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None) -> BaseModelOutput:
         """forward() without the input checks (for callers that have done them).
 
@@ -453,6 +644,10 @@ class RobertaModel(_PreTrained):
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
         keeps attention inside each segment, and `position_ids` restart per document.
         """
+        if output_hidden_states is None:  # the config's, as transformers reads them
+            output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         shaped = input_ids if inputs_embeds is None else inputs_embeds
         shape = tuple(shaped.shape[:2])  # (batch, seqlen)
         backend = self._backend_for(shaped)
@@ -483,8 +678,11 @@ class RobertaModel(_PreTrained):
         states, attentions, x_cast = [x], [], None
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1  # the head casts its own (fewer) rows
-            x, x_cast, probs = layer(x, attention_mask, backend, packed, output_attentions, x_cast,
-                                     None if last else cast_dtype)
+            args = (x, attention_mask, backend, packed, output_attentions, x_cast, None if last else cast_dtype)
+            if self.checkpointing is not None and self.training and torch.is_grad_enabled():
+                x, x_cast, probs = torch.utils.checkpoint.checkpoint(layer, *args, **self.checkpointing)
+            else:
+                x, x_cast, probs = layer(*args)
             states.append(x)
             if output_attentions:
                 attentions.append(probs)
@@ -493,7 +691,7 @@ class RobertaModel(_PreTrained):
             states = [packing.unpack(h) for h in states] if output_hidden_states else states
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
         return BaseModelOutput(x, pooled, tuple(states) if output_hidden_states else None,
-                               tuple(attentions) if output_attentions else None)
+                               tuple(attentions) if output_attentions else None, () if output_attentions else None)
 
 
 class _Packing:
@@ -552,7 +750,7 @@ class RobertaLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, x, decoder_weight, backend="reference"):
-        x = ops.linear_gelu(x, self.dense.weight, self.dense.bias, backend)
+        x = _linear_gelu(self.dense, x, backend)
         x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
                                        self.layer_norm.eps, 0.0, backend)
         return F.linear(x, decoder_weight, self.bias)
@@ -563,16 +761,16 @@ class RobertaForMaskedLM(_PreTrained):
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.lm_head = RobertaLMHead(config)
         self.apply(self._init_weights)
         nn.init.zeros_(self.lm_head.bias)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, masked_only: bool = False, loss_reduction: str = "mean",
-                return_dict: bool = True, cu_seqlens=None, max_seqlen: int | None = None):
+                position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, masked_only: bool = False, loss_reduction: str = "mean",
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
@@ -616,7 +814,22 @@ class RobertaForMaskedLM(_PreTrained):
             loss = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), loss_reduction,
                                      backend)
         out = MaskedLMOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
+
+
+def _added_embeddings(old, added: int, mean_resizing: bool, std: float):
+    """(added, hidden) new rows for resize_token_embeddings, as transformers draws them."""
+    if not mean_resizing:
+        return torch.randn(added, old.shape[1], device=old.device).mul_(std).to(old.dtype)
+    dtype, old = old.dtype, old.float()
+    mean = old.mean(0)
+    centered = old - mean
+    covariance = 1e-9 * (centered.T @ centered / old.shape[0])  # transformers' epsilon, in its order
+    if torch.distributions.constraints.positive_definite.check(covariance).all():
+        rows = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance).sample((added,))
+    else:  # too few tokens for a full-rank covariance: the mean itself
+        rows = mean.expand(added, -1)
+    return rows.to(dtype)
 
 
 def _num_labels(config: RobertaConfig, num_labels: int | None) -> int:
@@ -637,7 +850,7 @@ def _check_class_labels(labels, num_classes: int, name: str = "labels"):
     device-side assert; one host sync, skipped under torch.export / torch.compile (data-dependent)."""
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(f"{name} must be integer class ids, got dtype {labels.dtype}; convert with .long()")
-    if torch.compiler.is_compiling() or not labels.numel():
+    if _tracing() or not labels.numel():
         return
     low, high = torch.stack([labels.masked_fill(labels == IGNORE_INDEX, 0).min(), labels.max()]).tolist()
     if low < 0 or high >= num_classes:
@@ -672,22 +885,22 @@ class RobertaForSequenceClassification(_PreTrained):
 
     def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.num_labels = _num_labels(config, num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.classifier = RobertaClassificationHead(config, self.num_labels)
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True):
+                position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
         logits = self.classifier(encoded.last_hidden_state)
         loss = None if labels is None else self._loss(logits, labels)
         out = SequenceClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
     def _loss(self, logits, labels):
         problem = self.config.extra.get("problem_type")
@@ -718,7 +931,7 @@ class RobertaForTokenClassification(_PreTrained):
 
     def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.num_labels = _num_labels(config, num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         dropout = config.classifier_dropout
@@ -727,8 +940,8 @@ class RobertaForTokenClassification(_PreTrained):
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True):
+                inputs_embeds=None, labels=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         """Logits (batch, seqlen, num_labels); labels (batch, seqlen) give the loss."""
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
@@ -743,7 +956,7 @@ class RobertaForTokenClassification(_PreTrained):
             _check_class_labels(labels, self.num_labels)
             loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.reshape(-1))
         out = TokenClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 class RobertaForQuestionAnswering(_PreTrained):
@@ -758,15 +971,15 @@ class RobertaForQuestionAnswering(_PreTrained):
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.num_labels = _num_labels(config, 2)  # start, end (transformers sizes qa_outputs by num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.qa_outputs = nn.Linear(config.hidden_size, self.num_labels)
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True):
+                inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         """start_logits, end_logits (batch, seqlen); start/end_positions (batch,) give the loss."""
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
@@ -783,7 +996,7 @@ class RobertaForQuestionAnswering(_PreTrained):
                 losses.append(F.cross_entropy(scores, positions.clamp(0, ignored), ignore_index=ignored))
             loss = (losses[0] + losses[1]) / 2
         out = QuestionAnsweringModelOutput(loss, start_logits, end_logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 def _answer_positions(name: str, positions, batch: int):
@@ -807,15 +1020,15 @@ class RobertaForMultipleChoice(_PreTrained):
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
-        self._setup(config, backend)
+        config = self._setup(config, backend)
         self.roberta = RobertaModel(config, add_pooling_layer=True, backend=backend)
         self.dropout_p = config.hidden_dropout_prob
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, token_type_ids=None, attention_mask=None, labels=None, position_ids=None,
-                inputs_embeds=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True):
+                inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         shaped = input_ids if input_ids is not None else inputs_embeds
         dims = 3 if input_ids is not None else 4
         if not isinstance(shaped, torch.Tensor) or shaped.dim() != dims:
@@ -848,7 +1061,7 @@ class RobertaForMultipleChoice(_PreTrained):
             _check_class_labels(labels, num_choices)
             loss = F.cross_entropy(logits, labels)
         out = MultipleChoiceModelOutput(loss, logits, encoded.hidden_states, encoded.attentions)
-        return out if return_dict else out.to_tuple()
+        return self._result(out, return_dict)
 
 
 # -------------------------------------------------------------------------- MFU

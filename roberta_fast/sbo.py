@@ -39,7 +39,7 @@ from torch import nn
 
 from . import ops
 from .config import RobertaConfig
-from .model import RobertaForMaskedLM, _Output, check_inputs
+from .model import ModelOutput, RobertaForMaskedLM, check_inputs
 
 SBO_WEIGHTS = "sbo.safetensors"
 
@@ -106,7 +106,7 @@ class SpanBoundaryHead(nn.Module):
 
 
 @dataclass
-class SpanBertOutput(_Output):
+class SpanBertOutput(ModelOutput):
     loss: torch.Tensor | None = None  # mlm_loss + sbo_loss ("mean"); None with "sum" (normalise each yourself)
     mlm_loss: torch.Tensor | None = None
     sbo_loss: torch.Tensor | None = None
@@ -120,6 +120,8 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
     forward(input_ids, labels, spans, ...) runs the encoder once and both heads over the
     predicted tokens only; without `spans` it is RobertaForMaskedLM's forward.
     """
+
+    _vocab_bias_heads = ("lm_head", "sbo")  # resize_token_embeddings resizes both decoder biases
 
     def __init__(self, config: RobertaConfig, backend: str = "auto", max_offset: int = MAX_SPAN_OFFSET):
         super().__init__(config, backend=backend)

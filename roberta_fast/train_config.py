@@ -54,6 +54,7 @@ class TrainConfig:
     intermediate_size: int | None = None  # feed-forward width (None: the preset's)
     dropout: float | None = None  # hidden and attention dropout (None: the preset's 0.1)
     backend: str = "auto"  # model backend: auto | fused | reference
+    activation_checkpointing: bool = False  # recompute each layer's activations in the backward pass: less memory, ~1/3 more compute
     init_from: str | None = None  # an HF model directory or Hub name to start from, not random weights
     # data
     data: str | None = None  # dataset directory (roberta_fast.preprocess); None: the embedded corpus

@@ -265,6 +265,8 @@ class Trainer:
             self.model = model_class(self.model_config, backend=cfg.backend)
         self.model.to(self.device)
         self.model.check_inputs = False  # ids come from a dataset checked against the vocabulary
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable()
         self.ddp = None
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel

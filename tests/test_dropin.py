@@ -351,3 +351,185 @@ def test_patch_on_a_cpu_without_the_interpreter_runs_the_reference_ops():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.split("max diff")[1]) < 1e-5
+
+
+# --------------------------------------------- behaving as transformers' models do (issue 26)
+DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
+          "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
+
+
+def dropin_inputs(cls, seed=0):
+    """(input_ids, attention_mask) for `cls`: a padded (4, 22) batch; multiple choice (2, 2, 22)."""
+    ids, mask = padded_batch("right", seed)
+    if cls == "RobertaForMultipleChoice":
+        return ids.view(2, 2, 22), mask.view(2, 2, 22)
+    return ids, mask
+
+
+def main_output(out):
+    """The first tensor an output leads with (logits, start_logits or last_hidden_state)."""
+    return out[1] if getattr(out, "loss", None) is not None else out[0]
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_from_pretrained_returns_eval_mode_and_transformers_outputs(cls, tmp_path):
+    """transformers' from_pretrained returns model.eval(): dropout off, the same outputs every call,
+    and those of transformers' model. A model built from a config stays in training mode, as there."""
+    hf = hf_model(cls, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
+    hf.save_pretrained(tmp_path)
+    ids, mask = dropin_inputs(cls)
+    with torch.no_grad():
+        want = main_output(hf(input_ids=ids, attention_mask=mask))
+        for source in (hf, str(tmp_path)):
+            ours = getattr(rf, cls).from_pretrained(source, backend="reference")
+            assert not ours.training and not any(m.training for m in ours.modules())
+            getattr(ours, "roberta", ours).unpad = False  # padded positions computed, as transformers does
+            got = [main_output(ours(ids, attention_mask=mask)) for _ in range(2)]
+            assert torch.equal(got[0], got[1])
+            assert rel_err(got[0], want) < 1e-5
+    assert getattr(rf, cls)(rf.RobertaConfig(**FIELDS)).training
+
+
+def label_kwargs(cls, seed=0):
+    """Labels for `cls`'s loss (none for the bare encoder)."""
+    g = torch.Generator().manual_seed(seed)
+    if cls == "RobertaForMaskedLM":
+        return {"labels": torch.randint(3, FIELDS["vocab_size"], (4, 22), generator=g)}
+    if cls == "RobertaForSequenceClassification" or cls == "RobertaForMultipleChoice":
+        return {"labels": torch.randint(0, 2, (4 if cls != "RobertaForMultipleChoice" else 2,), generator=g)}
+    if cls == "RobertaForTokenClassification":
+        return {"labels": torch.randint(0, 2, (4, 22), generator=g)}
+    if cls == "RobertaForQuestionAnswering":
+        return {"start_positions": torch.tensor([1, 0, 3, 2]), "end_positions": torch.tensor([4, 0, 5, 9])}
+    return {}
+
+
+def assert_same_outputs(got, want):
+    """got behaves as transformers' ModelOutput `want`: the same keys, in order, and values."""
+    assert list(got.keys()) == list(want.keys()) == list(got) == [k for k, _ in got.items()]
+    assert len(got) == len(want) and len(got.to_tuple()) == len(want.to_tuple()) == len(got.values())
+    for key, value in want.items():
+        assert key in got and got.get(key) is got[key] is getattr(got, key)
+        for g, w in zip(*(v if isinstance(v, tuple) else (v,) for v in (got[key], value)), strict=True):
+            assert rel_err(g, w) < 1e-5, key
+    for i, value in enumerate(got.to_tuple()):
+        assert got[i] is value
+    absent = {"hidden_states", "attentions"} - set(want.keys())
+    for key in absent:
+        assert key not in got and got.get(key) is None
+        with pytest.raises(KeyError):
+            got[key]
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_outputs_behave_as_model_outputs_and_the_config_flags_are_honoured(cls):
+    """keys / values / items / iteration / `in` over the fields that are not None, in transformers'
+    order; config.output_hidden_states, output_attentions and return_dict apply when the call leaves
+    them None, as in transformers."""
+    hf = hf_model(cls, num_labels=2) if cls != "RobertaModel" else hf_model(cls)
+    hf.set_attn_implementation("eager")  # transformers takes config.output_attentions only there
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    getattr(ours, "roberta", ours).unpad = False
+    ids, mask = dropin_inputs(cls)
+    labels = label_kwargs(cls)
+    with torch.no_grad():
+        assert_same_outputs(ours(ids, attention_mask=mask, **labels), hf(input_ids=ids, attention_mask=mask, **labels))
+        for model in (hf, ours):
+            model.config.output_hidden_states = True
+            model.config.output_attentions = True
+        want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
+        assert "hidden_states" in got and "attentions" in got
+        assert_same_outputs(got, want)
+        for model in (hf, ours):
+            model.config.return_dict = False
+        want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
+        assert isinstance(got, tuple) and len(got) == len(want)
+        assert not isinstance(ours(ids, attention_mask=mask, return_dict=True, output_hidden_states=False), tuple)
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_model_methods_as_transformers(cls):
+    """The methods transformers users call, one shared implementation for every class: embeddings
+    accessors, the tied decoder, num_parameters (both filters), device, dtype, tie_weights."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    for exclude in (False, True):
+        assert ours.num_parameters(exclude_embeddings=exclude) == hf.num_parameters(exclude_embeddings=exclude)
+    for model in (hf, ours):
+        model.get_input_embeddings().weight.requires_grad_(False)
+    assert ours.num_parameters(only_trainable=True) == hf.num_parameters(only_trainable=True) < ours.num_parameters()
+    assert ours.device == hf.device and ours.dtype == hf.dtype == torch.float32
+    assert ours.to(torch.float64).dtype == torch.float64
+    assert ours.get_input_embeddings() is ours.base_model.embeddings.word_embeddings
+    decoder, hf_decoder = ours.get_output_embeddings(), hf.get_output_embeddings()
+    if hf_decoder is None:
+        assert decoder is None
+    else:
+        assert isinstance(decoder, torch.nn.Linear)
+        assert decoder.weight is ours.get_input_embeddings().weight and decoder.bias is ours.lm_head.bias
+    ours.tie_weights()
+    replacement = torch.nn.Embedding(FIELDS["vocab_size"], FIELDS["hidden_size"], padding_idx=1, dtype=torch.float64)
+    ours.set_input_embeddings(replacement)
+    assert ours.get_input_embeddings() is replacement
+    if decoder is not None:
+        assert ours.get_output_embeddings().weight is replacement.weight  # still tied
+
+
+@pytest.mark.parametrize("cls", ["RobertaForMaskedLM", "RobertaForSequenceClassification"])
+@pytest.mark.parametrize("new_size", [FIELDS["vocab_size"] + 9, FIELDS["vocab_size"] - 20])
+def test_resize_token_embeddings_matches_transformers(cls, new_size, tmp_path):
+    """Grown (new rows around the old mean, transformers' default) or shrunk: the outputs equal
+    transformers' model resized the same way, new tokens included; the decoder and its bias are
+    resized and stay tied; the resized model saves and loads in transformers."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    ours.roberta.unpad = False
+    for model in (hf, ours):
+        torch.manual_seed(11)  # the same draws for the new rows
+        resized = model.resize_token_embeddings(new_size)
+        assert resized is model.get_input_embeddings() and resized.num_embeddings == new_size
+        assert model.config.vocab_size == new_size
+    if cls == "RobertaForMaskedLM":
+        assert ours.lm_head.bias.shape == (new_size,)
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    ids, mask = padded_batch("right", seed=9)
+    ids = ids % new_size  # new tokens included when grown
+    ids[:, -1] = new_size - 1
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        assert rel_err(ours(ids, attention_mask=mask).logits, want) < 1e-5
+        ours.save_pretrained(tmp_path)
+        back = getattr(transformers, cls).from_pretrained(tmp_path)
+        assert rel_err(back(input_ids=ids, attention_mask=mask).logits, want) < 1e-5
+    assert ours.resize_token_embeddings(pad_to_multiple_of=8).num_embeddings == -(-new_size // 8) * 8
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_gradient_checkpointing_gives_the_same_gradients(backend):
+    """Each layer recomputed in the backward pass (it runs twice), with dropout on: the recompute
+    replays the same RNG state, so loss and gradients equal those without checkpointing."""
+    config = rf.RobertaConfig(**{**FIELDS, "hidden_size": 64, "num_attention_heads": 2})  # head dim 32: fused attention
+    model = rf.RobertaForMaskedLM(config, backend=backend).train()
+    ids, mask = padded_batch("right", seed=10)
+    labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
+    calls, layer = [], model.roberta.layers[0]
+    forward = layer.forward
+    layer.forward = lambda *args: calls.append(1) or forward(*args)  # counts recomputes (hooks do not see them)
+    results = []
+    for enabled in (False, True):
+        model.gradient_checkpointing_enable() if enabled else model.gradient_checkpointing_disable()
+        assert model.is_gradient_checkpointing == enabled
+        model.zero_grad()
+        torch.manual_seed(1)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(calls) == 3  # once without checkpointing, twice with
+    (loss0, grads0), (loss1, grads1) = results
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    model.eval()
+    with torch.no_grad():  # inference never checkpoints
+        model(ids, attention_mask=mask)
+    assert len(calls) == 4

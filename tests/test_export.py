@@ -4,6 +4,7 @@ Hugging Face directory as the run's final export, and loads in transformers.
 Export for serving: torch.export.export and torch.onnx.export of every drop-in class give
 a program that computes what the eager model does (the ONNX one run in onnxruntime, with
 dynamic batch and sequence length)."""
+import inspect
 import warnings
 
 import pytest
@@ -147,3 +148,27 @@ def test_onnx_export_runs_in_onnxruntime_as_eager(cls, dynamic, tmp_path):
     if dynamic:
         ids, kwargs = serving_inputs(cls, batch=3, seqlen=11, seed=1)  # another shape than the traced one
     assert_equal_to_eager(model, program(ids, **kwargs), ids, kwargs)
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_torch_jit_trace_and_torchscript_onnx_export_equal_eager(cls, tmp_path):
+    """Serving tools that still call torch.jit.trace or torch.onnx.export(dynamo=False) get every
+    class: the trace returns the outputs' to_tuple() (TorchScript takes tuples), the ONNX graph runs
+    in onnxruntime; both trace the reference ops, whatever the backend."""
+    model = exportable(cls)
+    ids, kwargs = serving_inputs(cls)
+    inputs = {"input_ids": ids, **kwargs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's notes on Python values it records as constants
+        traced = torch.jit.trace(model, example_kwarg_inputs=inputs)
+    assert_equal_to_eager(model, traced(**inputs), ids, kwargs)
+    ort = pytest.importorskip("onnxruntime", reason="ONNX export needs onnxruntime: pip install -e .[export]")
+    pytest.importorskip("onnx", reason="ONNX export needs onnx: pip install -e .[export]")
+    model.backend = "fused"
+    names = [n for n in inspect.signature(model.forward).parameters if n in inputs]  # the graph's input order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (inputs,), tmp_path / "model.onnx", dynamo=False, input_names=names)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+    assert_equal_to_eager(model, [torch.from_numpy(g) for g in got], ids, kwargs)

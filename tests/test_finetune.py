@@ -303,3 +303,20 @@ def test_glue_tsv_files_fine_tune_end_to_end(task, tmp_path):
         result = Finetuner(cfg, log=lambda *_: None).run()
         assert result["best"]["accuracy"] >= (0.9 if epochs == 6 else 0.0), (name, result)  # (one epoch: it runs)
         assert (tmp_path / name / "model" / "config.json").is_file()
+
+
+def test_activation_checkpointing_finetunes_as_without(task, tmp_path):
+    """--activation-checkpointing: the same steps (dropout replayed in the recompute), the same weights."""
+    from roberta_fast.finetune import build_parser
+
+    assert build_parser().parse_args(["--model", "m", "--train", "t", "--activation-checkpointing"]).activation_checkpointing
+    quiet = dict(log=lambda *_: None)
+    runs = []
+    for enabled in (True, False):
+        tuner = Finetuner(config(task, tmp_path / str(enabled), epochs=1, stop_after=3,
+                                 activation_checkpointing=enabled), **quiet)
+        tuner.run()
+        assert tuner.model.is_gradient_checkpointing == enabled
+        runs.append(tuner.model.state_dict())
+    for key, value in runs[1].items():
+        torch.testing.assert_close(runs[0][key], value, rtol=1e-6, atol=1e-7, msg=key)

@@ -18,7 +18,7 @@ from malicious_checkpoint import write_malicious_checkpoint
 
 from roberta_fast.metrics import read_metrics
 from roberta_fast.train import main
-from roberta_fast.train_config import TrainConfig
+from roberta_fast.train_config import TrainConfig, load_config
 from roberta_fast.trainer import Trainer
 
 SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, seq_len=32,
@@ -498,3 +498,17 @@ def test_spanbert_objective_lowers_both_losses_resumes_exactly_and_exports(datas
 def test_sbo_needs_span_masking(dataset, tmp_path):
     with pytest.raises(ValueError, match="objective mlm\\+sbo needs --masking span"):
         Trainer(small_config(dataset, tmp_path / "o", objective="mlm+sbo"))
+
+
+def test_activation_checkpointing_trains_as_without(dataset, tmp_path):
+    """--activation-checkpointing recomputes each layer in the backward pass: the same run, dropout
+    included (the recompute replays the RNG), so the same losses and weights."""
+    argv = small_argv(dataset) + ["--max-steps", "3"]
+    cfg = load_config(argv + ["--out", str(tmp_path / "ckpt"), "--activation-checkpointing"])
+    assert cfg.activation_checkpointing and not load_config(argv + ["--out", "x"]).activation_checkpointing
+    checkpointed, _ = run(cfg)
+    plain, _ = run(load_config(argv + ["--out", str(tmp_path / "plain")]))
+    assert checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    assert train_losses(tmp_path / "ckpt") == train_losses(tmp_path / "plain")
+    for (name, a), b in zip(checkpointed.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)

@@ -1,0 +1,110 @@
+"""The drop-in classes in the tools transformers users train with: transformers.Trainer, and
+PEFT LoRA on the fused layout (target names `qkv`, `attn_out`, `ffn_in`, `ffn_out`), merged
+and saved for transformers; a LoRA adapter trained on transformers' own model comes over merged."""
+import pytest
+import torch
+
+import roberta_fast as rf
+
+transformers = pytest.importorskip("transformers")
+
+FIELDS = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+              max_position_embeddings=24, type_vocab_size=1)
+
+
+def classifier():
+    """A transformers classifier with random weights, and the drop-in loaded from it."""
+    torch.manual_seed(0)
+    hf = transformers.RobertaForSequenceClassification(transformers.RobertaConfig(**FIELDS, num_labels=2))
+    return hf, rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
+
+
+def batch(seed=0, rows=8):
+    """A padded batch whose label is whether token 5 occurs: learnable in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, FIELDS["vocab_size"], (rows, 12), generator=g)
+    labels = torch.arange(rows) % 2
+    ids[labels == 1, 3] = 5
+    mask = torch.ones_like(ids)
+    mask[::3, 9:] = 0
+    ids[mask == 0] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def losses(model, data, steps, lr):
+    """Train `model` on `data` for `steps` AdamW steps; the losses."""
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    out = []
+    for _ in range(steps):
+        loss = model(**data).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_transformers_trainer_trains_saves_and_reloads(tmp_path):
+    from safetensors.torch import load_file
+
+    _, model = classifier()
+    model.train()
+    rows = batch(rows=16)
+    dataset = [{k: v[i] for k, v in rows.items()} for i in range(16)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=8, learning_rate=1e-2,
+                                          per_device_train_batch_size=8, logging_steps=1, report_to=[],
+                                          save_strategy="no", use_cpu=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 8 and sum(logged[-3:]) < sum(logged[:3]), logged  # the loss falls
+    trainer.save_model(str(tmp_path / "saved"))  # not a transformers PreTrainedModel: its state dict
+    reloaded = rf.RobertaForSequenceClassification(model.config, backend="reference")
+    reloaded.load_state_dict(load_file(tmp_path / "saved" / "model.safetensors"))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(**rows).logits, model(**rows).logits)
+
+
+def test_lora_on_the_fused_names_trains_merges_and_loads_in_transformers(tmp_path):
+    peft = pytest.importorskip("peft", reason="LoRA needs peft: pip install peft")
+    _, model = classifier()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "attn_out", "ffn_in", "ffn_out"],
+                             modules_to_save=["classifier"])
+    lora = peft.get_peft_model(model, config)
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
+    assert any(".ffn_in.lora_A" in n for n in trainable) and any(".qkv.lora_B" in n for n in trainable)
+    data = batch()
+    trace = losses(lora, data, steps=15, lr=1e-2)
+    assert trace[-1] < 0.7 * trace[0], trace
+    untrained = [n for n, p in lora.named_parameters() if "lora_B" in n and not p.detach().any()]
+    assert not untrained, f"adapters that got no gradient (bypassed by the forward): {untrained}"
+    lora.eval()
+    with torch.no_grad():
+        adapted = lora(**data).logits
+        merged = lora.merge_and_unload()
+        assert type(merged) is rf.RobertaForSequenceClassification
+        torch.testing.assert_close(merged(**data).logits, adapted, rtol=1e-5, atol=1e-5)
+        merged.save_pretrained(tmp_path)
+        back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+        merged.roberta.unpad = False
+        torch.testing.assert_close(back(**data).logits, merged(**data).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_adapter_trained_on_transformers_model_comes_over_merged(tmp_path):
+    """transformers' targets (query, value) name layers the fused model lacks: merge the adapter
+    in transformers, save, and load that directory."""
+    peft = pytest.importorskip("peft", reason="LoRA needs peft: pip install peft")
+    hf, _ = classifier()
+    lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
+                                                   modules_to_save=["classifier"]))
+    data = batch(seed=1)
+    losses(lora, data, steps=3, lr=1e-2)
+    merged = lora.merge_and_unload().eval()
+    merged.save_pretrained(tmp_path)
+    ours = rf.RobertaForSequenceClassification.from_pretrained(tmp_path, backend="reference")
+    ours.roberta.unpad = False
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**data).logits, merged(**data).logits, rtol=1e-5, atol=1e-5)

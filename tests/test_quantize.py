@@ -1,0 +1,154 @@
+"""rf.quantize: int8 inference for every drop-in class (roberta_fast/quantization.py).
+
+Tolerance, the flash-attention way (DESIGN.md): the int8 model's error against the fp32 model
+must be at most 2x the error of PyTorch's own dynamic quantization
+(torch.ao.quantization.quantize_dynamic of the same four Linear layers per block, per-tensor
+weights) plus 1e-3; and the eager int8 kernels must compute what their plain-aten description
+(`int8_linear_ref`, what export traces) computes, to 1e-4. Shapes: a padded batch holding a
+one-token row and a row as long as the model's positions allow (a tiny config: 62 tokens).
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import roberta_fast as rf
+from roberta_fast.quantization import LAYER_LINEARS, Int8Linear, int8_linear_ref
+
+DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
+          "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
+TINY = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+            max_position_embeddings=64, type_vocab_size=1)
+LONGEST = TINY["max_position_embeddings"] - 2  # the model's limit (positions start at pad + 1)
+
+
+def model_of(cls, seed=0):
+    torch.manual_seed(seed)
+    return getattr(rf, cls)(rf.RobertaConfig(**TINY)).eval()
+
+
+def awkward_inputs(cls, seed=0):
+    """Rows of LONGEST, 1 and 5 real tokens, right-padded (multiple choice: 2 questions x 3 choices)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([LONGEST, 1, 5, 9, LONGEST, 2] if cls == "RobertaForMultipleChoice" else [LONGEST, 1, 5])
+    ids = torch.randint(3, TINY["vocab_size"], (len(lengths), LONGEST), generator=g)
+    mask = (torch.arange(LONGEST)[None] < lengths[:, None]).long()
+    ids[mask == 0] = 1
+    if cls == "RobertaForMultipleChoice":
+        ids, mask = ids.view(2, 3, LONGEST), mask.view(2, 3, LONGEST)
+    return ids, mask
+
+
+def outputs(model, ids, mask):
+    """The class's outputs and every hidden state, flat."""
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, output_hidden_states=True)
+    return [t for t in out.to_tuple() if isinstance(t, torch.Tensor)] + list(out.hidden_states)
+
+
+def torch_dynamic(model):
+    """PyTorch's own dynamic quantization of the same four Linear layers per block."""
+    names = {name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in LAYER_LINEARS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), names, dtype=torch.qint8)
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls):
+    fp32 = model_of(cls)
+    ids, mask = awkward_inputs(cls)
+    want = outputs(fp32, ids, mask)
+    peer = outputs(torch_dynamic(fp32), ids, mask)
+    int8 = rf.quantize(copy.deepcopy(fp32))
+    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 4 * TINY["num_hidden_layers"]
+    got = outputs(int8, ids, mask)
+    assert len(got) == len(want) == len(peer)
+    for g, w, p in zip(got, want, peer):
+        err, peer_err = (g - w).abs().max().item(), (p - w).abs().max().item()
+        assert err <= 2 * peer_err + 1e-3, (err, peer_err)
+    assert (got[0] - want[0]).abs().max() > 0  # it did quantize (hidden_states[0], the embeddings, is not)
+    # the unpadded path is kept: padded positions stay zero, as in the fp32 model
+    hidden = got[-1].reshape(-1, LONGEST, TINY["hidden_size"])
+    assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
+
+
+def test_int8_kernels_compute_their_plain_aten_description():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    q = Int8Linear(linear).eval()
+    for x in (torch.randn(3, 7, 64) * 4 + 1, torch.rand(1, 64), torch.randn(5, 64) - 3):  # mixed, >= 0, mostly < 0
+        with torch.inference_mode():
+            torch.testing.assert_close(q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def padded(model):
+    """The padded path of the same model: what export traces (export never unpads)."""
+    encoder = model.roberta if hasattr(model, "roberta") else model
+    encoder.unpad = False
+    return model
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_torch_export_of_a_quantized_model_equals_eager(cls):
+    model = padded(rf.quantize(model_of(cls)))
+    ids, mask = awkward_inputs(cls)
+    program = torch.export.export(model, (ids,), {"attention_mask": mask})
+    with torch.inference_mode():
+        got, want = program.module()(ids, attention_mask=mask).to_tuple(), model(ids, attention_mask=mask).to_tuple()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls", ["RobertaForSequenceClassification", "RobertaModel"])
+def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, tmp_path):
+    for package in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(package, reason=f"ONNX export needs {package}: pip install -e .[export]")
+    import onnxruntime as ort
+
+    model = padded(rf.quantize(model_of(cls)))
+    ids, mask = awkward_inputs(cls)
+    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.onnx's notes on its own internals
+        program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
+                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+    program.save(tmp_path / "int8.onnx")
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    ids, mask = ids[1:], mask[1:, :9]  # another shape than the traced one
+    ids = ids[:, :9].contiguous()
+    got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask).to_tuple()[0]
+    torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
+    model = rf.quantize(model_of("RobertaForSequenceClassification"))
+    ids, mask = awkward_inputs("RobertaForSequenceClassification")
+    assert not any(p.requires_grad for p in model.parameters())
+    model.train()
+    with pytest.raises(RuntimeError, match="for inference: call model.eval"):
+        model(ids, attention_mask=mask)
+    model.eval().requires_grad_(True)  # unfrozen: a gradient would be asked of the int8 layers
+    with pytest.raises(RuntimeError, match="no gradient"):
+        model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match="cannot save_pretrained a quantized model"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="fp32 model on the CPU"):
+        rf.quantize(model_of("RobertaModel").to(torch.bfloat16))
+    with pytest.raises(ValueError, match="takes a roberta_fast model"):
+        rf.quantize(torch.nn.Linear(4, 4))
+    assert rf.quantize(model) is model  # quantizing twice changes nothing
+
+
+def test_a_quantized_state_dict_loads_into_a_quantized_model():
+    fp32 = model_of("RobertaModel")
+    source, target = rf.quantize(copy.deepcopy(fp32)), rf.quantize(model_of("RobertaModel", seed=1))
+    target.load_state_dict(source.state_dict())
+    ids, mask = awkward_inputs("RobertaModel")
+    for g, w in zip(outputs(target, ids, mask), outputs(source, ids, mask)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
