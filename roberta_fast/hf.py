@@ -183,6 +183,8 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
                            "the weights would not be loaded; call from_pretrained outside it")
     prefix = "roberta." if hasattr(model, "roberta") else ""
     hf_state = _align_prefix(hf_state, prefix)
+    if hasattr(model, "lm_head"):
+        _refuse_untied_decoder(config, hf_state, prefix)
     state, unknown = hf_to_native(hf_state, prefix)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -213,6 +215,21 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
         return model, {"missing_keys": set(missing), "unexpected_keys": set(unexpected),
                        "mismatched_keys": mismatched, "error_msgs": []}
     return model
+
+
+def _refuse_untied_decoder(config, hf_state: dict, prefix: str) -> None:
+    """The MLM decoder here *is* the word embeddings; a checkpoint whose decoder differs
+    (tie_word_embeddings=false) would silently lose its trained decoder, so it is refused."""
+    decoder = hf_state.get("lm_head.decoder.weight")
+    embeddings = hf_state.get(prefix + "embeddings.word_embeddings.weight")
+    differs = (decoder is not None and embeddings is not None
+               and (decoder.shape != embeddings.shape or not torch.equal(decoder, embeddings)))
+    if differs or getattr(config, "tie_word_embeddings", True) is False:
+        raise ValueError(
+            "this masked-LM checkpoint has an MLM decoder that is not its word embeddings "
+            "(tie_word_embeddings=false); roberta_fast's RobertaForMaskedLM always ties them, so the "
+            "trained decoder would be lost. Load it with transformers' RobertaForMaskedLM, or load the "
+            "encoder alone with rf.RobertaModel.from_pretrained")
 
 
 def _align_prefix(state: dict, prefix: str) -> dict:

@@ -201,6 +201,26 @@ def test_dropin_refuses_a_decoder_from_a_model_or_a_directory(cls, flags, tmp_pa
         rf.patch(decoder)
 
 
+
+def test_an_untied_decoder_is_refused_not_dropped(tmp_path):
+    """RobertaForMaskedLM here reads its decoder from the word embeddings; an HF masked LM
+    trained with tie_word_embeddings=false has its own decoder, which loading would silently
+    drop (other logits). It is refused from a model and a directory; its encoder still loads."""
+    untied = hf_model("RobertaForMaskedLM", tie_word_embeddings=False)
+    assert not torch.equal(untied.lm_head.decoder.weight, untied.roberta.embeddings.word_embeddings.weight)
+    untied.save_pretrained(tmp_path)
+    for source in (untied, tmp_path):
+        with pytest.raises(ValueError, match="decoder that is not its word embeddings.*tie_word_embeddings=false"):
+            rf.RobertaForMaskedLM.from_pretrained(source)
+    encoder = rf.RobertaModel.from_pretrained(tmp_path, backend="reference")
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        expected = untied.roberta(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = encoder(ids, attention_mask=mask).last_hidden_state
+    assert (got - expected)[mask.bool()].abs().max() < 1e-5
+    tied = hf_model("RobertaForMaskedLM")  # the usual checkpoint still loads
+    rf.RobertaForMaskedLM.from_pretrained(tied)
+
 # ---------------------------------------------------------- inputs_embeds (issue 16 §3)
 @pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
 @pytest.mark.parametrize("backend, unpad", [("reference", False), ("fused", True)], ids=["reference", "fused"])
