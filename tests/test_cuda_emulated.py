@@ -52,8 +52,10 @@ def emu(tmp_path_factory):
     library = out / "libcuda_emu.so"
     compiler = shutil.which("g++") or shutil.which("c++")
     assert compiler, "a C++ compiler is needed (it also builds roberta_fast._C)"
-    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(ASAN_SWITCH) == "1" else []
-    build = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-shared", "-fPIC", *sanitize,
+    # ASan builds at -O1, as its documentation advises (and twice as fast to compile as -O2)
+    sanitize = (["-O1", "-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(ASAN_SWITCH) == "1"
+                else ["-O2"])
+    build = subprocess.run([compiler, "-std=c++20", "-pthread", "-shared", "-fPIC", *sanitize,
                             f"-I{EMU}", f"-I{CSRC}", *sources, str(EMU / "glue.cpp"), "-o", str(library)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-6000:]

@@ -64,31 +64,42 @@ void launch(dim3 grid, dim3 threads, size_t shared_bytes, cudaStream_t, F body) 
   }
   block_dim = threads;
   grid_dim = grid;
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        Block b;
-        b.all = std::make_unique<Barrier>(n);
-        for (unsigned w = 0; w * 32 < n; ++w) {
-          const int width = static_cast<int>(std::min<unsigned>(32, n - w * 32));
-          b.warps.push_back(std::make_unique<Barrier>(width));
-          b.warp_width.push_back(width);
-        }
-        b.lanes.resize(n);
-        block = &b;
-        std::vector<std::thread> pool;
-        pool.reserve(n);
-        for (unsigned t = 0; t < n; ++t)
-          pool.emplace_back([&, t] {
-            thread_index = dim3(t);
-            block_index = dim3(bx, by, bz);
-            body();
-            b.warps[t / 32]->arrive_and_drop();  // an exited thread waits on nothing more
-            b.all->arrive_and_drop();
-          });
-        for (auto& th : pool) th.join();
-        block = nullptr;
+  const unsigned blocks = grid.x * grid.y * grid.z;
+  auto make_block = [n] {
+    auto b = std::make_unique<Block>();
+    b->all = std::make_unique<Barrier>(n);
+    for (unsigned w = 0; w * 32 < n; ++w) {
+      const int width = static_cast<int>(std::min<unsigned>(32, n - w * 32));
+      b->warps.push_back(std::make_unique<Barrier>(width));
+      b->warp_width.push_back(width);
+    }
+    b->lanes.resize(n);
+    return b;
+  };
+  // The n threads are made once per launch and run the blocks one after another: all of
+  // them finish a block (the barrier below) before the next block's state replaces it.
+  std::unique_ptr<Block> running = make_block();
+  unsigned done = 0;
+  std::barrier between(n, [&]() noexcept {
+    if (++done < blocks) running = make_block();
+    block = running.get();
+  });
+  block = running.get();
+  std::vector<std::thread> pool;
+  pool.reserve(n);
+  for (unsigned t = 0; t < n; ++t)
+    pool.emplace_back([&, t] {
+      thread_index = dim3(t);
+      for (unsigned k = 0; k < blocks; ++k) {
+        block_index = dim3(k % grid.x, k / grid.x % grid.y, k / (grid.x * grid.y));
+        body();
+        block->warps[t / 32]->arrive_and_drop();  // an exited thread waits on nothing more
+        block->all->arrive_and_drop();
+        between.arrive_and_wait();
       }
+    });
+  for (auto& th : pool) th.join();
+  block = nullptr;
 }
 
 }  // namespace emu
