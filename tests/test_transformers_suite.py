@@ -19,7 +19,7 @@ and the mixin's one other import, `parameterized`, is fetched from PyPI the same
 
 No network: the test fails saying so, unless ROBERTA_FAST_OFFLINE=1, which skips it
 (for machines without network, such as the GPU machine, where the cache is empty).
-Time: about 110 s for both gates on 2 CPU cores (80 s the patched one, under the Triton interpreter,
+Time: about 95 s for both gates on 2 CPU cores (65 s the patched one, under the Triton interpreter,
 plus the download once); the selection below drops
 the tests that check nothing the patch changes (multi-device, offloading, torch.export,
 compilation, quantisation, every dtype of the eager-vs-SDPA sweep).

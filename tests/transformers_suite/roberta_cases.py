@@ -3,7 +3,7 @@ RoBERTa, run by tests/test_transformers_suite.py with every model patched.
 
 The tester (tester.py) is transformers' RobertaModelTester with two differences: head size
 32 (hidden 64 over 2 heads), so the fused attention kernel runs (transformers' tester uses 8,
-which the patch hands to SDPA), and batch 5 instead of 13, as each kernel launch runs under
+which the patch hands to SDPA), and batch 3 instead of 13, as each kernel launch runs under
 the Triton interpreter on a CPU (the batch-splitting tests still split it).
 """
 import unittest
@@ -24,4 +24,4 @@ class RobertaPatchedTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (RobertaModel, RobertaForMaskedLM, RobertaForSequenceClassification)
 
     def setUp(self):
-        self.model_tester = RobertaModelTester(self, batch_size=5, hidden_size=64, num_attention_heads=2)
+        self.model_tester = RobertaModelTester(self, batch_size=3, hidden_size=64, num_attention_heads=2)
