@@ -18,7 +18,8 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
                   graphs after the warm-up and after the timed passes (equal: no recompile per shape)
     onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
   int8 on the CPU (issue 30; `weights_mb`: the process's RSS growth while the contender's model was built)
-    rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (fbgemm / oneDNN)
+    rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine)
+    rf-int8-fbgemm    the same with engine="fbgemm" (one copy of the weights where oneDNN keeps two)
     onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
     hf-int8       transformers' RobertaModel (SDPA) after torch.ao.quantization.quantize_dynamic of its nn.Linear
   on a GPU (issue 8)
@@ -41,6 +42,8 @@ import copy
 import gc
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -52,6 +55,7 @@ import _common as bc
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 from plot import throughput_chart  # noqa: E402
+from roberta_fast.quantization import default_engine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -156,6 +160,33 @@ def weighed(name, build):
     return built
 
 
+LINEAR_WEIGHTS_CHILD = """
+import json, sys, torch, roberta_fast as rf
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+model = rf.RobertaModel(rf.RobertaConfig.from_dict(json.loads(sys.argv[1]))).eval()
+fp32 = sum(getattr(layer, name).weight.nbytes + getattr(layer, name).bias.nbytes
+           for layer in model.layers for name in ("qkv", "attn_out", "ffn_in", "ffn_out"))
+before = rss()
+rf.quantize(model, engine=sys.argv[2])
+print(json.dumps({"fp32_mb": fp32 / 2**20, "int8_mb": (fp32 - (before - rss())) / 2**20}))
+"""
+
+
+def linear_weights(cfg, engine):
+    """The four Linear layers per block, in MB, fp32 and after rf.quantize(engine=...): measured in a
+    fresh process whose allocator returns what is freed at once (MALLOC_MMAP_THRESHOLD_), so the RSS
+    drop as the fp32 weights give way to the int8 ones counts those weights alone; None off Linux."""
+    if not os.path.exists("/proc/self/status"):
+        return None
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    child = [sys.executable, "-c", LINEAR_WEIGHTS_CHILD, json.dumps(cfg.to_dict()), engine]
+    out = json.loads(subprocess.run(child, capture_output=True, text=True, check=True, env=env).stdout)
+    return {"engine": engine, "fp32_mb": bc.sig(out["fp32_mb"]), "int8_mb": bc.sig(out["int8_mb"]),
+            "int8_vs_fp32": bc.sig(out["int8_mb"] / out["fp32_mb"])}
+
+
 def torch_dynamic_int8(model):
     """PyTorch's dynamic quantization of every nn.Linear (torch.ao.quantization, deprecated but present)."""
     with warnings.catch_warnings():
@@ -196,10 +227,13 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
             runs["onnxruntime"] = onnx_runner(ours("reference"), example) if dtype == torch.float32 else fp32_only
         int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
         if dtype != torch.float32:
-            runs.update({k: int8_fp32_only for k in ("rf-int8", "onnxruntime-int8", "hf-int8")})
+            runs.update({k: int8_fp32_only for k in ("rf-int8", "rf-int8-fbgemm", "onnxruntime-int8", "hf-int8")})
         else:
             int8 = weighed("rf-int8", lambda: rf.quantize(ours("reference")))
             runs["rf-int8"] = lambda ids, mask: hidden(int8(ids, attention_mask=mask))
+            if wanted("rf-int8-fbgemm"):
+                fbgemm = weighed("rf-int8-fbgemm", lambda: rf.quantize(ours("reference"), engine="fbgemm"))
+                runs["rf-int8-fbgemm"] = lambda ids, mask: hidden(fbgemm(ids, attention_mask=mask))
             if wanted("onnxruntime-int8"):
                 runs["onnxruntime-int8"] = onnx_runner(ours("reference"), example, int8=True)
             if wanted("hf-int8"):
@@ -302,10 +336,16 @@ TARGETS = {
 }
 
 
-def evaluate_targets(results, device):
-    """Each target of TARGETS with what this run achieved: status met, missed or not measured."""
+INT8_WEIGHTS_GOAL = 0.3  # the int8 Linear weights' memory as a fraction of fp32's: "about a quarter"
+
+
+def evaluate_targets(results, device, weights=()):
+    """Each target of TARGETS with what this run achieved: status met, missed or not measured;
+    `weights`: linear_weights() of the rf-int8 engines, one memory target each."""
     rows = {(r["lengths"], r["dtype"], r["contender"]): r for r in results}
-    out = []
+    out = [{"target": f"rf-int8 ({w['engine']}) Linear weights vs fp32 (about a quarter)",
+            "goal": f"<= {INT8_WEIGHTS_GOAL:g}", "achieved": w["int8_vs_fp32"],
+            "status": "met" if w["int8_vs_fp32"] <= INT8_WEIGHTS_GOAL else "missed"} for w in weights if w]
     for name, lengths, dtype, contender, metric, goal, at_least in TARGETS[device.type]:
         row = rows.get((lengths, dtype, contender), {})
         achieved = row.get(metric)
@@ -371,8 +411,14 @@ def main():
             bc.write_json(path, bc.environment(device), results, config=dict(
                 lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
                 threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg(),
-                quantized_engine=torch.backends.quantized.engine, note=args.note), targets=targets)
+                rf_int8_engine=default_engine(), int8_linear_weights=weights, note=args.note), targets=targets)
             print(f"\nwrote {path}")
+
+    weights = []  # the int8 Linear layers' memory, each engine rf-int8 runs with
+    if device.type == "cpu" and "fp32" in dtypes and (not args.only or "rf-int8" in args.only.split(",")):
+        engines = [default_engine()] + (["fbgemm"] if not args.only or "rf-int8-fbgemm" in args.only else [])
+        weights = [linear_weights(cfg, engine) for engine in dict.fromkeys(engines)]
+        print("int8 Linear weights:", weights)
 
     for dist in lengths:
         if dist not in ("uniform", "corpus", "fixed"):
@@ -410,8 +456,8 @@ def main():
             bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
                                                 "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb"])
             results += list(rows.values())
-        write(results, evaluate_targets(results, device))
-    targets = evaluate_targets(results, device)
+        write(results, evaluate_targets(results, device, weights))
+    targets = evaluate_targets(results, device, weights)
     print("\ntargets:")
     bc.print_rows(targets, ["target", "goal", "achieved", "status"])
     chart = args.chart or (path and not quick and os.path.splitext(path)[0] + ".png")

@@ -35,6 +35,7 @@ Quantized models are for inference: training, gradients and save_pretrained are 
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -47,19 +48,25 @@ ACTIVATION_QMAX = 127  # uint8 activations in [0, 127]: fbgemm's reduce_range on
 
 class Int8Linear(nn.Module):
     """nn.Linear's forward with int8 weights (per-output-row scales) and dynamically quantized
-    int8 activations; weights held in two forms: `weight_int8` / `weight_scale` buffers (the
-    state, and what export traces) and the kernel library's packed copy (what eager runs)."""
+    int8 activations. The weights are held once, in the kernel library's packed form; the
+    state (`weight_int8`, `weight_scale`, `bias`: the state_dict's keys) is read back from it
+    (linear_unpack) when saved or exported, so the int8 model keeps no second copy."""
 
-    def __init__(self, linear: nn.Linear):
+    STATE = ("weight_int8", "weight_scale", "bias")
+
+    def __init__(self, linear: nn.Linear, engine: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         # symmetric per-row scales: the row's largest |w| maps to 127
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
-        self._kernel = _PackedWeight(self)
+        weight_int8 = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self._kernel = _PackedWeight(weight_int8, scale, bias, engine)
+
+    weight_int8 = property(lambda self: self._kernel.unpack()[0])  # (out, in) int8
+    weight_scale = property(lambda self: self._kernel.unpack()[1])  # (out,) fp32
+    bias = property(lambda self: self._kernel.unpack()[2])  # (out,) fp32 or None
 
     def forward(self, x):
         if self.training:
@@ -69,28 +76,84 @@ class Int8Linear(nn.Module):
             raise RuntimeError("int8 Linear layers have no gradient: run a quantized model under torch.no_grad() "
                                "or torch.inference_mode(), with its parameters frozen (rf.quantize freezes them)")
         if torch.compiler.is_exporting() or torch.jit.is_tracing():
-            return int8_linear_ref(x, self.weight_int8, self.weight_scale, self.bias)
+            with _untraced():  # the unpacked weights enter the traced graph as constants
+                weights = self._kernel.unpack()
+            return int8_linear_ref(x, *weights)
         return torch.ops.quantized.linear_dynamic(x, self._kernel.packed, reduce_range=True)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights per row"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights per row, "
+                f"engine={self._kernel.engine}")
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._kernel = _PackedWeight(self)  # the kernel's copy follows the loaded weights
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, tensor in zip(self.STATE, self._kernel.unpack()):
+            if tensor is not None:
+                destination[prefix + name] = tensor
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Check the three tensors' shapes and dtypes, then pack them (nn.Module's checks, by hand:
+        the state lives in the packed weight, not in buffers)."""
+        expected = {"weight_int8": ((self.out_features, self.in_features), torch.int8),
+                    "weight_scale": ((self.out_features,), torch.float32),
+                    "bias": ((self.out_features,), torch.float32)}
+        if self._kernel.unpack()[2] is None:
+            del expected["bias"]
+        found = {}
+        for name, (shape, dtype) in expected.items():
+            if prefix + name not in state_dict:
+                missing_keys.append(prefix + name)
+                continue
+            tensor = state_dict[prefix + name]
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                error_msgs.append(f"{prefix}{name}: expected {dtype} of shape {shape} (an rf.quantize state_dict of "
+                                  f"the same config), got {tensor.dtype} of shape {tuple(tensor.shape)}")
+                continue
+            found[name] = tensor
+        if strict:
+            unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and "." not in
+                                   key[len(prefix):] and key[len(prefix):] not in expected)
+        if len(found) == len(expected):
+            self._kernel = _PackedWeight(found["weight_int8"], found["weight_scale"], found.get("bias"),
+                                         self._kernel.engine)
 
 
 class _PackedWeight:
-    """The kernel library's packed weight (fbgemm or oneDNN, by torch.backends.quantized.engine), in a
-    plain holder: torch.export would try to trace a TorchScript object held by the module itself."""
+    """The kernel library's packed weight (`engine`: onednn, fbgemm, ...), in a plain holder:
+    torch.export would try to trace a TorchScript object held by the module itself. The packed
+    object carries its library: linear_dynamic runs it whatever the global engine is later."""
 
-    def __init__(self, linear: Int8Linear):
-        with warnings.catch_warnings():  # torch 2.13 deprecates quantized-tensor creation (pytorch#184982)
-            warnings.simplefilter("ignore")
-            scale = linear.weight_scale.double()
-            zero_points = torch.zeros_like(scale, dtype=torch.long)
-            qweight = torch._make_per_channel_quantized_tensor(linear.weight_int8, scale, zero_points, 0)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, linear.bias)
+    def __init__(self, weight_int8, scale, bias, engine: str):
+        self.engine = engine
+        previous = torch.backends.quantized.engine
+        try:
+            torch.backends.quantized.engine = engine
+            with warnings.catch_warnings():  # torch 2.13 deprecates quantized-tensor creation (pytorch#184982)
+                warnings.simplefilter("ignore")
+                scale = scale.double()
+                zero_points = torch.zeros_like(scale, dtype=torch.long)
+                qweight = torch._make_per_channel_quantized_tensor(weight_int8, scale, zero_points, 0)
+                self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        finally:
+            torch.backends.quantized.engine = previous
+
+    def unpack(self):
+        """(weight_int8, weight_scale, bias): fresh tensors read back from the packed weight."""
+        qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float(), bias
+
+
+@contextlib.contextmanager
+def _untraced():
+    """Run eagerly, unseen by torch.export's tracing modes and torch.jit.trace's tracer, so that
+    what is computed (the unpacked weights) enters the traced graph as constant tensors."""
+    tracing_state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch._C._set_tracing_state(tracing_state)
 
 
 def activation_qparams(x):
@@ -117,9 +180,19 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
-def quantize(model: nn.Module) -> nn.Module:
+def default_engine() -> str:
+    """oneDNN where this torch has it (faster here, see the module docstring), else torch's engine."""
+    return "onednn" if "onednn" in torch.backends.quantized.supported_engines else torch.backends.quantized.engine
+
+
+def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
     """Swap each encoder block's four Linear layers for Int8Linear, in place; returns the model
-    (eval mode, parameters frozen). A model already quantized is returned as it is."""
+    (eval mode, parameters frozen). A model already quantized is returned as it is.
+
+    engine: the kernel library that packs and runs the int8 weights, one of
+    torch.backends.quantized.supported_engines; None picks default_engine() ("onednn": fastest
+    on the machines measured; "fbgemm" keeps one copy of the weights instead of two).
+    """
     from .model import RobertaLayer
 
     if not isinstance(model, nn.Module) or not any(isinstance(m, RobertaLayer) for m in model.modules()):
@@ -131,13 +204,17 @@ def quantize(model: nn.Module) -> nn.Module:
         raise RuntimeError(f"this torch ({torch.__version__}) has no quantized Linear kernels "
                            "(torch.ops.quantized.linear_dynamic), which rf.quantize runs: use a torch that "
                            "ships them (2.13 does)")
+    engine = default_engine() if engine is None else engine
+    if engine not in torch.backends.quantized.supported_engines:
+        raise ValueError(f"rf.quantize(engine={engine!r}): this torch's quantized engines are "
+                         f"{torch.backends.quantized.supported_engines}; pass one of them, or None for the default")
     for p in model.parameters():
         if p.device.type != "cpu" or p.dtype != torch.float32:
             raise ValueError(f"rf.quantize takes an fp32 model on the CPU (int8 Linear runs fbgemm / oneDNN CPU "
                              f"kernels), got {p.dtype} on {p.device}; use model.float().cpu() first")
     for layer in (m for m in model.modules() if isinstance(m, RobertaLayer)):
         for name in LAYER_LINEARS:
-            setattr(layer, name, Int8Linear(getattr(layer, name)))
+            setattr(layer, name, Int8Linear(getattr(layer, name), engine))
     model.requires_grad_(False)
     return model.eval()
 

@@ -74,10 +74,17 @@ def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls):
     assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
 
 
-def test_int8_kernels_compute_their_plain_aten_description():
+@pytest.mark.parametrize("engine", ["onednn", "fbgemm"])
+def test_int8_kernels_compute_their_plain_aten_description(engine):
+    if engine not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"this torch build has no {engine} quantized engine")
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
-    q = Int8Linear(linear).eval()
+    q = Int8Linear(linear, engine).eval()
+    assert not list(q.buffers()) and not list(q.parameters())  # one copy of the weights: the packed one
+    scale = linear.weight.detach().abs().amax(dim=1) / 127
+    torch.testing.assert_close(q.weight_int8.float() * q.weight_scale[:, None], linear.weight.detach(),
+                               rtol=0, atol=scale.max().item() / 2 + 1e-7)  # round-to-nearest of the fp32 weights
     for x in (torch.randn(3, 7, 64) * 4 + 1, torch.rand(1, 64), torch.randn(5, 64) - 3):  # mixed, >= 0, mostly < 0
         with torch.inference_mode():
             torch.testing.assert_close(q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias),
@@ -152,3 +159,21 @@ def test_a_quantized_state_dict_loads_into_a_quantized_model():
     ids, mask = awkward_inputs("RobertaModel")
     for g, w in zip(outputs(target, ids, mask), outputs(source, ids, mask)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_quantized_state_dict_is_checked_and_copies_deeply():
+    model = rf.quantize(model_of("RobertaModel"), engine="fbgemm")
+    state = model.state_dict()
+    assert state["layers.0.qkv.weight_int8"].dtype == torch.int8
+    bad = dict(state, **{"layers.0.qkv.weight_int8": state["layers.0.qkv.weight_int8"][:, :5]})
+    with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight_int8: expected torch.int8 of shape"):
+        rf.quantize(model_of("RobertaModel")).load_state_dict(bad)
+    del state["layers.1.ffn_out.bias"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers\.1\.ffn_out\.bias\""):
+        rf.quantize(model_of("RobertaModel")).load_state_dict(state)
+    twin = copy.deepcopy(model)
+    ids, mask = awkward_inputs("RobertaModel")
+    for g, w in zip(outputs(twin, ids, mask), outputs(model, ids, mask)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="quantized engines are"):
+        rf.quantize(model_of("RobertaModel"), engine="no-such-engine")
