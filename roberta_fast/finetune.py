@@ -7,13 +7,14 @@ token classification, question answering or multiple-choice task.
     python -m roberta_fast.finetune --task qa --train train-v2.0.json --valid dev-v2.0.json ...
     python -m roberta_fast.finetune --task choice --train race_train.jsonl --valid race_dev.jsonl ...
 
---task classify (the default): CSV, GLUE's .tsv as shipped (a header row, tab-separated, no
-quoting) or JSONL rows holding a text, optionally a
-second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa does) and a label (any strings
-or integers; sorted, they become class ids and the config's id2label); validation loss,
-accuracy and macro-F1. The other tasks' formats and metrics are described in tasks.py: CoNLL or
-JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa), RACE-style JSONL (choice); every
-task also reads Parquet / Arrow files and datasets save_to_disk directories in the Hub's layouts.
+--task classify (the default): CSV, GLUE's .tsv as shipped (tab-separated, no quoting; CoLA's,
+which has no header row, by column number: --text-field 3 --label-field 1) or JSONL rows
+holding a text, optionally a second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa
+does) and a label (any strings or integers; sorted, they become class ids and the config's
+id2label); validation loss, accuracy and macro-F1. The other tasks' formats and metrics are
+described in tasks.py: CoNLL or JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa),
+RACE-style JSONL (choice); every task also reads Parquet / Arrow files and datasets
+save_to_disk directories in the Hub's layouts.
 
 The model is any local HF-format RoBERTa checkpoint (ours or transformers'); the tokenizer
 comes from that directory or --tokenizer. It reuses the pretraining machinery: fused backend
@@ -74,7 +75,7 @@ class FinetuneConfig:
     out: str = "runs/finetune"  # output directory: checkpoints, metrics.jsonl and the exported model/
     valid: str | None = None  # held-out file, as --train (default: a deterministic 10% of --train, held out)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
-    text_field: str = "text"  # classify: column / JSON field holding the text
+    text_field: str = "text"  # classify: column / JSON field holding the text (column numbers from 0 read a .csv/.tsv without header: CoLA's text 3, label 1)
     pair_field: str | None = None  # classify: column / field of a second text (GLUE: sentence2, hypothesis) (default: none)
     label_field: str = "label"  # classify: column / field holding the label (any strings or integers)
     max_len: int | None = None  # tokens per sequence with the special ones (default: the model's limit, <= 512; qa <= 384)

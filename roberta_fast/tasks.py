@@ -3,7 +3,8 @@ their file formats, encoding, batches and metrics. The training loop is finetune
 
 - classify: CSV, GLUE .tsv (tab-separated, no quoting, as GLUE's loaders read it) or JSONL rows of
   a text, an optional pair text (GLUE: sentence1/sentence2, question/sentence, premise/hypothesis)
-  and a label; accuracy, macro-F1.
+  and a label, named by column or, for a file without a header row (CoLA), by column number;
+  accuracy, macro-F1.
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
   column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
@@ -81,14 +82,21 @@ def records(path: Path):
     return table_rows(path) if is_table(path) else json_lines(path)
 
 
-def delimited_rows(path: Path, delimiter: str):
+def delimited_rows(path: Path, delimiter: str, header: bool = True):
     """(location "file:line", row dict) of a CSV (Excel quoting) or a GLUE .tsv: tab-separated with
-    no quoting at all (csv.QUOTE_NONE, as GLUE's own loaders: SST-2 sentences hold quote characters)."""
+    no quoting at all (csv.QUOTE_NONE, as GLUE's own loaders: SST-2 sentences hold quote characters).
+    header=False: the file has no header row (GLUE's CoLA), and the columns are named "0", "1", ..."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
+        if header:
+            reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
+            for row in reader:
+                yield f"{path}:{reader.line_num}", row
+            return
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         for row in reader:
-            yield f"{path}:{reader.line_num}", row
+            if row:  # a blank line, as DictReader skips it
+                yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
 
 
 def hold_out(train: list, seed: int) -> tuple[list, list]:
@@ -148,12 +156,14 @@ class Task:
 
 # ------------------------------------------------------------- classification
 def read_examples(path, cfg) -> list[tuple[str, str | None, str]]:
-    """(text, pair or None, label as a string) of every row of a CSV or JSONL file."""
+    """(text, pair or None, label as a string) of every row of a CSV or JSONL file. Fields given
+    as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA)."""
     path = data_file(path)
     fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
     suffix = path.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        rows = delimited_rows(path, "," if suffix == ".csv" else "\t")
+        numbered = all(str(name).isdigit() for name in fields)
+        rows = delimited_rows(path, "," if suffix == ".csv" else "\t", header=not numbered)
     elif suffix in (".jsonl", ".json") or is_table(path):
         rows = records(path)
     else:
@@ -165,7 +175,8 @@ def read_examples(path, cfg) -> list[tuple[str, str | None, str]]:
         if missing:
             raise ValueError(f"{where}: missing {missing} (the row has {sorted(row)}); name the columns with "
                              "--text-field / --pair-field / --label-field (GLUE pairs: sentence1/sentence2, "
-                             "question/sentence, premise/hypothesis)")
+                             "question/sentence, premise/hypothesis; a .csv/.tsv without a header row, as GLUE's "
+                             "CoLA, by column number: --text-field 3 --label-field 1)")
         empty = [name for name in fields if row[name] is None or not str(row[name]).strip()]
         if empty:  # a CSV row short of columns reads None, an empty cell ""
             what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}

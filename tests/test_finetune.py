@@ -305,6 +305,21 @@ def test_glue_tsv_files_fine_tune_end_to_end(task, tmp_path):
         assert (tmp_path / name / "model" / "config.json").is_file()
 
 
+def test_a_tsv_without_header_row_reads_by_column_number(task, tmp_path):
+    """GLUE's CoLA as shipped: no header row; source, label, the original judgement ("*" or empty),
+    sentence. Columns named by number read it; column names point there instead of reading row 1 as names."""
+    from roberta_fast.tasks import read_examples
+
+    rows = [("gj04", "1", "", "Our friends won't buy this analysis, let alone the next one we propose."),
+            ("gj04", "0", "*", 'They drank the pub " dry.'), ("bc01", "1", "", "Harry coughed.")]
+    path = tmp_path / "train.tsv"
+    path.write_text("".join("\t".join(row) + "\n" for row in rows) + "\n")  # and a trailing blank line
+    examples = read_examples(path, config(task, tmp_path, text_field="3", label_field="1"))
+    assert examples == [(sentence, None, label) for _, label, _, sentence in rows]
+    with pytest.raises(ValueError, match=r"train.tsv:2: missing \['sentence', 'label'\].*--text-field 3 --label-field 1"):
+        read_examples(path, config(task, tmp_path, text_field="sentence"))
+
+
 def test_activation_checkpointing_finetunes_as_without(task, tmp_path):
     """--activation-checkpointing: the same steps (dropout replayed in the recompute), the same weights."""
     from roberta_fast.finetune import build_parser
