@@ -60,6 +60,8 @@ def device_facts(device):
 
 
 def _git_commit():
+    """HEAD (with -dirty when tracked files changed); where the tree is a copy without .git (the
+    GPU machine's), ROBERTA_FAST_COMMIT, which the command that starts the run sets; else "unknown"."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
@@ -68,7 +70,7 @@ def _git_commit():
                                capture_output=True, text=True, check=True).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("ROBERTA_FAST_COMMIT") or "unknown"
 
 
 def environment(device):

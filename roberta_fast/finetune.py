@@ -99,6 +99,7 @@ class FinetuneConfig:
     seed: int = 0  # data order, the held-out split, the new head's weights, dropout
     log_every: int = 10  # steps between metrics.jsonl lines
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps (default: never); rerun to go on
+    keep_checkpoints: int = 1  # checkpoints kept in OUT/checkpoints, the newest (each holds the model and Adam's state)
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
     allow_schedule_change: bool = False  # resume with a changed LR schedule (--lr, --epochs, --batch-size, --warmup-ratio, data)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
@@ -127,8 +128,8 @@ class Finetuner:
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
         if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
-                or not (cfg.lr is None or cfg.lr > 0)):
-            raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4 and lr > 0")
+                or not (cfg.lr is None or cfg.lr > 0) or cfg.keep_checkpoints < 1):
+            raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4, lr > 0 and keep_checkpoints >= 1")
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device, 0)
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -171,7 +172,7 @@ class Finetuner:
         self.schedule = WarmupLinearDecay(cfg.lr, round(cfg.warmup_ratio * total), total)
         self.optimizer = Optimizer(self.model, cfg)  # reads lr, betas, eps, weight_decay, clip_grad_norm
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
-        self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=1)
+        self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints)
         self.step, self.best = 0, None
         self.export_pending = False  # the best epoch's export is not written yet (a full disk stopped it)
         self.lock = lock_out(self.out, log)  # one writer per --out, as the trainer (last: nothing can fail after)

@@ -158,6 +158,23 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["max_abs_diff_vs_hf_fp32"] <= 1e-5 and rows[name]["tokens_per_s"] > 0, rows[name]
     assert rows["rf-compile"]["status"].startswith("skipped")
+    for name in ("rf-int8", "rf-int8-fbgemm", "hf-int8"):  # int8: within quantization error of fp32
+        assert rows[name]["status"] == "ok" and rows[name]["max_abs_diff_vs_hf_fp32"] <= 0.05, rows[name]
+    record = json.loads((out / "inference.json").read_text())
+    weights = {w["engine"]: w for w in record["config"]["int8_linear_weights"]}
+    assert set(weights) == {record["config"]["rf_int8_engine"], "fbgemm"}
+    assert all(w["fp32_mb"] > 0 and w["int8_mb"] is not None for w in weights.values()), weights
+
+
+def test_records_name_the_commit_where_the_tree_has_no_git(tmp_path):
+    """The GPU machine's copy of the tree has no .git: ROBERTA_FAST_COMMIT names the commit there."""
+    (tmp_path / "_common.py").write_text((BENCH / "_common.py").read_text())
+    probe = [sys.executable, "-c", "import _common; print(_common._git_commit())"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    for given, expected in (("0123abcd", "0123abcd"), (None, "unknown")):
+        run_env = dict(env, ROBERTA_FAST_COMMIT=given) if given else env
+        out = subprocess.run(probe, cwd=tmp_path, env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip().splitlines()[-1] == expected, out
 
 
 # ---------------------------------------------------------------- bookkeeping

@@ -145,8 +145,11 @@ def test_resume_mid_run_matches_an_uninterrupted_run(task, tmp_path):
     quiet = dict(log=lambda *_: None)
     full = Finetuner(config(task, tmp_path / "full", epochs=2), **quiet)
     full.run()
-    stopped = Finetuner(config(task, tmp_path / "split", epochs=2, stop_after=17), **quiet).run()
+    stopped = Finetuner(config(task, tmp_path / "split", epochs=2, stop_after=17, keep_checkpoints=2), **quiet).run()
     assert stopped == {"stopped": "--stop-after", "step": 17, "signal": None}  # in epoch 2 (13 steps each)
+    kept = sorted(p.name for p in (tmp_path / "split" / "checkpoints").glob("step_*.pt"))
+    assert kept == ["step_00000013.pt", "step_00000017.pt"]  # --keep-checkpoints 2: epoch 1's end and the stop
+    assert [p.name for p in (tmp_path / "full" / "checkpoints").glob("step_*.pt")] == ["step_00000026.pt"]
     resumed = Finetuner(config(task, tmp_path / "split", epochs=2), **quiet)
     resumed.run()
     assert resumed.step == full.step
