@@ -415,8 +415,9 @@ def main():
             print(f"\nwrote {path}")
 
     weights = []  # the int8 Linear layers' memory, each engine rf-int8 runs with
-    if device.type == "cpu" and "fp32" in dtypes and (not args.only or "rf-int8" in args.only.split(",")):
-        engines = [default_engine()] + (["fbgemm"] if not args.only or "rf-int8-fbgemm" in args.only else [])
+    only = args.only.split(",") if args.only else None
+    if device.type == "cpu" and "fp32" in dtypes and (only is None or "rf-int8" in only):
+        engines = [default_engine()] + (["fbgemm"] if only is None or "rf-int8-fbgemm" in only else [])
         weights = [linear_weights(cfg, engine) for engine in dict.fromkeys(engines)]
         print("int8 Linear weights:", weights)
 

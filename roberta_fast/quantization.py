@@ -70,6 +70,7 @@ class Int8Linear(nn.Module):
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         weight_int8 = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.has_bias = bias is not None
         self._kernel = _PackedWeight(weight_int8, scale, bias, engine)
 
     weight_int8 = property(lambda self: self._kernel.unpack()[0])  # (out, in) int8
@@ -105,7 +106,7 @@ class Int8Linear(nn.Module):
         expected = {"weight_int8": ((self.out_features, self.in_features), torch.int8),
                     "weight_scale": ((self.out_features,), torch.float32),
                     "bias": ((self.out_features,), torch.float32)}
-        if self._kernel.unpack()[2] is None:
+        if not self.has_bias:
             del expected["bias"]
         found = {}
         for name, (shape, dtype) in expected.items():
@@ -146,9 +147,10 @@ class _PackedWeight:
             torch.backends.quantized.engine = previous
 
     def unpack(self):
-        """(weight_int8, weight_scale, bias): fresh tensors read back from the packed weight."""
+        """(weight_int8, weight_scale, bias): fresh tensors read back from the packed weight (the
+        bias copied too: the library may hand back the tensor it holds)."""
         qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
-        return qweight.int_repr(), qweight.q_per_channel_scales().float(), bias
+        return qweight.int_repr(), qweight.q_per_channel_scales().float(), None if bias is None else bias.clone()
 
 
 @contextlib.contextmanager
@@ -198,8 +200,8 @@ def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
     (eval mode, parameters frozen). A model already quantized is returned as it is.
 
     engine: the kernel library that packs and runs the int8 weights, one of
-    torch.backends.quantized.supported_engines; None picks default_engine() ("onednn": fastest
-    on the machines measured; "fbgemm" keeps one copy of the weights instead of two).
+    torch.backends.quantized.supported_engines; None picks default_engine() ("onednn": faster
+    on the CPU measured; "fbgemm" keeps one copy of the weights instead of two).
     """
     from .model import RobertaLayer
 
