@@ -84,6 +84,10 @@ class Int8Linear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("int8 Linear layers have no gradient: run a quantized model under torch.no_grad() "
                                "or torch.inference_mode(), with its parameters frozen (rf.quantize freezes them)")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise RuntimeError(f"int8 Linear layers take fp32 inputs on the CPU, got {x.dtype} on {x.device}: a "
+                               "quantized model stays fp32 on the CPU (do not .half(), .to(bfloat16) or move it; "
+                               "quantize a fresh fp32 copy for another device or dtype)")
         if torch.compiler.is_exporting() or torch.jit.is_tracing():
             with _untraced():  # the unpacked weights enter the traced graph as constants
                 weights = self._kernel.unpack()

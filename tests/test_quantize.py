@@ -150,6 +150,9 @@ def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
     with pytest.raises(ValueError, match="takes a roberta_fast model"):
         rf.quantize(torch.nn.Linear(4, 4))
     assert rf.quantize(model) is model  # quantizing twice changes nothing
+    with pytest.raises(RuntimeError, match="take fp32 inputs on the CPU, got torch.bfloat16"):
+        with torch.inference_mode():
+            model.to(torch.bfloat16)(ids, attention_mask=mask)  # the int8 layers hold no tensor .to() could cast
 
 
 def test_a_quantized_state_dict_loads_into_a_quantized_model():
