@@ -162,12 +162,13 @@ def weighed(name, build):
 
 LINEAR_WEIGHTS_CHILD = """
 import json, sys, torch, roberta_fast as rf
+from roberta_fast.quantization import LAYER_LINEARS
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 model = rf.RobertaModel(rf.RobertaConfig.from_dict(json.loads(sys.argv[1]))).eval()
 fp32 = sum(getattr(layer, name).weight.nbytes + getattr(layer, name).bias.nbytes
-           for layer in model.layers for name in ("qkv", "attn_out", "ffn_in", "ffn_out"))
+           for layer in model.layers for name in LAYER_LINEARS)
 before = rss()
 rf.quantize(model, engine=sys.argv[2])
 print(json.dumps({"fp32_mb": fp32 / 2**20, "int8_mb": (fp32 - (before - rss())) / 2**20}))

@@ -2,11 +2,11 @@
 # Everything a GPU session checks and records, in stages that each fit one ten-minute call.
 #
 #   benchmarks/gpu_session.sh STAGE [OUTDIR]          # on the GPU machine: OUTDIR=$OUT
+#   GPU_SESSION_DRY=1 benchmarks/gpu_session.sh STAGE  # rehearsal on a CPU (CI runs it for every stage)
 #
 # The GPU machine's copy of the tree has no .git: start it as
 # `ROBERTA_FAST_COMMIT=<git rev-parse HEAD here> benchmarks/gpu_session.sh STAGE "$OUT"` so every
 # record names the commit it measured (benchmarks/_common.py reads it where git cannot answer).
-#   GPU_SESSION_DRY=1 benchmarks/gpu_session.sh STAGE  # rehearsal on a CPU (CI runs it for every stage)
 #
 # Run `first` first: it alone gives the headline record; then, with time left, the others in the
 # order below. Expected times on an H100 (16 cores) are estimates (no stage has run on a GPU yet); every step also has a hard cap, and each stage stops
@@ -115,12 +115,11 @@ run() {  # run NAME CAP_S CMD...: log to NAME.log, at most CAP_S seconds (less i
 
 # What this machine has: versions, and the packages a bare torch image may lack (what degrades without each)
 "$py" - "$dry" >"$out/environment.txt" 2>&1 <<'EOF'
-import importlib.metadata as md, subprocess, sys, torch
+import importlib.metadata as md, os, subprocess, sys, torch
 print("dry run (CPU rehearsal)" if sys.argv[1] == "1" else "GPU run")
 print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-import os
 head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 print("commit", head or os.environ.get("ROBERTA_FAST_COMMIT") or "unknown (no .git: set ROBERTA_FAST_COMMIT)")
 DEGRADES = {"triton": "no fused kernels", "transformers": "hf contenders and HF-parity tests skip",
