@@ -19,8 +19,10 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
   int8 on the CPU (issue 30; `weights_mb`: the process's RSS growth while the contender's model was built)
     rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine)
-    rf-int8-fbgemm    the same with engine="fbgemm" (one copy of the weights where oneDNN keeps two)
+    rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
     onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
+    rf-int8-onnxruntime  rf-int8's model exported with roberta_fast.quantization.onnx_translation_table()
+                  (ONNX's integer matmuls, rf-int8's numerics) in the same onnxruntime session setup
     hf-int8       transformers' RobertaModel (SDPA) after torch.ao.quantization.quantize_dynamic of its nn.Linear
   on a GPU (issue 8)
     rf-fused      fused kernels, padded batches run unpadded;  rf-reference  plain PyTorch
@@ -55,7 +57,9 @@ import _common as bc
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 from plot import throughput_chart  # noqa: E402
-from roberta_fast.quantization import default_engine  # noqa: E402
+from roberta_fast.quantization import default_engine, onnx_translation_table  # noqa: E402
+
+INT8_CONTENDERS = ("rf-int8", "rf-int8-fbgemm", "rf-int8-onnxruntime", "onnxruntime-int8", "hf-int8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -99,10 +103,10 @@ def hidden(out):
     return out.last_hidden_state
 
 
-def onnx_runner(model, example, int8=False):
-    """The rf encoder exported by torch.onnx.export (dynamic batch and length) in an onnxruntime CPU
-    session with all graph optimisations, after onnxruntime's quantize_dynamic when `int8`; a string
-    saying why when it cannot run."""
+def onnx_runner(name, model, example, int8=False, translations=None):
+    """The rf encoder exported by torch.onnx.export (dynamic batch and length, `translations()` as its
+    custom_translation_table) in an onnxruntime CPU session with all graph optimisations, after
+    onnxruntime's quantize_dynamic when `int8`; a string saying why when it cannot run."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -112,7 +116,8 @@ def onnx_runner(model, example, int8=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
-                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims},
+                                    custom_translation_table=translations and translations())
     path = os.path.join(tempfile.mkdtemp(prefix="bench_inference_"), "encoder.onnx")
     program.save(path)
     if int8:
@@ -127,7 +132,6 @@ def onnx_runner(model, example, int8=False):
     # timed after it (measured: every PyTorch contender ~100x slower on 2 cores with spinning on)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    name = "onnxruntime-int8" if int8 else "onnxruntime"
     session = weighed(name, lambda: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]))
     names = [i.name for i in session.get_inputs()]
 
@@ -225,10 +229,11 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
             runs["rf-compile"] = lambda ids, mask: hidden(compiled_rf(ids, attention_mask=mask))
         fp32_only = "fp32 only (onnxruntime's CPU provider has no bf16 matmul)"
         if wanted("onnxruntime"):
-            runs["onnxruntime"] = onnx_runner(ours("reference"), example) if dtype == torch.float32 else fp32_only
+            runs["onnxruntime"] = onnx_runner("onnxruntime", ours("reference"), example) if dtype == torch.float32 \
+                else fp32_only
         int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
         if dtype != torch.float32:
-            runs.update({k: int8_fp32_only for k in ("rf-int8", "rf-int8-fbgemm", "onnxruntime-int8", "hf-int8")})
+            runs.update({k: int8_fp32_only for k in INT8_CONTENDERS})
         else:
             int8 = weighed("rf-int8", lambda: rf.quantize(ours("reference")))
             runs["rf-int8"] = lambda ids, mask: hidden(int8(ids, attention_mask=mask))
@@ -236,7 +241,10 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
                 fbgemm = weighed("rf-int8-fbgemm", lambda: rf.quantize(ours("reference"), engine="fbgemm"))
                 runs["rf-int8-fbgemm"] = lambda ids, mask: hidden(fbgemm(ids, attention_mask=mask))
             if wanted("onnxruntime-int8"):
-                runs["onnxruntime-int8"] = onnx_runner(ours("reference"), example, int8=True)
+                runs["onnxruntime-int8"] = onnx_runner("onnxruntime-int8", ours("reference"), example, int8=True)
+            if wanted("rf-int8-onnxruntime"):
+                runs["rf-int8-onnxruntime"] = onnx_runner("rf-int8-onnxruntime", rf.quantize(ours("reference")),
+                                                          example, translations=onnx_translation_table)
             if wanted("hf-int8"):
                 hf_int8 = weighed("hf-int8", lambda: torch_dynamic_int8(hf_sdpa(cfg, device, dtype)))
                 runs["hf-int8"] = lambda ids, mask: hidden(hf_int8(input_ids=ids, attention_mask=mask))

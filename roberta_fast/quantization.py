@@ -8,35 +8,31 @@
 The four Linear layers of every encoder block (the fused `qkv`, `attn_out`, `ffn_in`,
 `ffn_out`: 85M of roberta-base's 124.7M parameters) become `Int8Linear`: int8 weights, one
 symmetric scale per output row, and int8 activations quantized dynamically (per tensor, at
-each call), through PyTorch's own quantized Linear (`torch.ops.quantized.linear_dynamic`,
-the fbgemm / oneDNN x86 kernels quantize_dynamic uses). Everything else stays fp32
-(embeddings, LayerNorms, attention, pooler and heads), and the unpadded CPU path is kept.
+each call). Everything else stays fp32 (embeddings, LayerNorms, attention, pooler and heads),
+and the unpadded CPU path is kept.
 
-Why this library (measured on the 2-core AMD EPYC, AVX2, no VNNI; docs/inference.md):
-torchao 0.18 (PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear
-runs torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile);
-`torch.ao.quantization` is deprecated (its warning says "removed in 2.10") yet present and
-working in 2.13, and its quantized Linear ops are the maintained fbgemm / oneDNN kernels.
-
-Which engine (`engine=`): the packed weight carries its library. oneDNN is the default: on
-roberta-base's shape it ran the int8 encoder 16% faster than fbgemm here (fixed 128 tokens:
-2.05x transformers fp32 against 1.77x; torch's own "x86" engine runs fbgemm for dynamic
-Linear), but it keeps the int8 weights twice (its reordered copy and the original, for
-unpacking): 0.54x the fp32 Linear layers' memory. fbgemm keeps one copy (0.32x: its AVX2
-packing pads K to a multiple of 512, so the three 768-wide inputs take 4/3 of their size).
-Pick engine="fbgemm" where memory matters more than speed.
+Kernels (`engine=`): "onednn", the default, runs oneDNN's int8 matmul
+(`torch.ops.onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, the ops torch.compile's
+x86 int8 path emits); it holds the int8 weights once, in oneDNN's layout (0.28x the fp32
+layers' memory). Any other engine ("fbgemm", "x86", "qnnpack") runs PyTorch's quantized
+Linear (`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the
+2-core AMD EPYC (AVX2, no VNNI; docs/inference.md): oneDNN ran the int8 encoder 16% faster
+than fbgemm, and fbgemm's AVX2 packing pads K to a multiple of 512 (0.32x). torchao 0.18
+(PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear runs
+torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
 
 Numerics: the activations are quantized as fbgemm does on x86, to 7 bits (reduce_range:
 AVX2's u8·s8 pair sums would saturate at 8), one scale over the whole input, so a row's
 output depends slightly on the other rows of its batch, as with ONNX Runtime's and
-PyTorch's dynamic quantization; unpadded, padding takes no part in the scale.
+PyTorch's dynamic quantization; unpadded, padding takes no part in the scale. The oneDNN
+path quantizes with int8_linear_ref's own arithmetic; fbgemm's differs by a rounding step.
 
-Export: under torch.export (and so torch.onnx.export) Int8Linear traces `int8_linear_ref`,
-the same arithmetic in plain aten ops (round, clamp, an fp32 matmul of the integer values,
-the scales): ONNX Runtime runs the exported graph with the eager model's logits, but with
-fp32 matmuls, so at fp32 speed. For int8 speed under ONNX Runtime, quantize the fp32 export
-with onnxruntime.quantization.quantize_dynamic (benchmarks/bench_inference.py's
-`onnxruntime-int8`). Export traces the padded path, so compare it with `model.roberta.unpad = False`.
+Export: under torch.export each Int8Linear is one `roberta_fast::int8_linear` node (its
+weights as constants), whose kernel is `int8_linear_ref`, the same arithmetic in plain aten
+ops. torch.onnx.export(..., custom_translation_table=onnx_translation_table()) writes it as
+ONNX's integer ops (QuantizeLinear, MatMulInteger), which ONNX Runtime runs at int8 speed
+with the eager logits; without the table the export holds the fp32 form (same logits, fp32
+speed). Export traces the padded path, so compare it with `model.roberta.unpad = False`.
 
 Quantized models are for inference: training, gradients and save_pretrained are refused
 (fine-tune and save the fp32 model, quantize after loading).
@@ -71,7 +67,7 @@ class Int8Linear(nn.Module):
         weight_int8 = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.has_bias = bias is not None
-        self._kernel = _PackedWeight(weight_int8, scale, bias, engine)
+        self._kernel = _packed_weight(weight_int8, scale, bias, engine)
 
     weight_int8 = property(lambda self: self._kernel.unpack()[0])  # (out, in) int8
     weight_scale = property(lambda self: self._kernel.unpack()[1])  # (out,) fp32
@@ -91,8 +87,10 @@ class Int8Linear(nn.Module):
         if torch.compiler.is_exporting() or torch.jit.is_tracing():
             with _untraced():  # the unpacked weights enter the traced graph as constants
                 weights = self._kernel.unpack()
-            return int8_linear_ref(x, *weights)
-        return torch.ops.quantized.linear_dynamic(x, self._kernel.packed, reduce_range=True)
+            if torch.jit.is_tracing():
+                return int8_linear_ref(x, *weights)
+            return torch.ops.roberta_fast.int8_linear(x, *weights)  # one node: see onnx_translation_table
+        return self._kernel(x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights per row, "
@@ -127,14 +125,57 @@ class Int8Linear(nn.Module):
             unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and "." not in
                                    key[len(prefix):] and key[len(prefix):] not in expected)
         if len(found) == len(expected):
-            self._kernel = _PackedWeight(found["weight_int8"], found["weight_scale"], found.get("bias"),
-                                         self._kernel.engine)
+            self._kernel = _packed_weight(found["weight_int8"], found["weight_scale"], found.get("bias"),
+                                          self._kernel.engine)
+
+
+def _packed_weight(weight_int8, scale, bias, engine: str):
+    """The int8 weight packed for `engine`'s kernels: oneDNN's own int8 matmul where it runs
+    (one copy of the weights), else PyTorch's quantized Linear for that engine."""
+    return _OnednnWeight(weight_int8, scale, bias) if engine == "onednn" else _PackedWeight(weight_int8, scale, bias,
+                                                                                              engine)
+
+
+class _OnednnWeight:
+    """The int8 weight in oneDNN's reordered layout, run by oneDNN's int8 matmul
+    (torch.ops.onednn.qlinear_pointwise, the kernel torch.compile's x86 int8 path emits).
+    It is the only copy (to_dense reads it back), where quantized.linear_prepack on the onednn
+    engine keeps the original beside it; the activations are quantized by int8_linear_ref's
+    arithmetic, so the two agree but for fp32 summation order. A plain holder, not module state:
+    torch.export and deepcopy cannot handle an opaque mkldnn tensor (__getstate__ repacks)."""
+
+    engine = "onednn"
+
+    def __init__(self, weight_int8, scale, bias):
+        self.packed = torch.ops.onednn.qlinear_prepack(weight_int8, None)  # (in, out) int8, oneDNN's blocked layout
+        self.scale = scale.float().contiguous()
+        self.zero_points = torch.zeros_like(self.scale, dtype=torch.long)  # symmetric weights
+        self.bias = bias
+
+    def unpack(self):
+        bias = None if self.bias is None else self.bias.clone()
+        return self.packed.to_dense().t().contiguous(), self.scale.clone(), bias
+
+    def __getstate__(self):
+        return self.unpack()
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    @torch.compiler.disable  # dynamo cannot fake an opaque mkldnn tensor: a graph break, run eagerly
+    def __call__(self, x):
+        scale, zero_point = activation_qparams(x)
+        xq = x * (1.0 / scale)  # int8_linear_ref's uint8 values, in place to save passes over x
+        xq = xq.round_().add_(zero_point).clamp_(0, 255).to(torch.uint8)
+        return torch.ops.onednn.qlinear_pointwise.tensor(
+            xq, scale, zero_point.long(), self.packed, self.scale, self.zero_points, self.bias,
+            1.0, 0, torch.float32, "none", [], "")  # fp32 out: output scale 1, zero point 0, no post-op
 
 
 class _PackedWeight:
-    """The kernel library's packed weight (`engine`: onednn, fbgemm, ...), in a plain holder:
-    torch.export would try to trace a TorchScript object held by the module itself. The packed
-    object carries its library: linear_dynamic runs it whatever the global engine is later."""
+    """PyTorch's quantized Linear weight packed for `engine` (fbgemm, x86, qnnpack), in a plain
+    holder: torch.export would try to trace a TorchScript object held by the module itself. The
+    packed object carries its library: linear_dynamic runs it whatever the global engine is later."""
 
     def __init__(self, weight_int8, scale, bias, engine: str):
         self.engine = engine
@@ -155,6 +196,10 @@ class _PackedWeight:
         bias copied too: the library may hand back the tensor it holds)."""
         qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float(), None if bias is None else bias.clone()
+
+    @torch.compiler.disable  # a TorchScript object: a graph break, run eagerly
+    def __call__(self, x):
+        return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
 
 
 @contextlib.contextmanager
@@ -188,6 +233,42 @@ def int8_linear_ref(x, weight_int8, weight_scale, bias=None):
     xq = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255) - zero_point  # integer values, as float
     out = F.linear(xq, weight_int8.to(x.dtype)) * (scale * weight_scale)  # exact integer products, fp32 sums
     return out if bias is None else out + bias
+
+
+# int8_linear_ref as one operator, which torch.export keeps as a node of its graph: run (and lowered
+# by torch.onnx without a translation) as its plain aten ops, translated to ONNX's integer ops by
+# onnx_translation_table().
+torch.library.define("roberta_fast::int8_linear",
+                     "(Tensor x, Tensor weight_int8, Tensor weight_scale, Tensor? bias) -> Tensor")
+torch.library.impl("roberta_fast::int8_linear", "CompositeImplicitAutograd")(int8_linear_ref)
+
+
+def onnx_translation_table():
+    """{operator: ONNX translation} for torch.onnx.export(..., dynamo=True, custom_translation_table=...):
+    each int8 layer of a quantized model becomes ONNX's integer matmul (QuantizeLinear, MatMulInteger),
+    which ONNX Runtime runs at int8 speed with int8_linear_ref's numerics. Without it the export
+    runs the same arithmetic with fp32 MatMuls (same outputs, fp32 speed)."""
+    try:
+        from onnxscript import opset18 as op
+    except ImportError as error:
+        raise ImportError("the int8 ONNX translation needs onnxscript: pip install -e .[export]") from error
+
+    def int8_linear_onnx(x, weight_int8, weight_scale, bias=None):
+        """int8_linear_ref in ONNX ops: activation_qparams, then uint8 x times int8 weights in int32."""
+        qmax, zero = op.Constant(value_float=float(ACTIVATION_QMAX)), op.Constant(value_float=0.0)
+        low = op.Min(op.ReduceMin(x, keepdims=0), zero)
+        high = op.Max(op.ReduceMax(x, keepdims=0), zero)
+        scale = op.Max(op.Div(op.Sub(high, low), qmax), op.Constant(value_float=6.1e-5))
+        low_steps, high_steps = op.Div(low, scale), op.Div(high, scale)
+        nearer_min = op.Less(op.Neg(op.Abs(low_steps)), op.Sub(qmax, op.Abs(high_steps)))
+        zero_point = op.Clip(op.Round(op.Where(nearer_min, op.Neg(low_steps), op.Sub(qmax, high_steps))), zero, qmax)
+        zero_point = op.Cast(zero_point, to=2)  # uint8
+        xq = op.QuantizeLinear(x, scale, zero_point)  # round half to even, + zero point, saturate to [0, 255]
+        acc = op.MatMulInteger(xq, op.Transpose(weight_int8, perm=[1, 0]), zero_point)  # int32 (folded: constant)
+        out = op.Mul(op.Cast(acc, to=1), op.Mul(scale, weight_scale))  # fp32
+        return out if bias is None else op.Add(out, bias)
+
+    return {torch.ops.roberta_fast.int8_linear.default: int8_linear_onnx}
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -8,13 +8,17 @@ weights) plus 1e-3; and the eager int8 kernels must compute what their plain-ate
 one-token row and a row as long as the model's positions allow (a tiny config: 62 tokens).
 """
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
 import torch
 
 import roberta_fast as rf
-from roberta_fast.quantization import LAYER_LINEARS, Int8Linear, int8_linear_ref
+from roberta_fast.quantization import LAYER_LINEARS, Int8Linear, int8_linear_ref, onnx_translation_table
 
 DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
           "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
@@ -109,8 +113,10 @@ def test_torch_export_of_a_quantized_model_equals_eager(cls):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("cls", ["RobertaForSequenceClassification", "RobertaModel"])
-def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, tmp_path):
+@pytest.mark.parametrize("cls,int8_ops", [("RobertaForSequenceClassification", True), ("RobertaModel", False)])
+def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, int8_ops, tmp_path):
+    """With onnx_translation_table() each int8 layer becomes ONNX's integer matmul (int8 speed in
+    ONNX Runtime); without it, the same arithmetic in fp32 MatMuls. Either way: the eager logits."""
     for package in ("onnx", "onnxscript", "onnxruntime"):
         pytest.importorskip(package, reason=f"ONNX export needs {package}: pip install -e .[export]")
     import onnxruntime as ort
@@ -121,7 +127,11 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.onnx's notes on its own internals
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
-                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims},
+                                    custom_translation_table=onnx_translation_table() if int8_ops else None)
+    op_types = [node.op_type for node in program.model.graph]
+    int8_layers = len(LAYER_LINEARS) * TINY["num_hidden_layers"]
+    assert op_types.count("MatMulInteger") == (int8_layers if int8_ops else 0), sorted(set(op_types))
     program.save(tmp_path / "int8.onnx")
     session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
     ids, mask = ids[1:], mask[1:, :9]  # another shape than the traced one
@@ -130,6 +140,29 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
     with torch.inference_mode():
         want = model(ids, attention_mask=mask).to_tuple()[0]
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or "onednn" not in torch.backends.quantized.supported_engines
+                    or not os.path.exists("/proc/self/statm"), reason="needs torch's oneDNN engine and Linux's /proc")
+def test_the_onednn_engine_holds_the_int8_weights_once():
+    """The int8 layers' resident memory is about a quarter of the fp32 layers' (one int8 copy, in
+    oneDNN's layout), not a half (the original kept beside oneDNN's reordered copy)."""
+    child = textwrap.dedent("""
+        import torch
+        from roberta_fast.quantization import Int8Linear
+        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+        with torch.no_grad():  # load oneDNN's code and caches first: they are not weights
+            Int8Linear(torch.nn.Linear(64, 64), "onednn").eval()(torch.randn(2, 64))
+        start = rss()
+        layers = [torch.nn.Linear(768, 3072) for _ in range(6)]
+        fp32 = rss() - start
+        int8 = [Int8Linear(layers.pop(), "onednn") for _ in range(6)]
+        print((rss() - start) / fp32)
+    """)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed weights leave the RSS at once
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, check=True)
+    ratio = float(out.stdout.split()[-1])
+    assert 0.2 < ratio < 0.3, f"int8 weights take {ratio:.3f} of fp32's memory"
 
 
 def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
