@@ -277,7 +277,12 @@ def is_quantized(model: nn.Module) -> bool:
 
 def default_engine() -> str:
     """oneDNN where this torch has it (faster here, see the module docstring), else torch's engine."""
-    return "onednn" if "onednn" in torch.backends.quantized.supported_engines else torch.backends.quantized.engine
+    return "onednn" if _has_onednn() else torch.backends.quantized.engine
+
+
+def _has_onednn() -> bool:
+    return ("onednn" in torch.backends.quantized.supported_engines and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.onednn, "qlinear_pointwise"))
 
 
 def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
@@ -300,7 +305,7 @@ def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
                            "(torch.ops.quantized.linear_dynamic), which rf.quantize runs: use a torch that "
                            "ships them (2.13 does)")
     engine = default_engine() if engine is None else engine
-    if engine not in torch.backends.quantized.supported_engines:
+    if engine not in torch.backends.quantized.supported_engines or (engine == "onednn" and not _has_onednn()):
         raise ValueError(f"rf.quantize(engine={engine!r}): this torch's quantized engines are "
                          f"{torch.backends.quantized.supported_engines}; pass one of them, or None for the default")
     for p in model.parameters():
