@@ -164,9 +164,8 @@ class _OnednnWeight:
 
     @torch.compiler.disable  # dynamo cannot fake an opaque mkldnn tensor: a graph break, run eagerly
     def __call__(self, x):
-        scale, zero_point = activation_qparams(x)
-        xq = x * (1.0 / scale)  # int8_linear_ref's uint8 values, in place to save passes over x
-        xq = xq.round_().add_(zero_point).clamp_(0, 255).to(torch.uint8)
+        scale, zero_point = _qparams(*torch.aminmax(x))  # activation_qparams, one pass over x
+        xq = _quantize_activations(x, scale, zero_point)
         return torch.ops.onednn.qlinear_pointwise.tensor(
             xq, scale, zero_point.long(), self.packed, self.scale, self.zero_points, self.bias,
             1.0, 0, torch.float32, "none", [], "")  # fp32 out: output scale 1, zero point 0, no post-op
@@ -218,12 +217,28 @@ def _untraced():
 def activation_qparams(x):
     """(scale, zero_point) of fbgemm's dynamic activation quantization on x86: uint8 in
     [0, ACTIVATION_QMAX], the range [min(x, 0), max(x, 0)], zero point from the nearer end, rounded."""
-    low, high = x.min().clamp(max=0), x.max().clamp(min=0)
+    return _qparams(x.min(), x.max())  # (min and max export to ONNX, torch.aminmax does not)
+
+
+def _qparams(low, high):
+    low, high = low.clamp(max=0), high.clamp(min=0)
     scale = ((high - low) / ACTIVATION_QMAX).clamp(min=6.1e-5)  # fbgemm's smallest scale
     from_min, from_max = -low / scale, ACTIVATION_QMAX - high / scale
     # fbgemm picks the zero point whose end is represented with less error (|qmin| - |min/s| vs |qmax| - |max/s|)
     zero_point = torch.where(-(low / scale).abs() < ACTIVATION_QMAX - (high / scale).abs(), from_min, from_max)
     return scale, torch.round(zero_point).clamp(0, ACTIVATION_QMAX)
+
+
+def _quantize_activations(x, scale, zero_point):
+    """int8_linear_ref's uint8 activations, a slab of ~1M elements at a time: a whole-tensor fp32
+    temporary (50 MB for 4096 tokens x 3072) is fresh memory at each call, a page fault per 4 KB,
+    which took twice as long as the arithmetic (measured: 57 ms against 23 ms in slabs)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.uint8)
+    inverse, step = 1.0 / scale, max(1, (1 << 20) // rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = (rows[start:start + step] * inverse).round_().add_(zero_point).clamp_(0, 255)
+    return out.view(x.shape)
 
 
 def int8_linear_ref(x, weight_int8, weight_scale, bias=None):
