@@ -242,8 +242,9 @@ def _quantize_activations(x, scale, zero_point):
 
 
 def int8_linear_ref(x, weight_int8, weight_scale, bias=None):
-    """What torch.ops.quantized.linear_dynamic computes, in plain aten ops (export, tests):
-    x quantized to uint8 with activation_qparams, times the int8 weights, rescaled, plus bias."""
+    """What the int8 kernels compute, in plain aten ops (export, tests): x quantized to uint8
+    with activation_qparams, times the int8 weights, rescaled, plus bias. oneDNN's path
+    quantizes identically; fbgemm's own quantization puts a few values one step apart."""
     scale, zero_point = activation_qparams(x)
     xq = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255) - zero_point  # integer values, as float
     out = F.linear(xq, weight_int8.to(x.dtype)) * (scale * weight_scale)  # exact integer products, fp32 sums

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import roberta_fast as rf
-from roberta_fast.quantization import LAYER_LINEARS, Int8Linear, int8_linear_ref, onnx_translation_table
+from roberta_fast.quantization import LAYER_LINEARS, Int8Linear, default_engine, int8_linear_ref, onnx_translation_table
 
 DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
           "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
@@ -145,8 +145,8 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or "onednn" not in torch.backends.quantized.supported_engines
-                    or not os.path.exists("/proc/self/statm"), reason="needs torch's oneDNN engine and Linux's /proc")
+@pytest.mark.skipif(default_engine() != "onednn" or not os.path.exists("/proc/self/statm"),
+                    reason="needs torch's oneDNN int8 ops and Linux's /proc")
 def test_the_onednn_engine_holds_the_int8_weights_once():
     """The int8 layers' resident memory is about a quarter of the fp32 layers' (one int8 copy, in
     oneDNN's layout), not a half (the original kept beside oneDNN's reordered copy)."""
