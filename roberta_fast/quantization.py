@@ -90,6 +90,8 @@ class Int8Linear(nn.Module):
             if torch.jit.is_tracing():
                 return int8_linear_ref(x, *weights)
             return torch.ops.roberta_fast.int8_linear(x, *weights)  # one node: see onnx_translation_table
+        if torch.compiler.is_compiling():
+            return _outside_the_graph()(self._kernel, x)
         return self._kernel(x)
 
     def extra_repr(self) -> str:
@@ -129,6 +131,18 @@ class Int8Linear(nn.Module):
                                           self._kernel.engine)
 
 
+_RUN_EAGERLY = []
+
+
+def _outside_the_graph():
+    """kernel(x), run eagerly under torch.compile: a graph break, as dynamo can neither fake
+    oneDNN's opaque weight nor trace fbgemm's TorchScript object. Made on first use, since
+    torch.compiler.disable imports torch._dynamo (1.8 s) and most quantized models never compile."""
+    if not _RUN_EAGERLY:
+        _RUN_EAGERLY.append(torch.compiler.disable(lambda kernel, x: kernel(x)))
+    return _RUN_EAGERLY[0]
+
+
 def _packed_weight(weight_int8, scale, bias, engine: str):
     """The int8 weight packed for `engine`'s kernels: oneDNN's own int8 matmul where it runs
     (one copy of the weights), else PyTorch's quantized Linear for that engine."""
@@ -162,7 +176,6 @@ class _OnednnWeight:
     def __setstate__(self, state):
         self.__init__(*state)
 
-    @torch.compiler.disable  # dynamo cannot fake an opaque mkldnn tensor: a graph break, run eagerly
     def __call__(self, x):
         scale, zero_point = _qparams(*torch.aminmax(x))  # activation_qparams, one pass over x
         xq = _quantize_activations(x, scale, zero_point)
@@ -196,7 +209,6 @@ class _PackedWeight:
         qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float(), None if bias is None else bias.clone()
 
-    @torch.compiler.disable  # a TorchScript object: a graph break, run eagerly
     def __call__(self, x):
         return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
 

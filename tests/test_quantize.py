@@ -168,6 +168,17 @@ def test_the_onednn_engine_holds_the_int8_weights_once():
     assert 0.2 < ratio < 0.3, f"int8 weights take {ratio:.3f} of fp32's memory"
 
 
+def test_torch_compile_of_a_quantized_model_equals_eager():
+    """The int8 kernels run outside the compiled graph (a graph break each: dynamo can fake neither
+    packed weight), the rest compiled; the outputs are the eager model's."""
+    model = rf.quantize(model_of("RobertaModel"))
+    ids, mask = awkward_inputs("RobertaModel")
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask).last_hidden_state
+        got = torch.compile(model)(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
     model = rf.quantize(model_of("RobertaForSequenceClassification"))
     ids, mask = awkward_inputs("RobertaForSequenceClassification")
