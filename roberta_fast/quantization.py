@@ -177,6 +177,8 @@ class _OnednnWeight:
         self.__init__(*state)
 
     def __call__(self, x):
+        if x.numel() == 0:  # no tokens: nothing to scale by (aminmax refuses an empty tensor)
+            return x.new_empty(*x.shape[:-1], self.scale.numel())
         scale, zero_point = _qparams(*torch.aminmax(x))  # activation_qparams, one pass over x
         xq = _quantize_activations(x, scale, zero_point)
         return torch.ops.onednn.qlinear_pointwise.tensor(

@@ -92,6 +92,8 @@ def test_int8_kernels_compute_their_plain_aten_description(engine):
     inputs = [torch.randn(3, 7, 64) * 4 + 1, torch.rand(1, 64), torch.randn(5, 64) - 3]  # mixed, >= 0, mostly < 0
     if engine == "onednn":  # rows past one quantization slab of 2**20 elements (fbgemm quantizes by its own
         inputs.append(torch.randn(2, 8200, 64))  # rounding, which puts ~1e-4 of such values one step apart)
+    with torch.inference_mode():
+        assert q(torch.empty(2, 0, 64)).shape == (2, 0, 96)  # no tokens, as nn.Linear
     for x in inputs:
         with torch.inference_mode():
             torch.testing.assert_close(q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias),
