@@ -423,10 +423,11 @@ def main():
                 rf_int8_engine=default_engine(), int8_linear_weights=weights, note=args.note), targets=targets)
             print(f"\nwrote {path}")
 
-    weights = []  # the int8 Linear layers' memory, each engine rf-int8 runs with
     only = args.only.split(",") if args.only else None
-    if device.type == "cpu" and "fp32" in dtypes and (only is None or "rf-int8" in only):
-        engines = [default_engine()] + (["fbgemm"] if only is None or "rf-int8-fbgemm" in only else [])
+    wanted = lambda name: only is None or name in only  # noqa: E731
+    weights = []  # the int8 Linear layers' memory, each engine rf-int8 runs with
+    if device.type == "cpu" and "fp32" in dtypes and wanted("rf-int8"):
+        engines = [default_engine()] + (["fbgemm"] if wanted("rf-int8-fbgemm") else [])
         weights = [linear_weights(cfg, engine) for engine in dict.fromkeys(engines)]
         print("int8 Linear weights:", weights)
 
@@ -445,8 +446,6 @@ def main():
         reference = None
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            only = args.only.split(",") if args.only else None
-            wanted = lambda name: only is None or name in only  # noqa: E731
             runs = contenders(cfg, device, dtype, skip_compile, data[0], wanted)
             runs = {k: v for k, v in runs.items() if k == "hf-sdpa" or wanted(k)}
             with torch.inference_mode():

@@ -54,7 +54,7 @@ class Int8Linear(nn.Module):
     """nn.Linear's forward with int8 weights (per-output-row scales) and dynamically quantized
     int8 activations. The weights are held once, in the kernel library's packed form; the
     state (`weight_int8`, `weight_scale`, `bias`: the state_dict's keys) is read back from it
-    (linear_unpack) when saved or exported, so the int8 model keeps no second copy."""
+    (the holder's unpack) when saved or exported, so the int8 model keeps no second copy."""
 
     STATE = ("weight_int8", "weight_scale", "bias")
 
@@ -146,8 +146,9 @@ def _outside_the_graph():
 def _packed_weight(weight_int8, scale, bias, engine: str):
     """The int8 weight packed for `engine`'s kernels: oneDNN's own int8 matmul where it runs
     (one copy of the weights), else PyTorch's quantized Linear for that engine."""
-    return _OnednnWeight(weight_int8, scale, bias) if engine == "onednn" else _PackedWeight(weight_int8, scale, bias,
-                                                                                              engine)
+    if engine == "onednn":
+        return _OnednnWeight(weight_int8, scale, bias)
+    return _PackedWeight(weight_int8, scale, bias, engine)
 
 
 class _OnednnWeight:
