@@ -324,11 +324,13 @@ class RobertaEmbeddings(nn.Module):
 
 
 def _linear_gelu(linear: nn.Module, x, backend: str):
-    """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear; any other module
-    (a PEFT LoRA layer, which keeps the base weight as .weight; rf.quantize's Int8Linear) runs its
-    own forward."""
+    """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear, the GELU fused
+    into the matmul for rf.quantize's Int8Linear (its forward_gelu); any other module (a PEFT LoRA
+    layer, which keeps the base weight as .weight) runs its own forward."""
     if type(linear) is nn.Linear:
         return ops.linear_gelu(x, linear.weight, linear.bias, backend)
+    if hasattr(linear, "forward_gelu"):
+        return linear.forward_gelu(x)
     return F.gelu(linear(x))
 
 
