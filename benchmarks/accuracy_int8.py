@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common as bc  # noqa: E402  (benchmarks/ is the script's directory)
 import roberta_fast as rf  # noqa: E402
 from roberta_fast.quantization import default_engine, onnx_translation_table  # noqa: E402
 
@@ -151,6 +152,7 @@ def evaluate(args):
               "dev_examples": len(rows), "model": {**MODEL, "vocab_size": fp32.config.vocab_size},
               "start": "random weights (no pretrained RoBERTa on this machine), fine-tuned by roberta_fast.finetune",
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "environment": bc.environment(torch.device("cpu")),  # the commit, machine and command measured
               "rf_int8_engines": {"rf-int8": default_engine(), "rf-int8-fbgemm": "fbgemm"},
               "results": {}}
     for name, x in logits.items():
