@@ -14,7 +14,7 @@ and the unpadded CPU path is kept.
 Kernels (`engine=`): "onednn", the default, runs oneDNN's int8 matmul
 (`torch.ops.onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, the ops torch.compile's
 x86 int8 path emits); it holds the int8 weights once, in oneDNN's layout (0.28x the fp32
-layers' memory). Any other engine ("fbgemm", "x86", "qnnpack") runs PyTorch's quantized
+layers' memory), and runs the FFN's GELU in the matmul's epilogue. Any other engine ("fbgemm", "x86", "qnnpack") runs PyTorch's quantized
 Linear (`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the
 2-core AMD EPYC (AVX2, no VNNI; docs/inference.md): oneDNN ran the int8 encoder 16% faster
 than fbgemm, and fbgemm's AVX2 packing pads K to a multiple of 512 (0.32x). torchao 0.18
