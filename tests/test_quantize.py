@@ -103,6 +103,26 @@ def test_int8_kernels_compute_their_plain_aten_description(engine):
             torch.testing.assert_close(q.forward_gelu(x), F.gelu(out), rtol=1e-6, atol=1e-6)
 
 
+def test_the_eager_activation_qparams_equal_the_exported_ones():
+    """The oneDNN path computes the activation scale and zero point on the host (numpy float32
+    scalars); export computes them with tensor ops (activation_qparams). Same bits, on ranges of
+    every kind: both signs, one sign, all zero, far below and above fbgemm's smallest scale."""
+    from roberta_fast.quantization import _qparams_on_host, _quantize_activations, activation_qparams
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.zeros(7), torch.full((3,), 1e-7), torch.full((3,), -2.5), torch.tensor([1e-3, -1e-8])]
+    for i in range(300):
+        x = torch.randn(int(torch.randint(1, 500, (), generator=g)), generator=g)
+        x = x * 10 ** float(torch.empty(()).uniform_(-5, 3, generator=g)) + float(torch.randn((), generator=g))
+        cases.append([x, x.abs(), -x.abs()][i % 3])
+    for x in cases:
+        scale, zero_point = activation_qparams(x)
+        host_scale, host_zero_point = _qparams_on_host(x.min().item(), x.max().item())
+        assert (host_scale, host_zero_point) == (scale.item(), zero_point.item()), x
+        want = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255).to(torch.uint8)  # int8_linear_ref's
+        assert torch.equal(_quantize_activations(x[None], host_scale, host_zero_point)[0], want)
+
+
 def padded(model):
     """The padded path of the same model: what export traces (export never unpads)."""
     encoder = model.roberta if hasattr(model, "roberta") else model
