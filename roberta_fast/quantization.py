@@ -14,10 +14,12 @@ and the unpadded CPU path is kept.
 Kernels (`engine=`): "onednn", the default, runs oneDNN's int8 matmul
 (`torch.ops.onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, the ops torch.compile's
 x86 int8 path emits); it holds the int8 weights once, in oneDNN's layout (0.28x the fp32
-layers' memory), and runs the FFN's GELU in the matmul's epilogue. Any other engine ("fbgemm", "x86", "qnnpack") runs PyTorch's quantized
-Linear (`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the
-2-core AMD EPYC (AVX2, no VNNI; docs/inference.md): oneDNN ran the int8 encoder 16% faster
-than fbgemm, and fbgemm's AVX2 packing pads K to a multiple of 512 (0.32x). torchao 0.18
+layers' memory), and runs the FFN's GELU in the matmul's epilogue. Any other engine
+("fbgemm", "x86", "qnnpack") runs PyTorch's quantized Linear
+(`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the 2-core
+AMD EPYC (AVX2, no VNNI; docs/inference.md): on batches oneDNN ran the int8 encoder ~20%
+faster than fbgemm, whose AVX2 packing pads K to a multiple of 512 (0.32x); on single short
+requests fbgemm ran 2.7x faster (oneDNN's int8 matmul costs ~0.4 ms per call there). torchao 0.18
 (PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear runs
 torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
 
