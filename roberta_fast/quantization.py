@@ -19,7 +19,7 @@ layers' memory), and runs the FFN's GELU in the matmul's epilogue. Any other eng
 (`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the 2-core
 AMD EPYC (AVX2, no VNNI; docs/inference.md): on batches oneDNN ran the int8 encoder ~20%
 faster than fbgemm, whose AVX2 packing pads K to a multiple of 512 (0.32x); on single short
-requests fbgemm ran 2.7x faster (oneDNN's int8 matmul costs ~0.4 ms per call there). torchao 0.18
+requests fbgemm ran 2.5x faster (oneDNN's int8 matmul costs ~0.4 ms per call there). torchao 0.18
 (PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear runs
 torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
 
@@ -354,7 +354,7 @@ def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
     torch.backends.quantized.supported_engines; None picks default_engine() ("onednn": faster
     on batches on the CPU measured, 0.28x the fp32 layers' memory against fbgemm's 0.32x). On a
     CPU without VNNI pass "fbgemm" for single short requests: oneDNN's int8 matmul there costs
-    ~0.4 ms per call whatever the length (measured 2.7x the latency at 1 x 16 tokens).
+    ~0.4 ms per call whatever the length (measured 2.5x the latency at 1 x 16 tokens).
     """
     from .model import RobertaLayer
 
