@@ -22,15 +22,18 @@ KERNEL_BENCHES = ("bench_attention", "bench_bias_gelu", "bench_layer_norm", "ben
                   "bench_activation_checkpointing")
 
 
-def _load_throughput():
-    spec = importlib.util.spec_from_file_location("benchmarks_throughput", BENCH / "throughput.py")
+def _load_benchmark(name):
+    """benchmarks/<name>.py as a module (benchmarks/ on the path for its `import _common`)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
 
 
-T = _load_throughput()
+T = _load_benchmark("throughput")
 
 
 def _run(args, timeout=300):
@@ -207,11 +210,7 @@ def test_ratios_and_targets():
 def test_inference_speed_targets_are_not_measured_off_their_shapes():
     """bench_inference --batch-size 1 (single requests): the issue's speed targets are for batches
     of 32 x 128 tokens, so such a run reports them not measured, with why; accuracy still counts."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # bench_inference imports _common
-    spec = importlib.util.spec_from_file_location("benchmarks_bench_inference", BENCH / "bench_inference.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_benchmark("bench_inference")
     rows = [{"contender": name, "lengths": lengths, "dtype": "fp32", "status": "ok", "ms_per_batch": ms,
              "vs_hf_sdpa": 100.0 / ms, "max_abs_diff_vs_hf_fp32": 1e-6}
             for lengths in ("fixed", "uniform")
