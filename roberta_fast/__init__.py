@@ -26,6 +26,7 @@ _LAZY = {
     "mask_tokens": "masking",
     "FusedAdam": "optim",
     "patch": "hf_patch",
+    "prepack": "prepacked",
     "quantize": "quantization",
 }
 

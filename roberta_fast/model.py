@@ -325,8 +325,8 @@ class RobertaEmbeddings(nn.Module):
 
 def _linear_gelu(linear: nn.Module, x, backend: str):
     """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear, the GELU fused
-    into the matmul for rf.quantize's Int8Linear (its forward_gelu); any other module (a PEFT LoRA
-    layer, which keeps the base weight as .weight) runs its own forward."""
+    into the matmul for rf.prepack's and rf.quantize's packed layers (their forward_gelu); any other
+    module (a PEFT LoRA layer, which keeps the base weight as .weight) runs its own forward."""
     if type(linear) is nn.Linear:
         return ops.linear_gelu(x, linear.weight, linear.bias, backend)
     if hasattr(linear, "forward_gelu"):
@@ -480,10 +480,13 @@ class _PreTrained(nn.Module):
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters counted once (the tied decoder is the word embeddings); exclude_embeddings
-        leaves out the nn.Embedding tables, as transformers does."""
+        leaves out the nn.Embedding tables, as transformers does. The Linear layers that rf.prepack
+        and rf.quantize hold packed count as the parameters they replaced (frozen: not trainable)."""
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
-        return sum(p.numel() for p in self.parameters()
-                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings))
+        packed = sum(m.replaced_numel() for m in self.modules() if hasattr(m, "replaced_numel"))
+        return (0 if only_trainable else packed) + sum(
+            p.numel() for p in self.parameters()
+            if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings))
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.base_model.embeddings.word_embeddings

@@ -41,7 +41,6 @@ Quantized models are for inference: training, gradients and save_pretrained are 
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import numpy as np
@@ -49,113 +48,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYER_LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")  # RobertaLayer's four projections
+from .prepacked import LAYER_LINEARS, _InferenceLinear, encoder_linears  # noqa: F401 (LAYER_LINEARS: public here too)
+
 ACTIVATION_QMAX = 127  # uint8 activations in [0, 127]: fbgemm's reduce_range on x86
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_InferenceLinear):
     """nn.Linear's forward with int8 weights (per-output-row scales) and dynamically quantized
     int8 activations. The weights are held once, in the kernel library's packed form; the
     state (`weight_int8`, `weight_scale`, `bias`: the state_dict's keys) is read back from it
     (the holder's unpack) when saved or exported, so the int8 model keeps no second copy."""
 
     STATE = ("weight_int8", "weight_scale", "bias")
+    KIND = "quantized"
+    FUNCTION = "rf.quantize"
 
-    def __init__(self, linear: nn.Linear, engine: str):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+    def __init__(self, linear: nn.Module, engine: str):
+        super().__init__(linear)
         weight = linear.weight.detach().float()
         # symmetric per-row scales: the row's largest |w| maps to 127
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         weight_int8 = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self.has_bias = bias is not None
         self._kernel = _packed_weight(weight_int8, scale, bias, engine)
 
     weight_int8 = property(lambda self: self._kernel.unpack()[0])  # (out, in) int8
     weight_scale = property(lambda self: self._kernel.unpack()[1])  # (out,) fp32
     bias = property(lambda self: self._kernel.unpack()[2])  # (out,) fp32 or None
 
-    def forward(self, x):
-        return self._run(x, gelu=False)
+    def _traced(self, x, weight_int8, weight_scale, bias):
+        if torch.jit.is_tracing():
+            return int8_linear_ref(x, weight_int8, weight_scale, bias)
+        # one node of the exported graph: see onnx_translation_table
+        return torch.ops.roberta_fast.int8_linear(x, weight_int8, weight_scale, bias)
 
-    def forward_gelu(self, x):
-        """erf GELU(self(x)) (the FFN's first layer): on the oneDNN engine the GELU runs in the int8
-        matmul's epilogue, on the output still in cache (the same values as F.gelu; measured 20% off
-        roberta-base's 768->3072 layer and its GELU), elsewhere F.gelu of the output."""
-        return self._run(x, gelu=True)
-
-    def _run(self, x, gelu: bool):
-        if self.training:
-            raise RuntimeError("a quantized model is for inference: call model.eval() (to train, fine-tune the "
-                               "fp32 model and quantize it afterwards)")
-        if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError("int8 Linear layers have no gradient: run a quantized model under torch.no_grad() "
-                               "or torch.inference_mode(), with its parameters frozen (rf.quantize freezes them)")
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise RuntimeError(f"int8 Linear layers take fp32 inputs on the CPU, got {x.dtype} on {x.device}: a "
-                               "quantized model stays fp32 on the CPU (do not .half(), .to(bfloat16) or move it; "
-                               "quantize a fresh fp32 copy for another device or dtype)")
-        if torch.compiler.is_exporting() or torch.jit.is_tracing():
-            with _untraced():  # the unpacked weights enter the traced graph as constants
-                weights = self._kernel.unpack()
-            if torch.jit.is_tracing():
-                out = int8_linear_ref(x, *weights)
-            else:
-                out = torch.ops.roberta_fast.int8_linear(x, *weights)  # one node: see onnx_translation_table
-            return F.gelu(out) if gelu else out
-        post_op = "gelu" if gelu else "none"
-        if torch.compiler.is_compiling():
-            return _outside_the_graph()(self._kernel, x, post_op)
-        return self._kernel(x, post_op)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights per row, "
-                f"engine={self._kernel.engine}")
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name, tensor in zip(self.STATE, self._kernel.unpack()):
-            if tensor is not None:
-                destination[prefix + name] = tensor
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        """Check the three tensors' shapes and dtypes, then pack them (nn.Module's checks, by hand:
-        the state lives in the packed weight, not in buffers)."""
+    def _expected_state(self) -> dict:
         expected = {"weight_int8": ((self.out_features, self.in_features), torch.int8),
                     "weight_scale": ((self.out_features,), torch.float32),
                     "bias": ((self.out_features,), torch.float32)}
         if not self.has_bias:
             del expected["bias"]
-        found = {}
-        for name, (shape, dtype) in expected.items():
-            if prefix + name not in state_dict:
-                missing_keys.append(prefix + name)
-                continue
-            tensor = state_dict[prefix + name]
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                error_msgs.append(f"{prefix}{name}: expected {dtype} of shape {shape} (an rf.quantize state_dict of "
-                                  f"the same config), got {tensor.dtype} of shape {tuple(tensor.shape)}")
-                continue
-            found[name] = tensor
-        if strict:
-            unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and "." not in
-                                   key[len(prefix):] and key[len(prefix):] not in expected)
-        if len(found) == len(expected):
-            self._kernel = _packed_weight(found["weight_int8"], found["weight_scale"], found.get("bias"),
-                                          self._kernel.engine)
+        return expected
 
+    def _pack(self, state: dict):
+        return _packed_weight(state["weight_int8"], state["weight_scale"], state.get("bias"), self._kernel.engine)
 
-_RUN_EAGERLY = []
-
-
-def _outside_the_graph():
-    """kernel(x, post_op), run eagerly under torch.compile: a graph break, as dynamo can neither fake
-    oneDNN's opaque weight nor trace fbgemm's TorchScript object. Made on first use, since
-    torch.compiler.disable imports torch._dynamo (1.8 s) and most quantized models never compile."""
-    if not _RUN_EAGERLY:
-        _RUN_EAGERLY.append(torch.compiler.disable(lambda kernel, x, post_op: kernel(x, post_op)))
-    return _RUN_EAGERLY[0]
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", int8 weights per row, engine={self._kernel.engine}"
 
 
 def _packed_weight(weight_int8, scale, bias, engine: str):
@@ -234,19 +173,6 @@ class _PackedWeight:
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; linear_dynamic has no epilogue)."""
         out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
         return F.gelu(out) if post_op == "gelu" else out
-
-
-@contextlib.contextmanager
-def _untraced():
-    """Run eagerly, unseen by torch.export's tracing modes and torch.jit.trace's tracer, so that
-    what is computed (the unpacked weights) enters the traced graph as constant tensors."""
-    tracing_state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
-            yield
-    finally:
-        torch._C._set_tracing_state(tracing_state)
 
 
 def activation_qparams(x):
@@ -356,11 +282,7 @@ def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
     CPU without VNNI pass "fbgemm" for single short requests: oneDNN's int8 matmul there costs
     ~0.4 ms per call whatever the length (measured 2.5x the latency at 1 x 16 tokens).
     """
-    from .model import RobertaLayer
-
-    if not isinstance(model, nn.Module) or not any(isinstance(m, RobertaLayer) for m in model.modules()):
-        raise ValueError(f"rf.quantize takes a roberta_fast model (RobertaModel, RobertaFor*), got "
-                         f"{type(model).__name__}; for a transformers model use rf.RobertaModel.from_pretrained(it)")
+    slots = encoder_linears(model, "rf.quantize")
     if is_quantized(model):
         return model
     if not hasattr(torch.ops.quantized, "linear_dynamic"):
@@ -371,13 +293,8 @@ def quantize(model: nn.Module, engine: str | None = None) -> nn.Module:
     if engine not in torch.backends.quantized.supported_engines or (engine == "onednn" and not _has_onednn()):
         raise ValueError(f"rf.quantize(engine={engine!r}): this torch's quantized engines are "
                          f"{torch.backends.quantized.supported_engines}; pass one of them, or None for the default")
-    for p in model.parameters():
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            raise ValueError(f"rf.quantize takes an fp32 model on the CPU (int8 Linear runs fbgemm / oneDNN CPU "
-                             f"kernels), got {p.dtype} on {p.device}; use model.float().cpu() first")
-    for layer in (m for m in model.modules() if isinstance(m, RobertaLayer)):
-        for name in LAYER_LINEARS:
-            setattr(layer, name, Int8Linear(getattr(layer, name), engine))
+    for layer, name in slots:  # nn.Linear, or rf.prepack's PackedLinear (its weight reads back)
+        setattr(layer, name, Int8Linear(getattr(layer, name), engine))
     model.requires_grad_(False)
     return model.eval()
 

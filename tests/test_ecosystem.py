@@ -82,6 +82,9 @@ def test_lora_on_the_fused_names_trains_merges_and_loads_in_transformers(tmp_pat
     untrained = [n for n, p in lora.named_parameters() if "lora_B" in n and not p.detach().any()]
     assert not untrained, f"adapters that got no gradient (bypassed by the forward): {untrained}"
     lora.eval()
+    for pack in (rf.quantize, rf.prepack):  # packing the base weights alone would drop the adapters silently
+        with pytest.raises(ValueError, match=r"peft\.tuners\.lora\.layer\.Linear, not torch's nn.Linear.*merge"):
+            pack(lora.base_model.model)
     with torch.no_grad():
         adapted = lora(**data).logits
         merged = lora.merge_and_unload()

@@ -1,0 +1,247 @@
+"""`rf.prepack(model)` (this module is roberta_fast.prepacked): fp32 CPU inference with the encoder's
+Linear weights packed once, in oneDNN's layout.
+
+    model = rf.RobertaForSequenceClassification.from_pretrained(path)
+    rf.prepack(model)               # in place, returned for chaining; eval mode, parameters frozen
+    with torch.inference_mode():
+        logits = model(input_ids, attention_mask=mask).logits
+
+Why: nn.Linear on the CPU (aten::addmm) lays the weight out for its kernel again at every call.
+On few tokens that is most of the matmul: on the 2-core AMD EPYC (docs/inference.md), roberta-base
+at 1 x 16 tokens spent 89% of its time in addmm, and one block's four matmuls took 5.6 ms plainly,
+3.1 ms on weights packed once (torch.ops.mkldnn._reorder_linear_weight, run by
+mkldnn._linear_pointwise: the kernels torch.compile's CPU freezing path emits). The four Linear
+layers of every block become `PackedLinear`; the packed copy replaces the original (one copy of
+the weights), and the FFN's GELU runs in the matmul's epilogue (erf, as F.gelu). The function is
+the same, in fp32: outputs differ from the plain model's by fp32 summation order only.
+
+`_InferenceLinear` is also the base of rf.quantize's Int8Linear: a Linear layer held in a kernel
+library's packed form, for inference only (training and gradients are refused), whose
+state_dict is read back from the packed form, and which torch.export and jit.trace see as plain
+aten ops on constant weights (the packed tensors are opaque to them).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYER_LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")  # RobertaLayer's four projections
+
+
+class _InferenceLinear(nn.Module):
+    """nn.Linear's forward, for inference, on weights held once by `self._kernel`: a holder whose
+    __call__(x, post_op) runs the packed kernel and whose unpack() reads the STATE tensors back.
+    Subclasses pack (`_pack`), name the state (`STATE`, `_expected_state`) and say what
+    export traces (`_traced`)."""
+
+    STATE: tuple[str, ...] = ()
+    KIND = "packed"  # in errors: "a {KIND} model", made by FUNCTION
+    FUNCTION = ""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.has_bias = linear.bias is not None
+
+    def forward(self, x):
+        return self._run(x, gelu=False)
+
+    def forward_gelu(self, x):
+        """erf GELU(self(x)) (the FFN's first layer), in the kernel's epilogue where it has one: on
+        the output still in cache, the same values as F.gelu."""
+        return self._run(x, gelu=True)
+
+    def replaced_numel(self) -> int:
+        """The parameters of the nn.Linear this layer replaced (num_parameters counts them)."""
+        return self.out_features * (self.in_features + self.has_bias)
+
+    def _run(self, x, gelu: bool):
+        if self.training:
+            raise RuntimeError(f"a {self.KIND} model is for inference: call model.eval() (to train, train the fp32 "
+                               f"model and apply {self.FUNCTION} afterwards)")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{self.KIND} Linear layers have no gradient: run a {self.KIND} model under "
+                               f"torch.no_grad() or torch.inference_mode(), with its parameters frozen "
+                               f"({self.FUNCTION} freezes them)")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise RuntimeError(f"{self.KIND} Linear layers take fp32 inputs on the CPU, got {x.dtype} on {x.device}: "
+                               f"a {self.KIND} model stays fp32 on the CPU (do not .half(), .to(bfloat16) or move it; "
+                               f"apply {self.FUNCTION} to a fresh fp32 copy for another device or dtype)")
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+            with _untraced():  # the unpacked weights enter the traced graph as constants
+                state = self._kernel.unpack()
+            out = self._traced(x, *state)
+            return F.gelu(out) if gelu else out
+        post_op = "gelu" if gelu else "none"
+        if torch.compiler.is_compiling():
+            return _outside_the_graph()(self._kernel, x, post_op)
+        return self._kernel(x, post_op)
+
+    def _traced(self, x, *state):
+        """What torch.export and jit.trace record for this layer, on the unpacked state."""
+        raise NotImplementedError
+
+    def _expected_state(self) -> dict:
+        """{state_dict name: (shape, dtype)} of this layer's state."""
+        raise NotImplementedError
+
+    def _pack(self, state: dict):
+        """A new kernel holder for these state tensors."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, tensor in zip(self.STATE, self._kernel.unpack()):
+            if tensor is not None:
+                destination[prefix + name] = tensor
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Check the state tensors' shapes and dtypes, then pack them (nn.Module's checks, by hand:
+        the state lives in the packed weight, not in parameters or buffers)."""
+        expected = self._expected_state()
+        found = {}
+        for name, (shape, dtype) in expected.items():
+            if prefix + name not in state_dict:
+                missing_keys.append(prefix + name)
+                continue
+            tensor = state_dict[prefix + name]
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                error_msgs.append(f"{prefix}{name}: expected {dtype} of shape {shape} (a {self.FUNCTION} state_dict "
+                                  f"of the same config), got {tensor.dtype} of shape {tuple(tensor.shape)}")
+                continue
+            found[name] = tensor
+        if strict:
+            unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and "." not in
+                                   key[len(prefix):] and key[len(prefix):] not in expected)
+        if len(found) == len(expected):
+            self._kernel = self._pack(found)
+
+
+class PackedLinear(_InferenceLinear):
+    """nn.Linear's forward in fp32 on a weight packed once in oneDNN's layout (rf.prepack). Its
+    state_dict is nn.Linear's (`weight`, `bias`), read back from the packed weight."""
+
+    STATE = ("weight", "bias")
+    KIND = "prepacked"
+    FUNCTION = "rf.prepack"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        self._kernel = _OnednnFp32Weight(linear.weight, linear.bias)
+
+    weight = property(lambda self: self._kernel.unpack()[0])  # (out, in) fp32, a fresh copy
+    bias = property(lambda self: self._kernel.unpack()[1])  # (out,) fp32 or None
+
+    def _traced(self, x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    def _expected_state(self) -> dict:
+        expected = {"weight": ((self.out_features, self.in_features), torch.float32),
+                    "bias": ((self.out_features,), torch.float32)}
+        return expected if self.has_bias else {"weight": expected["weight"]}
+
+    def _pack(self, state: dict):
+        return _OnednnFp32Weight(state["weight"], state.get("bias"))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp32 weights packed by oneDNN"
+
+
+class _OnednnFp32Weight:
+    """An fp32 Linear weight in oneDNN's blocked layout, run by oneDNN's matmul with an optional
+    post-op. The only copy (to_dense reads it back). A plain holder, not module state: torch.export
+    and deepcopy cannot handle an opaque mkldnn tensor (__getstate__ unpacks)."""
+
+    def __init__(self, weight, bias):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)  # (out, in)
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    def unpack(self):
+        return self.packed.to_dense(), None if self.bias is None else self.bias.clone()
+
+    def __getstate__(self):
+        return self.unpack()
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def __call__(self, x, post_op="none"):
+        """The layer's output, with oneDNN's `post_op` applied to it ("gelu": erf GELU)."""
+        algorithm = "none" if post_op == "gelu" else ""  # oneDNN's GELU algorithms: "none" (erf) or "tanh"
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post_op, [], algorithm)
+
+
+_RUN_EAGERLY = []
+
+
+def _outside_the_graph():
+    """kernel(x, post_op), run eagerly under torch.compile: a graph break, as dynamo can neither fake
+    an opaque oneDNN weight nor trace fbgemm's TorchScript object. Made on first use, since
+    torch.compiler.disable imports torch._dynamo (1.8 s) and most models never compile."""
+    if not _RUN_EAGERLY:
+        _RUN_EAGERLY.append(torch.compiler.disable(lambda kernel, x, post_op: kernel(x, post_op)))
+    return _RUN_EAGERLY[0]
+
+
+@contextlib.contextmanager
+def _untraced():
+    """Run eagerly, unseen by torch.export's tracing modes and torch.jit.trace's tracer, so that
+    what is computed (the unpacked weights) enters the traced graph as constant tensors."""
+    tracing_state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch._C._set_tracing_state(tracing_state)
+
+
+def encoder_linears(model: nn.Module, function: str):
+    """[(layer, name)] of every encoder block's four Linear layers, after checking that `model` is a
+    roberta_fast model; `function` (e.g. "rf.prepack") names the caller in errors."""
+    from .model import RobertaLayer
+
+    layers = [m for m in model.modules() if isinstance(m, RobertaLayer)] if isinstance(model, nn.Module) else []
+    if not layers:
+        raise ValueError(f"{function} takes a roberta_fast model (RobertaModel, RobertaFor*), got "
+                         f"{type(model).__name__}; for a transformers model use rf.RobertaModel.from_pretrained(it)")
+    for p in model.parameters():
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            raise ValueError(f"{function} takes an fp32 model on the CPU (its kernels are CPU kernels), got "
+                             f"{p.dtype} on {p.device}; use model.float().cpu() first")
+    slots = [(layer, name) for layer in layers for name in LAYER_LINEARS]
+    for layer, name in slots:
+        module = getattr(layer, name)
+        if not isinstance(module, (nn.Linear, _InferenceLinear)):
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"  # e.g. peft.tuners.lora.layer.Linear
+            raise ValueError(f"{function}: {name} of an encoder block is a {kind}, not torch's nn.Linear, and its "
+                             "weights would be packed without it; merge adapters into the weights first (peft: "
+                             "model = model.merge_and_unload())")
+    return slots
+
+
+def has_onednn_fp32() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def prepack(model: nn.Module) -> nn.Module:
+    """Swap each encoder block's four Linear layers for PackedLinear (fp32, weights packed once by
+    oneDNN), in place; returns the model in eval mode, parameters frozen. Layers already packed
+    (by rf.prepack or rf.quantize) are left as they are. Save with save_pretrained as before:
+    the state_dict is the plain model's."""
+    slots = encoder_linears(model, "rf.prepack")
+    if not has_onednn_fp32():
+        raise RuntimeError(f"rf.prepack runs oneDNN's fp32 matmul, which this torch ({torch.__version__}) lacks "
+                           "(torch.backends.mkldnn.is_available() is False): use the plain model, or a torch built "
+                           "with oneDNN (the x86 wheels are)")
+    for layer, name in slots:
+        if type(getattr(layer, name)) is nn.Linear:
+            setattr(layer, name, PackedLinear(getattr(layer, name)))
+    model.requires_grad_(False)
+    return model.eval()
