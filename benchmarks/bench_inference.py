@@ -18,6 +18,7 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     rf-compile    rf-unpadded under torch.compile(dynamic=True); `graphs` counts its compiled
                   graphs after the warm-up and after the timed passes (equal: no recompile per shape)
     onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
+    rf-prepacked  rf-unpadded after roberta_fast.prepack(model): fp32, the Linear weights packed once by oneDNN
   int8 on the CPU (issue 30; `weights_mb`: the process's RSS growth while the contender's model was built)
     rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine)
     rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
@@ -234,6 +235,11 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
         if wanted("onnxruntime"):
             runs["onnxruntime"] = onnx_runner("onnxruntime", ours("reference"), example) if dtype == torch.float32 \
                 else fp32_only
+        if wanted("rf-prepacked"):
+            prepacked = weighed("rf-prepacked", lambda: rf.prepack(ours("reference"))) if dtype == torch.float32 \
+                else "fp32 only (oneDNN's packed fp32 weights)"
+            runs["rf-prepacked"] = prepacked if isinstance(prepacked, str) else \
+                (lambda ids, mask: hidden(prepacked(ids, attention_mask=mask)))
         int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
         if dtype != torch.float32:
             runs.update({k: int8_fp32_only for k in INT8_CONTENDERS})

@@ -147,12 +147,12 @@ def test_kernel_benchmark_quick(name, runs):
 
 
 def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
-    """bench_inference --quick --device cpu: the unpadded and padded encoders, transformers and
+    """bench_inference --quick --device cpu: the unpadded, padded and prepacked encoders, transformers and
     onnxruntime (when installed) run and agree with transformers fp32 at real positions."""
     out, procs = runs
     assert procs["bench_inference"].returncode == 0, procs["bench_inference"].stderr
     rows = {r["contender"]: r for r in json.loads((out / "inference.json").read_text())["results"]}
-    expected = ["hf-sdpa", "hf-eager", "rf-unpadded", "rf-padded"]
+    expected = ["hf-sdpa", "hf-eager", "rf-unpadded", "rf-padded", "rf-prepacked"]
     if importlib.util.find_spec("onnxruntime") is not None:
         expected.append("onnxruntime")
     else:
