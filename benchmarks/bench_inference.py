@@ -235,11 +235,11 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
         if wanted("onnxruntime"):
             runs["onnxruntime"] = onnx_runner("onnxruntime", ours("reference"), example) if dtype == torch.float32 \
                 else fp32_only
-        if wanted("rf-prepacked"):
-            prepacked = weighed("rf-prepacked", lambda: rf.prepack(ours("reference"))) if dtype == torch.float32 \
-                else "fp32 only (oneDNN's packed fp32 weights)"
-            runs["rf-prepacked"] = prepacked if isinstance(prepacked, str) else \
-                (lambda ids, mask: hidden(prepacked(ids, attention_mask=mask)))
+        if wanted("rf-prepacked") and dtype == torch.float32:
+            prepacked = weighed("rf-prepacked", lambda: rf.prepack(ours("reference")))
+            runs["rf-prepacked"] = lambda ids, mask: hidden(prepacked(ids, attention_mask=mask))
+        elif wanted("rf-prepacked"):
+            runs["rf-prepacked"] = "fp32 only (oneDNN's packed fp32 weights)"
         int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
         if dtype != torch.float32:
             runs.update({k: int8_fp32_only for k in INT8_CONTENDERS})
