@@ -37,7 +37,9 @@ with the eager logits; without the table the export holds the fp32 form (same lo
 speed). Export traces the padded path, so compare it with `model.roberta.unpad = False`.
 
 Quantized models are for inference: training, gradients and save_pretrained are refused
-(fine-tune and save the fp32 model, quantize after loading).
+(fine-tune and save the fp32 model, quantize after loading), and so is an adapter layer in
+the four slots (merge a PEFT LoRA first: its adapters would be dropped). Int8Linear shares
+that inference-only base with rf.prepack's fp32 PackedLinear (roberta_fast/prepacked.py).
 """
 from __future__ import annotations
 
