@@ -137,7 +137,11 @@ class PackedLinear(_InferenceLinear):
         self._kernel = _OnednnFp32Weight(linear.weight, linear.bias)
 
     weight = property(lambda self: self._kernel.unpack()[0])  # (out, in) fp32, a fresh copy
-    bias = property(lambda self: self._kernel.unpack()[1])  # (out,) fp32 or None
+
+    @property
+    def bias(self):
+        """(out,) fp32 or None, a fresh copy (without reading the packed weight back)."""
+        return None if self._kernel.bias is None else self._kernel.bias.clone()
 
     def _traced(self, x, weight, bias):
         return F.linear(x, weight, bias)

@@ -6,9 +6,6 @@ Shapes: a padded batch holding a one-token row and a row as long as the model's 
 """
 import copy
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,7 +13,8 @@ import torch.nn.functional as F
 
 import roberta_fast as rf
 from roberta_fast.prepacked import LAYER_LINEARS, PackedLinear, has_onednn_fp32
-from test_quantize import DROPIN, TINY, awkward_inputs, model_of, outputs, padded
+from test_quantize import (DROPIN, TINY, assert_inference_only, awkward_inputs, model_of, outputs, padded,
+                           resident_ratio)
 
 pytestmark = pytest.mark.skipif(not has_onednn_fp32(), reason="needs a torch built with oneDNN (torch.backends.mkldnn)")
 
@@ -109,13 +107,7 @@ def test_prepacked_and_quantized_layers_combine():
 def test_prepacked_models_refuse_training_gradients_and_other_dtypes():
     model = rf.prepack(model_of("RobertaForSequenceClassification"))
     ids, mask = awkward_inputs("RobertaForSequenceClassification")
-    assert not any(p.requires_grad for p in model.parameters())
-    model.train()
-    with pytest.raises(RuntimeError, match="a prepacked model is for inference: call model.eval"):
-        model(ids, attention_mask=mask)
-    model.eval().requires_grad_(True)
-    with pytest.raises(RuntimeError, match="prepacked Linear layers have no gradient"):
-        model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0]))
+    assert_inference_only(model, "prepacked", ids, mask)
     with pytest.raises(RuntimeError, match="take fp32 inputs on the CPU, got torch.bfloat16"):
         with torch.inference_mode():
             model.to(torch.bfloat16)(ids, attention_mask=mask)
@@ -129,19 +121,5 @@ def test_prepacked_models_refuse_training_gradients_and_other_dtypes():
 def test_prepack_holds_the_weights_once():
     """The packed layers' resident memory is about the fp32 layers' (the packed copy replaces the
     original), not twice it."""
-    child = textwrap.dedent("""
-        import torch
-        from roberta_fast.prepacked import PackedLinear
-        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
-        with torch.no_grad():  # load oneDNN's code and caches first: they are not weights
-            PackedLinear(torch.nn.Linear(64, 64)).eval()(torch.randn(2, 64))
-        start = rss()
-        layers = [torch.nn.Linear(768, 3072) for _ in range(6)]
-        fp32 = rss() - start
-        packed = [PackedLinear(layers.pop()) for _ in range(6)]
-        print((rss() - start) / fp32)
-    """)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed weights leave the RSS at once
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, check=True)
-    ratio = float(out.stdout.split()[-1])
+    ratio = resident_ratio("PackedLinear(linear)")
     assert 0.9 < ratio < 1.15, f"packed weights take {ratio:.3f} of fp32's memory"

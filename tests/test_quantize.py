@@ -170,26 +170,35 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
+def resident_ratio(make_layer: str) -> float:
+    """The resident memory of six roberta-base 768 -> 3072 layers after `make_layer` (an expression in
+    `linear`, run in a child process with roberta_fast.prepacked and .quantization imported) replaced
+    each nn.Linear, as a fraction of the six fp32 layers'."""
+    child = textwrap.dedent(f"""
+        import torch
+        from roberta_fast.prepacked import PackedLinear
+        from roberta_fast.quantization import Int8Linear
+        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+        make = lambda linear: {make_layer}
+        with torch.no_grad():  # load the kernels' code and caches first: they are not weights
+            make(torch.nn.Linear(64, 64)).eval()(torch.randn(2, 64))
+        start = rss()
+        layers = [torch.nn.Linear(768, 3072) for _ in range(6)]
+        fp32 = rss() - start
+        packed = [make(layers.pop()) for _ in range(6)]
+        print((rss() - start) / fp32)
+    """)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed weights leave the RSS at once
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, check=True)
+    return float(out.stdout.split()[-1])
+
+
 @pytest.mark.skipif(default_engine() != "onednn" or not os.path.exists("/proc/self/statm"),
                     reason="needs torch's oneDNN int8 ops and Linux's /proc")
 def test_the_onednn_engine_holds_the_int8_weights_once():
     """The int8 layers' resident memory is about a quarter of the fp32 layers' (one int8 copy, in
     oneDNN's layout), not a half (the original kept beside oneDNN's reordered copy)."""
-    child = textwrap.dedent("""
-        import torch
-        from roberta_fast.quantization import Int8Linear
-        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
-        with torch.no_grad():  # load oneDNN's code and caches first: they are not weights
-            Int8Linear(torch.nn.Linear(64, 64), "onednn").eval()(torch.randn(2, 64))
-        start = rss()
-        layers = [torch.nn.Linear(768, 3072) for _ in range(6)]
-        fp32 = rss() - start
-        int8 = [Int8Linear(layers.pop(), "onednn") for _ in range(6)]
-        print((rss() - start) / fp32)
-    """)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed weights leave the RSS at once
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, check=True)
-    ratio = float(out.stdout.split()[-1])
+    ratio = resident_ratio('Int8Linear(linear, "onednn")')
     assert 0.2 < ratio < 0.3, f"int8 weights take {ratio:.3f} of fp32's memory"
 
 
@@ -204,16 +213,22 @@ def test_torch_compile_of_a_quantized_model_equals_eager():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def assert_inference_only(model, kind, ids, mask):
+    """A packed (`kind`: quantized, prepacked) classifier comes frozen, and refuses training mode and,
+    unfrozen, a gradient; it is left in eval mode, unfrozen."""
+    assert not any(p.requires_grad for p in model.parameters())
+    model.train()
+    with pytest.raises(RuntimeError, match=f"a {kind} model is for inference: call model.eval"):
+        model(ids, attention_mask=mask)
+    model.eval().requires_grad_(True)  # unfrozen: a gradient would be asked of the packed layers
+    with pytest.raises(RuntimeError, match=f"{kind} Linear layers have no gradient"):
+        model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0]))
+
+
 def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
     model = rf.quantize(model_of("RobertaForSequenceClassification"))
     ids, mask = awkward_inputs("RobertaForSequenceClassification")
-    assert not any(p.requires_grad for p in model.parameters())
-    model.train()
-    with pytest.raises(RuntimeError, match="for inference: call model.eval"):
-        model(ids, attention_mask=mask)
-    model.eval().requires_grad_(True)  # unfrozen: a gradient would be asked of the int8 layers
-    with pytest.raises(RuntimeError, match="no gradient"):
-        model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0]))
+    assert_inference_only(model, "quantized", ids, mask)
     with pytest.raises(ValueError, match="cannot save_pretrained a quantized model"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
