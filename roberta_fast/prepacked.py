@@ -6,8 +6,8 @@ Linear weights packed once, in oneDNN's layout.
     with torch.inference_mode():
         logits = model(input_ids, attention_mask=mask).logits
 
-Why: nn.Linear on the CPU (aten::addmm) runs MKL's sgemm on the plain weight, which copies it
-into the kernel's blocked layout inside every call. On few tokens that is much of the matmul:
+Why: nn.Linear on the CPU (aten::addmm) runs MKL's sgemm on the plain weight, which a BLAS lays
+out for its kernel inside each call. On few tokens that is much of the matmul:
 on the 2-core AMD EPYC (docs/inference.md), roberta-base at 1 x 16 tokens spent 89% of its
 time in addmm, and one block's four matmuls took 5.6 ms plainly, 3.1 ms on weights packed once
 (torch.ops.mkldnn._reorder_linear_weight, run by oneDNN's brgemm through
