@@ -294,7 +294,17 @@ def linear_gelu(x, weight, bias, backend: str):
     if backend == "fused":
         h = F.linear(x, weight)
         return _kernels().bias_gelu(h, bias)
-    return F.gelu(F.linear(x, weight, bias))
+    return gelu_fresh(F.linear(x, weight, bias))
+
+
+def gelu_fresh(h):
+    """F.gelu(h) for an h nobody else holds (a matmul's output): in place where autograd does not
+    need h and nothing traces it, the same values (gelu_ runs gelu's kernel). On the CPU a new
+    tensor of the FFN's width is fresh memory from the OS, a page fault per 4 KB: at 4096 tokens
+    (50 MB) F.gelu took 37 ms, gelu_ 11 ms (2-core AMD EPYC, docs/inference.md)."""
+    if h.requires_grad or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return F.gelu(h)
+    return torch.ops.aten.gelu_(h)
 
 
 def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float, backend: str,

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import gelu_fresh
 from .prepacked import LAYER_LINEARS, _InferenceLinear, encoder_linears  # noqa: F401 (LAYER_LINEARS: public here too)
 
 ACTIVATION_QMAX = 127  # uint8 activations in [0, 127]: fbgemm's reduce_range on x86
@@ -174,7 +175,7 @@ class _PackedWeight:
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; linear_dynamic has no epilogue)."""
         out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
-        return F.gelu(out) if post_op == "gelu" else out
+        return gelu_fresh(out) if post_op == "gelu" else out
 
 
 def activation_qparams(x):

@@ -118,3 +118,23 @@ def test_device_mismatch_and_cpu_tensors_raise():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="bias_gelu_ref"):
             bias_gelu(x.detach().cpu(), b.detach().cpu())
+
+
+def test_reference_linear_gelu_in_place_only_without_autograd():
+    """ops.linear_gelu's plain path runs GELU in place on the matmul's fresh output when autograd does
+    not need it (same values as F.gelu, inf, -inf and nan included), out of place when it does."""
+    from roberta_fast.ops import gelu_fresh, linear_gelu
+    x, w, b = torch.randn(5, 7, 24), torch.randn(40, 24), torch.randn(40)
+    x[0, 0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
+    with torch.inference_mode():
+        torch.testing.assert_close(linear_gelu(x, w, b, "reference"), expected, rtol=0, atol=0, equal_nan=True)
+        h = torch.randn(3, 4100)
+        assert gelu_fresh(h) is h
+    w.requires_grad_()
+    out = linear_gelu(x[1:], w, b, "reference")
+    torch.testing.assert_close(out, expected[1:], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out.sum(), w)  # an in-place GELU here would overwrite what backward reads
+    w_ref = w.detach().clone().requires_grad_()
+    (grad_ref,) = torch.autograd.grad(torch.nn.functional.gelu(torch.nn.functional.linear(x[1:], w_ref, b)).sum(), w_ref)
+    torch.testing.assert_close(grad, grad_ref)
