@@ -87,6 +87,9 @@ def environment(device):
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "cuda": torch.version.cuda, "triton": triton_version},
         "argv": sys.argv[1:],
+        # the allocator settings a run was given (glibc's MALLOC_* tunables, a preloaded malloc): on the CPU
+        # they change every PyTorch contender's time (docs/inference.md, "The allocator")
+        "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
     }
 
 
