@@ -189,7 +189,8 @@ def linear_weights(cfg, engine):
     drop as the fp32 weights give way to the int8 ones counts those weights alone; None off Linux."""
     if not os.path.exists("/proc/self/status"):
         return None
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # not a run's keep-freed settings
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     child = [sys.executable, "-c", LINEAR_WEIGHTS_CHILD, json.dumps(cfg.to_dict()), engine]
     out = json.loads(subprocess.run(child, capture_output=True, text=True, check=True, env=env).stdout)
     return {"engine": engine, "fp32_mb": bc.sig(out["fp32_mb"]), "int8_mb": bc.sig(out["int8_mb"]),
