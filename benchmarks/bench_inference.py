@@ -34,8 +34,9 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     hf-eager      transformers RobertaModel, attn_implementation="eager"
     hf-compile    hf-sdpa under torch.compile(dynamic=True)
 Per contender: ms per batch, real tokens/s, the ratio to hf-sdpa, peak RSS (the process's
-high-water mark while it ran, every model loaded; CPU) and max |difference| to transformers
-fp32 over real positions. Targets: on a GPU rf-fused >= 2x hf-sdpa; on the CPU rf-unpadded >=
+high-water mark while it ran, every model loaded; CPU), the page faults and system CPU time
+per batch (CPU: fresh memory from the OS, see docs/inference.md, "The allocator") and max
+|difference| to transformers fp32 over real positions. Targets: on a GPU rf-fused >= 2x hf-sdpa; on the CPU rf-unpadded >=
 1.6x hf-sdpa and >= 1.0x onnxruntime on the uniform mix, at <= 1e-5 fp32 difference, and
 >= 1.0x hf-sdpa on fixed lengths; int8 (issue 30): rf-int8 >= 1.8x hf-sdpa and >= 1.0x onnxruntime-int8
 on fixed lengths, >= 3x hf-sdpa on the uniform mix; the record's `targets` says met / missed / not measured.
@@ -290,6 +291,18 @@ def _reset_peak_rss():
         pass
 
 
+def _kernel_work():
+    """(system CPU seconds, minor page faults) of this process so far: on the CPU, fresh memory from
+    the OS shows as page faults and the kernel's time serving them (docs/inference.md, "The
+    allocator"); None where the resource module is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
+
+
 def one_pass(fn, data, device):
     """Run every batch once; (seconds, outputs)."""
     start = time.perf_counter()
@@ -310,7 +323,7 @@ def graph_count():
 
 def measure(runs, data, device, repeats, reference):
     """Warm-up pass (outputs checked against `reference`), then `repeats` interleaved timed passes."""
-    rows, times, peaks = {}, {}, {}
+    rows, times, peaks, kernel_work = {}, {}, {}, {}
     for name, fn in runs.items():
         if isinstance(fn, str):
             rows[name] = {"contender": name, "status": fn}
@@ -320,12 +333,15 @@ def measure(runs, data, device, repeats, reference):
                       "max_abs_diff_vs_hf_fp32": bc.sig(max_diff(outs, reference, data))}
         if name.endswith("compile"):
             rows[name]["graphs_after_warmup"] = graph_count()
-        times[name], peaks[name] = [], 0
+        times[name], peaks[name], kernel_work[name] = [], 0, []
         del outs
     for _ in range(repeats):
         for name in times:
             _reset_peak_rss()
+            before = _kernel_work()
             seconds, _ = one_pass(runs[name], data, device)
+            if before is not None:
+                kernel_work[name].append([after - start for after, start in zip(_kernel_work(), before)])
             times[name].append(seconds)
             peaks[name] = max(peaks[name], _rss_mb("VmHWM") or 0)
     for name, ts in times.items():
@@ -334,6 +350,10 @@ def measure(runs, data, device, repeats, reference):
         if device.type == "cpu":
             rows[name]["peak_rss_mb"] = peaks[name]
             rows[name]["weights_mb"] = WEIGHTS_MB.get(name)
+            if kernel_work[name]:  # medians per batch: the OS's share of the work
+                sys_s, faults = (sorted(column)[len(column) // 2] for column in zip(*kernel_work[name]))
+                rows[name].update(sys_ms_per_batch=bc.sig(1e3 * sys_s / len(data)),
+                                  page_faults_per_batch=round(faults / len(data)))
         if name.endswith("compile"):
             rows[name]["graphs_after_timing"] = graph_count()
     return rows, times
@@ -485,7 +505,7 @@ def main():
                     row["vs_hf_sdpa"] = bc.sig(peer / row["ms_per_batch"])
             print(f"-- {dist} {dtype_name}  (load after: {os.getloadavg()})")
             bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
-                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb"])
+                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb", "page_faults_per_batch"])
             results += list(rows.values())
         write(results, evaluate_targets(results, device, weights, off_target))
     targets = evaluate_targets(results, device, weights, off_target)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 KERNEL_BENCHES = ("bench_attention", "bench_bias_gelu", "bench_layer_norm", "bench_cross_entropy",
                   "bench_fused_adam", "bench_mask_tokens", "bench_preprocess", "bench_inference",
-                  "bench_activation_checkpointing")
+                  "bench_activation_checkpointing", "bench_cpu_linear")
 
 
 def _load_benchmark(name):
@@ -144,6 +144,27 @@ def test_kernel_benchmark_quick(name, runs):
     proc = procs[name]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / ("inference.json" if name == "bench_inference" else f"{name}.json")).stat().st_size > 0  # --json
+
+
+def test_cpu_linear_benchmark_times_every_kernel_on_the_same_weights(runs):
+    """bench_cpu_linear --quick: one layer through torch, rf.prepack, rf.quantize's two engines and
+    onnxruntime (fp32 and int8, when installed), each within its precision's error of F.linear
+    (onnxruntime's default u8s8 int8 saturates on CPUs without VNNI: its bound is loose)."""
+    out, procs = runs
+    assert procs["bench_cpu_linear"].returncode == 0, procs["bench_cpu_linear"].stderr
+    rows = json.loads((out / "bench_cpu_linear.json").read_text())["results"]
+    assert {r["tokens"] for r in rows} == {1, 16}
+    names = {"torch", "rf-prepacked", "rf-int8", "rf-int8-fbgemm"}
+    if importlib.util.find_spec("onnxruntime") is not None:
+        names |= {"onnxruntime", "onnxruntime-int8", "onnxruntime-int8-7bit"}
+    for row in rows:
+        if row["contender"] not in names:
+            assert "not installed" in row["status"], row
+            continue
+        assert row["status"] == "ok" and row["ms"] > 0, row
+        bound = 0.5 if row["contender"].startswith("onnxruntime-int8") else 0.02 if "int8" in row["contender"] else 1e-5
+        assert row["max_rel_diff"] <= bound, row
+    assert {r["contender"] for r in rows if r["status"] == "ok"} == names
 
 
 def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
