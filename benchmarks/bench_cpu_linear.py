@@ -60,18 +60,19 @@ def onnxruntime_layer(linear: nn.Linear, int8: bool, reduce_range: bool = False)
         [helper.make_node("MatMul", ["x", "weight"], ["xw"]), helper.make_node("Add", ["xw", "bias"], ["y"])], "linear",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", linear.in_features])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["tokens", linear.out_features])], [weight, bias])
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_cpu_linear_"), "linear.onnx")
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
-    if int8:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)
-        path = path.replace(".onnx", "-int8.onnx")
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # spinning would starve the others
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory(prefix="bench_cpu_linear_") as tmp:  # the session holds the model once made
+        path = os.path.join(tmp, "linear.onnx")
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
+        if int8:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)
+            path = path.replace(".onnx", "-int8.onnx")
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 
 
@@ -130,7 +131,7 @@ def main():
                         row.update(status="ok", ms=bc.sig(ms[name]), vs_onnxruntime=peer and bc.sig(peer / ms[name]),
                                    max_rel_diff=bc.sig(((runs[name](x) - expected).abs().max() / expected.abs().max()).item()))
                     results.append(row)
-                bc.print_rows([r for r in results if r["in"] == in_features and r["tokens"] == count],
+                bc.print_rows(results[-len(built):],
                               ["in", "out", "tokens", "contender", "status", "ms", "vs_onnxruntime", "max_rel_diff"])
     if args.json:
         bc.write_json(args.json, bc.environment(torch.device("cpu")), results,

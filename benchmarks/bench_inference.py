@@ -23,6 +23,8 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine)
     rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
     onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
+    onnxruntime-int8-7bit  the same with reduce_range=True (7-bit weights): ONNX Runtime's advice for its
+                  u8s8 int8 on CPUs without VNNI, where the defaults' products can saturate (bench_cpu_linear.py)
     rf-int8-onnxruntime  rf-int8's model exported with roberta_fast.quantization.onnx_translation_table()
                   (ONNX's integer matmuls, rf-int8's numerics) in the same onnxruntime session setup
     hf-int8       transformers' RobertaModel (SDPA) after torch.ao.quantization.quantize_dynamic of its nn.Linear
@@ -64,7 +66,8 @@ import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 from plot import throughput_chart  # noqa: E402
 from roberta_fast.quantization import default_engine, onnx_translation_table  # noqa: E402
 
-INT8_CONTENDERS = ("rf-int8", "rf-int8-fbgemm", "rf-int8-onnxruntime", "onnxruntime-int8", "hf-int8")
+INT8_CONTENDERS = ("rf-int8", "rf-int8-fbgemm", "rf-int8-onnxruntime", "onnxruntime-int8", "onnxruntime-int8-7bit",
+                   "hf-int8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -108,10 +111,10 @@ def hidden(out):
     return out.last_hidden_state
 
 
-def onnx_runner(name, model, example, int8=False, translations=None):
+def onnx_runner(name, model, example, int8=False, translations=None, reduce_range=False):
     """The rf encoder exported by torch.onnx.export (dynamic batch and length, `translations()` as its
     custom_translation_table) in an onnxruntime CPU session with all graph optimisations, after
-    onnxruntime's quantize_dynamic when `int8`; a string saying why when it cannot run."""
+    onnxruntime's quantize_dynamic (with `reduce_range`) when `int8`; a string saying why when it cannot run."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -128,7 +131,7 @@ def onnx_runner(name, model, example, int8=False, translations=None):
     if int8:
         from onnxruntime.quantization import quantize_dynamic
 
-        quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"))  # int8 weights, uint8 dynamic activations
+        quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)  # uint8 activations
         path = path.replace(".onnx", "-int8.onnx")
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
@@ -253,6 +256,9 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
                 runs["rf-int8-fbgemm"] = lambda ids, mask: hidden(fbgemm(ids, attention_mask=mask))
             if wanted("onnxruntime-int8"):
                 runs["onnxruntime-int8"] = onnx_runner("onnxruntime-int8", ours("reference"), example, int8=True)
+            if wanted("onnxruntime-int8-7bit"):
+                runs["onnxruntime-int8-7bit"] = onnx_runner("onnxruntime-int8-7bit", ours("reference"), example,
+                                                            int8=True, reduce_range=True)
             if wanted("rf-int8-onnxruntime"):
                 runs["rf-int8-onnxruntime"] = onnx_runner("rf-int8-onnxruntime", rf.quantize(ours("reference")),
                                                           example, translations=onnx_translation_table)
@@ -370,6 +376,8 @@ TARGETS = {
              1.0, True),
             ("rf-int8 vs hf-sdpa fp32, fixed 128", "fixed", "fp32", "rf-int8", "vs_hf_sdpa", 1.8, True),
             ("rf-int8 vs onnxruntime-int8, fixed 128", "fixed", "fp32", "rf-int8", "vs_onnxruntime-int8", 1.0, True),
+            ("rf-int8 vs onnxruntime-int8-7bit, fixed 128", "fixed", "fp32", "rf-int8", "vs_onnxruntime-int8-7bit", 1.0,
+             True),
             ("rf-int8 vs hf-sdpa fp32, uniform 8..512", "uniform", "fp32", "rf-int8", "vs_hf_sdpa", 3.0, True)],
     "cuda": [("rf-fused vs hf-sdpa, uniform 8..512, bf16", "uniform", "bf16", "rf-fused", "vs_hf_sdpa", 2.0, True)],
 }
