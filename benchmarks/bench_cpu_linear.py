@@ -14,12 +14,12 @@ output, 768→3072 and 3072→768 the FFN) at a few token counts. Contenders, on
         onnxruntime-int8  that ONNX graph after quantize_dynamic's defaults (MLAS's u8s8 GEMM)
         onnxruntime-int8-7bit  the same with reduce_range=True (7-bit weights), what ONNX Runtime's
                           docs advise for u8s8 on AVX2 / AVX512 without VNNI, against saturation
-ms per call: the median of --repeats interleaved rounds (each contender once per round, one
-warm-up round), on the threads torch uses (onnxruntime: as many, no spinning). `vs_onnxruntime`:
+ms per call: the median over --repeats interleaved rounds, each contender making one untimed
+call then 5 timed ones per round (time_interleaved says why), on the threads torch uses (onnxruntime: as many, no spinning). `vs_onnxruntime`:
 the ONNX Runtime contender of the same precision's time over this one's (above 1: faster).
 `max_rel_diff`: max |out - F.linear's fp32 out| over max |F.linear's out|, on the same input
 (int8: its rounding, and on a CPU without VNNI any int16 saturation of u8·s8 pairs).
---quick (CI): a 64 → 96 layer at 1 and 16 tokens, 3 rounds.
+--quick (CI): a 64 → 96 layer at 1 and 16 tokens, 2 rounds.
 """
 import os
 import statistics
@@ -87,14 +87,19 @@ def contenders(linear: nn.Linear):
             "onnxruntime-int8-7bit": onnxruntime_layer(linear, int8=True, reduce_range=True)}
 
 
-def time_interleaved(runs: dict, x, repeats: int) -> dict:
-    """name -> median ms of one call, each contender called once per round, after a warm-up round."""
+def time_interleaved(runs: dict, x, repeats: int, burst: int = 5) -> dict:
+    """name -> median ms of one call: in each of `repeats` rounds every contender makes one untimed
+    call, then `burst` timed ones. The untimed call absorbs the previous contender's wake: PyTorch's
+    OpenMP threads spin on the cores for a while after each op, which slowed the onnxruntime call
+    that came right after a PyTorch one (measured: ~1.8x at 128 tokens when each was called once
+    per round)."""
     times = {name: [] for name in runs}
-    for round_ in range(repeats + 1):
+    for _ in range(repeats):
         for name, fn in runs.items():
-            start = time.perf_counter()
             fn(x)
-            if round_:
+            for _ in range(burst):
+                start = time.perf_counter()
+                fn(x)
                 times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -102,12 +107,12 @@ def time_interleaved(runs: dict, x, repeats: int) -> dict:
 def main():
     p = bc.parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,16,128,512,4096", help="comma-separated token counts per call")
-    p.add_argument("--repeats", type=int, default=21, help="interleaved rounds (median)")
+    p.add_argument("--repeats", type=int, default=9, help="interleaved rounds of 5 timed calls each (median)")
     args = p.parse_args()
     shapes, tokens = ((64, 96),), [int(t) for t in args.tokens.split(",")]
     repeats = args.repeats
     if args.quick:
-        tokens, repeats = [1, 16], 3
+        tokens, repeats = [1, 16], 2
     else:
         shapes = SHAPES
     print(f"threads: {torch.get_num_threads()}")
