@@ -38,10 +38,11 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
 Per contender: ms per batch, real tokens/s, the ratio to hf-sdpa, peak RSS (the process's
 high-water mark while it ran, every model loaded; CPU), the page faults and system CPU time
 per batch (CPU: fresh memory from the OS, see docs/inference.md, "The allocator") and max
-|difference| to transformers fp32 over real positions. Targets: on a GPU rf-fused >= 2x hf-sdpa; on the CPU rf-unpadded >=
-1.6x hf-sdpa and >= 1.0x onnxruntime on the uniform mix, at <= 1e-5 fp32 difference, and
->= 1.0x hf-sdpa on fixed lengths; int8 (issue 30): rf-int8 >= 1.8x hf-sdpa and >= 1.0x onnxruntime-int8
-on fixed lengths, >= 3x hf-sdpa on the uniform mix; the record's `targets` says met / missed / not measured.
+|difference| to transformers fp32 over real positions. Targets: on a GPU rf-fused >= 2x
+hf-sdpa; on the CPU rf-unpadded >= 1.6x hf-sdpa and >= 1.0x onnxruntime on the uniform mix,
+at <= 1e-5 fp32 difference, and >= 1.0x hf-sdpa on fixed lengths; int8 (issue 30): rf-int8
+>= 1.8x hf-sdpa and >= 1.0x onnxruntime-int8 (its defaults and its 7-bit setting) on fixed
+lengths, >= 3x hf-sdpa on the uniform mix; the record's `targets` says met / missed / not measured.
 --quick (CI): a tiny model, uniform lengths 4..64, fp32, no compile contenders.
 --batch-size 1 --lengths fixed --fixed-length 16 (say): the single-request latency of CPU serving
 (the targets above are for batches of 32 and 128 tokens, and are then not measured).
@@ -513,7 +514,8 @@ def main():
                     row["vs_hf_sdpa"] = bc.sig(peer / row["ms_per_batch"])
             print(f"-- {dist} {dtype_name}  (load after: {os.getloadavg()})")
             bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
-                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb", "page_faults_per_batch"])
+                                                "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb",
+                                                "page_faults_per_batch"])
             results += list(rows.values())
         write(results, evaluate_targets(results, device, weights, off_target))
     targets = evaluate_targets(results, device, weights, off_target)
