@@ -93,6 +93,20 @@ def environment(device):
     }
 
 
+def onnxruntime_cpu_session(path):
+    """An onnxruntime CPU session of the model at `path`: torch's thread count, all graph optimisations,
+    and no busy-waiting between runs: spinning pool threads would take the cores from the contenders
+    timed after it (measured: every PyTorch contender ~100x slower on 2 cores with spinning on)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
 def bench_ms(fn, device, warmup=25, rep=100):
     """Median milliseconds of one call of fn (warmup/rep in ms on CUDA, in calls on the CPU)."""
     if device.type == "cuda":

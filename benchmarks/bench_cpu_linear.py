@@ -15,8 +15,9 @@ output, 768→3072 and 3072→768 the FFN) at a few token counts. Contenders, on
         onnxruntime-int8-7bit  the same with reduce_range=True (7-bit weights), what ONNX Runtime's
                           docs advise for u8s8 on AVX2 / AVX512 without VNNI, against saturation
 ms per call: the median over --repeats interleaved rounds, each contender making one untimed
-call then 5 timed ones per round (time_interleaved says why), on the threads torch uses (onnxruntime: as many, no spinning). `vs_onnxruntime`:
-the ONNX Runtime contender of the same precision's time over this one's (above 1: faster).
+call then 5 timed ones per round (time_interleaved says why), on the threads torch uses
+(onnxruntime: as many, no spinning). `vs_onnxruntime`: the ONNX Runtime contender of the
+same precision's time over this one's (above 1: faster).
 `max_rel_diff`: max |out - F.linear's fp32 out| over max |F.linear's out|, on the same input
 (int8: its rounding, and on a CPU without VNNI any int16 saturation of u8·s8 pairs).
 --quick (CI): a 64 → 96 layer at 1 and 16 tokens, 2 rounds.
@@ -49,7 +50,7 @@ def onnxruntime_layer(linear: nn.Linear, int8: bool, reduce_range: bool = False)
     of a torch tensor, or a string saying why it cannot run."""
     try:
         import onnx
-        import onnxruntime as ort
+        import onnxruntime  # noqa: F401  (bc.onnxruntime_cpu_session's)
         from onnx import TensorProto, helper, numpy_helper
         from onnxruntime.quantization import quantize_dynamic
     except ImportError:
@@ -60,10 +61,6 @@ def onnxruntime_layer(linear: nn.Linear, int8: bool, reduce_range: bool = False)
         [helper.make_node("MatMul", ["x", "weight"], ["xw"]), helper.make_node("Add", ["xw", "bias"], ["y"])], "linear",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", linear.in_features])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["tokens", linear.out_features])], [weight, bias])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # spinning would starve the others
     with tempfile.TemporaryDirectory(prefix="bench_cpu_linear_") as tmp:  # the session holds the model once made
         path = os.path.join(tmp, "linear.onnx")
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
@@ -72,7 +69,7 @@ def onnxruntime_layer(linear: nn.Linear, int8: bool, reduce_range: bool = False)
                 warnings.simplefilter("ignore")
                 quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)
             path = path.replace(".onnx", "-int8.onnx")
-        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        session = bc.onnxruntime_cpu_session(path)
     return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 
 
@@ -133,8 +130,9 @@ def main():
                         row["status"] = fn
                     else:
                         peer = ms.get(PEER[name])
+                        error = (runs[name](x) - expected).abs().max() / expected.abs().max()
                         row.update(status="ok", ms=bc.sig(ms[name]), vs_onnxruntime=peer and bc.sig(peer / ms[name]),
-                                   max_rel_diff=bc.sig(((runs[name](x) - expected).abs().max() / expected.abs().max()).item()))
+                                   max_rel_diff=bc.sig(error.item()))
                     results.append(row)
                 bc.print_rows(results[-len(built):],
                               ["in", "out", "tokens", "contender", "status", "ms", "vs_onnxruntime", "max_rel_diff"])

@@ -117,7 +117,7 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
     custom_translation_table) in an onnxruntime CPU session with all graph optimisations, after
     onnxruntime's quantize_dynamic (with `reduce_range`) when `int8`; a string saying why when it cannot run."""
     try:
-        import onnxruntime as ort
+        import onnxruntime  # noqa: F401  (bc.onnxruntime_cpu_session's)
     except ImportError:
         return "onnxruntime not installed (pip install -e .[export])"
     ids, mask = example
@@ -134,14 +134,7 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
 
         quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)  # uint8 activations
         path = path.replace(".onnx", "-int8.onnx")
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # no busy-waiting between runs: spinning pool threads would take the cores from the contenders
-    # timed after it (measured: every PyTorch contender ~100x slower on 2 cores with spinning on)
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    session = weighed(name, lambda: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]))
+    session = weighed(name, lambda: bc.onnxruntime_cpu_session(path))
     names = [i.name for i in session.get_inputs()]
 
     def run(ids, mask):
