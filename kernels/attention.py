@@ -379,7 +379,7 @@ def default_order(name, head_dim):
 
 
 # Under the interpreter: small tiles keep the tests quick and still exercise several
-# blocks and ragged tails at seqlen 130 / 257, with BLOCK_M != BLOCK_N both ways round.
+# blocks and ragged tails at seqlen 130 / 193, with BLOCK_M != BLOCK_N both ways round.
 _INTERPRET_META = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 64}, "dkdv": {"BLOCK_M": 64, "BLOCK_N": 32},
                    "dq": {"BLOCK_M": 32, "BLOCK_N": 64}}
 _KERNELS = {"fwd": (_attn_fwd_kernel, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),

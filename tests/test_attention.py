@@ -31,7 +31,7 @@ CASES = [
     (1, 130, 3, 64, "none", None),  # whole key blocks (unmasked path) and a ragged tail
     (2, 7, 12, 64, "right", None),
     (3, 130, 1, 128, "left", 0.3),
-    (3, 257, 2, 32, "holes", None),
+    (3, 193, 2, 32, "holes", None),  # six 32-blocks and three 64-blocks, each with a one-token tail
     (3, 130, 2, 64, "all_masked_row", None),
 ]
 if torch.cuda.is_available():
