@@ -35,7 +35,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import _common as bc
