@@ -76,7 +76,8 @@ def onnxruntime_chain(linears: list, int8: bool, reduce_range: bool = False):
         if linear.in_features != width:  # cut to the layer's width: columns [0, in_features)
             weights += [numpy_helper.from_array(np.array(v, dtype=np.int64), f"cut{i}_{k}")
                         for k, v in (("start", [0]), ("end", [linear.in_features]), ("axis", [1]))]
-            nodes.append(helper.make_node("Slice", [current, f"cut{i}_start", f"cut{i}_end", f"cut{i}_axis"], [f"in{i}"]))
+            cut = [current, f"cut{i}_start", f"cut{i}_end", f"cut{i}_axis"]
+            nodes.append(helper.make_node("Slice", cut, [f"in{i}"]))
             current = f"in{i}"
         weights += [numpy_helper.from_array(linear.weight.detach().t().contiguous().numpy(), f"weight{i}"),  # (in, out)
                     numpy_helper.from_array(linear.bias.detach().numpy(), f"bias{i}")]
