@@ -1,4 +1,4 @@
-"""rf.quantize: int8 inference for every drop-in class (roberta_fast/quantization.py).
+"""rf.quantize: int8 inference, and fp16 weights, for every drop-in class (roberta_fast/quantization.py).
 
 Tolerance, the flash-attention way (DESIGN.md): the int8 model's error against the fp32 model
 must be at most 2x the error of PyTorch's own dynamic quantization
@@ -6,6 +6,8 @@ must be at most 2x the error of PyTorch's own dynamic quantization
 weights) plus 1e-3; and the eager int8 kernels must compute what their plain-aten description
 (`int8_linear_ref`, what export traces) computes, to 1e-4. Shapes: a padded batch holding a
 one-token row and a row as long as the model's positions allow (a tiny config: 62 tokens).
+fp16 weights (dtype=torch.float16) must compute F.linear on the fp16-rounded weights: the model
+equals the fp32 model with those weights rounded, to fp32 summation order (1e-5).
 """
 import copy
 import os
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import roberta_fast as rf
-from roberta_fast.quantization import LAYER_LINEARS, Int8Linear, default_engine, int8_linear_ref, onnx_translation_table
+from roberta_fast.quantization import (LAYER_LINEARS, Fp16WeightLinear, Int8Linear, default_engine, int8_linear_ref,
+                                       onnx_translation_table)
 
 DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
           "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
@@ -79,6 +82,50 @@ def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls):
     assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
 
 
+def fp16_rounded(model):
+    """A copy of the fp32 `model` whose encoder Linear weights are rounded to fp16 (and kept in fp32)."""
+    rounded = copy.deepcopy(model)
+    for name, module in rounded.named_modules():
+        if name.rsplit(".", 1)[-1] in LAYER_LINEARS:
+            module.weight.data = module.weight.data.half().float()
+    return rounded
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_fp16_weight_models_compute_the_fp32_model_on_fp16_rounded_weights(cls):
+    fp32 = model_of(cls)
+    ids, mask = awkward_inputs(cls)
+    fp16 = rf.quantize(copy.deepcopy(fp32), dtype=torch.float16)
+    assert sum(isinstance(m, Fp16WeightLinear) for m in fp16.modules()) == 4 * TINY["num_hidden_layers"]
+    got, want, exact = outputs(fp16, ids, mask), outputs(fp16_rounded(fp32), ids, mask), outputs(fp32, ids, mask)
+    assert len(got) == len(want) == len(exact)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert 0 < (got[-1] - exact[-1]).abs().max() < 1e-2  # it did round the weights, and no more than that
+    hidden = got[-1].reshape(-1, LONGEST, TINY["hidden_size"])  # the unpadded path is kept
+    assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
+
+
+def test_the_fp16_weight_kernel_computes_linear_on_the_rounded_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    with torch.no_grad():  # fp16's edges: subnormals, one below its smallest subnormal, its largest value
+        linear.weight[0, :5] = torch.tensor([3e-6, 6e-8, 2.9e-8, 65504.0, -6.1e-5])
+    q = Fp16WeightLinear(linear).eval()
+    assert not list(q.buffers()) and not list(q.parameters())  # one copy of the weights: the packed one
+    assert torch.equal(q.weight_fp16, linear.weight.detach().half()) and torch.equal(q.bias, linear.bias.detach())
+    with torch.inference_mode():
+        assert q(torch.empty(2, 0, 64)).shape == (2, 0, 96)  # no tokens, as nn.Linear
+        for x in [torch.randn(3, 7, 64) * 4 + 1, torch.rand(1, 64), torch.randn(300, 64)]:
+            out, want = q(x), F.linear(x, q.weight_fp16.float(), q.bias)
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+            torch.testing.assert_close(q.forward_gelu(x), F.gelu(out), rtol=0, atol=0)
+    with torch.no_grad():
+        linear.weight[1, 1] = 70000.0  # beyond fp16: refused, not saturated to 65504 without a word
+    with pytest.raises(ValueError, match="beyond fp16's range"):
+        Fp16WeightLinear(linear)
+
+
 @pytest.mark.parametrize("engine", ["onednn", "fbgemm"])
 def test_int8_kernels_compute_their_plain_aten_description(engine):
     if engine not in torch.backends.quantized.supported_engines:
@@ -130,9 +177,10 @@ def padded(model):
     return model
 
 
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
 @pytest.mark.parametrize("cls", DROPIN)
-def test_torch_export_of_a_quantized_model_equals_eager(cls):
-    model = padded(rf.quantize(model_of(cls)))
+def test_torch_export_of_a_quantized_model_equals_eager(cls, dtype):
+    model = padded(rf.quantize(model_of(cls), dtype=dtype))
     ids, mask = awkward_inputs(cls)
     program = torch.export.export(model, (ids,), {"attention_mask": mask})
     with torch.inference_mode():
@@ -141,15 +189,18 @@ def test_torch_export_of_a_quantized_model_equals_eager(cls):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("cls,int8_ops", [("RobertaForSequenceClassification", True), ("RobertaModel", False)])
-def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, int8_ops, tmp_path):
+@pytest.mark.parametrize("cls,dtype,int8_ops", [("RobertaForSequenceClassification", torch.qint8, True),
+                                                ("RobertaModel", torch.qint8, False),
+                                                ("RobertaForTokenClassification", torch.float16, False)])
+def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, dtype, int8_ops, tmp_path):
     """With onnx_translation_table() each int8 layer becomes ONNX's integer matmul (int8 speed in
-    ONNX Runtime); without it, the same arithmetic in fp32 MatMuls. Either way: the eager logits."""
+    ONNX Runtime); without it, the same arithmetic in fp32 MatMuls. Either way: the eager logits.
+    fp16 weights export as F.linear on their values, cast to fp32."""
     for package in ("onnx", "onnxscript", "onnxruntime"):
         pytest.importorskip(package, reason=f"ONNX export needs {package}: pip install -e .[export]")
     import onnxruntime as ort
 
-    model = padded(rf.quantize(model_of(cls)))
+    model = padded(rf.quantize(model_of(cls), dtype=dtype))
     ids, mask = awkward_inputs(cls)
     dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
     with warnings.catch_warnings():
@@ -202,10 +253,19 @@ def test_the_onednn_engine_holds_the_int8_weights_once():
     assert 0.2 < ratio < 0.3, f"int8 weights take {ratio:.3f} of fp32's memory"
 
 
-def test_torch_compile_of_a_quantized_model_equals_eager():
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_fp16_weights_are_held_once():
+    """fbgemm's fp16 packing, the only copy: half fp32's bytes, its inner dimension padded (on
+    AVX2 to a multiple of 512: 768 -> 1024, so 4/3 of a half here), not fp32's copy kept beside."""
+    ratio = resident_ratio("__import__('roberta_fast.quantization').quantization.Fp16WeightLinear(linear)")
+    assert 0.45 < ratio < 0.7, f"fp16 weights take {ratio:.3f} of fp32's memory"
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_torch_compile_of_a_quantized_model_equals_eager(dtype):
     """The int8 kernels run outside the compiled graph (a graph break each: dynamo can fake neither
     packed weight), the rest compiled; the outputs are the eager model's."""
-    model = rf.quantize(model_of("RobertaModel"))
+    model = rf.quantize(model_of("RobertaModel"), dtype=dtype)
     ids, mask = awkward_inputs("RobertaModel")
     with torch.inference_mode():
         want = model(ids, attention_mask=mask).last_hidden_state
@@ -225,8 +285,9 @@ def assert_inference_only(model, kind, ids, mask):
         model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0]))
 
 
-def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
-    model = rf.quantize(model_of("RobertaForSequenceClassification"))
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_quantized_models_refuse_training_gradients_and_saving(tmp_path, dtype):
+    model = rf.quantize(model_of("RobertaForSequenceClassification"), dtype=dtype)
     ids, mask = awkward_inputs("RobertaForSequenceClassification")
     assert_inference_only(model, "quantized", ids, mask)
     with pytest.raises(ValueError, match="cannot save_pretrained a quantized model"):
@@ -236,7 +297,7 @@ def test_quantized_models_refuse_training_gradients_and_saving(tmp_path):
         rf.quantize(model_of("RobertaModel").to(torch.bfloat16))
     with pytest.raises(ValueError, match="takes a roberta_fast model"):
         rf.quantize(torch.nn.Linear(4, 4))
-    assert rf.quantize(model) is model  # quantizing twice changes nothing
+    assert rf.quantize(model, dtype=dtype) is model  # quantizing twice the same way changes nothing
     with pytest.raises(RuntimeError, match="take fp32 inputs on the CPU, got torch.bfloat16"):
         with torch.inference_mode():
             model.to(torch.bfloat16)(ids, attention_mask=mask)  # the int8 layers hold no tensor .to() could cast
@@ -265,5 +326,41 @@ def test_a_quantized_state_dict_is_checked_and_copies_deeply():
     ids, mask = awkward_inputs("RobertaModel")
     for g, w in zip(outputs(twin, ids, mask), outputs(model, ids, mask)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_quantize_refuses_arguments_it_cannot_honour():
     with pytest.raises(ValueError, match="quantized engines are"):
         rf.quantize(model_of("RobertaModel"), engine="no-such-engine")
+    with pytest.raises(ValueError, match=r"pass torch.qint8 .* or torch.float16"):
+        rf.quantize(model_of("RobertaModel"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 weights run on fbgemm's kernel"):
+        rf.quantize(model_of("RobertaModel"), engine="onednn", dtype=torch.float16)
+    int8 = rf.quantize(model_of("RobertaModel"), engine="fbgemm")
+    assert rf.quantize(int8) is int8  # no engine asked: the one it has will do
+    for engine, dtype in [("onednn", torch.qint8), (None, torch.float16)]:  # never a silent mix, nor the wrong kind
+        with pytest.raises(ValueError, match="already quantized .*quantize a fresh fp32 copy"):
+            rf.quantize(int8, engine=engine, dtype=dtype)
+    with pytest.raises(ValueError, match=r"already quantized \(engine='fbgemm', dtype=torch.float16\)"):
+        rf.quantize(rf.quantize(model_of("RobertaModel"), dtype=torch.float16))
+    with torch.no_grad():
+        fp32 = model_of("RobertaModel")
+        fp32.layers[1].ffn_out.weight[0, 0] = 1e6
+    with pytest.raises(ValueError, match="beyond fp16's range"):
+        rf.quantize(fp32, dtype=torch.float16)
+
+
+def test_an_fp16_weight_state_dict_loads_into_an_fp16_weight_model_and_no_other():
+    source = rf.quantize(model_of("RobertaModel"), dtype=torch.float16)
+    state = source.state_dict()
+    assert state["layers.0.qkv.weight_fp16"].dtype == torch.float16 and "layers.0.qkv.weight" not in state
+    target = rf.quantize(model_of("RobertaModel", seed=1), dtype=torch.float16)
+    target.load_state_dict(state)
+    ids, mask = awkward_inputs("RobertaModel")
+    for g, w in zip(outputs(target, ids, mask), outputs(source, ids, mask)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for g, w in zip(outputs(copy.deepcopy(source), ids, mask), outputs(source, ids, mask)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers\.0\.qkv\.weight_int8\""):
+        rf.quantize(model_of("RobertaModel")).load_state_dict(state)  # int8 layers are not fp16 ones
+    with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight_fp16: expected torch.float16 of shape"):
+        target.load_state_dict(dict(state, **{"layers.0.qkv.weight_fp16": state["layers.0.qkv.weight_fp16"].float()}))
