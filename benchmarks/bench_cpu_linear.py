@@ -14,9 +14,9 @@ Contenders, on the same weights:
   fp32  torch             F.linear (aten::addmm: MKL's sgemm on the plain weight)
         rf-prepacked      rf.prepack's PackedLinear (oneDNN's brgemm on a weight packed once)
         onnxruntime       MatMul + Add in an onnxruntime CPU session (MLAS)
-  fp16 weights  torch-fp16-weights  fbgemm's fp16 GEMM (torch.ops.quantized.linear_dynamic_fp16):
-                          weights stored in fp16, half fp32's bytes, fp32 activations and sums;
-                          not an rf engine (measured as a candidate for one)
+  fp16 weights  rf-fp16-weights  rf.quantize(dtype=torch.float16)'s Fp16WeightLinear: fbgemm's
+                          fp16-weight GEMM (torch.ops.quantized.linear_dynamic_fp16), weights
+                          stored in fp16, fp32 activations and sums
   int8  rf-int8           rf.quantize's Int8Linear, engine "onednn" (the default)
         rf-int8-fbgemm    the same, engine "fbgemm"
         onnxruntime-int8  that ONNX graph after quantize_dynamic's defaults (MLAS's u8s8 GEMM)
@@ -44,11 +44,11 @@ import _common as bc
 
 bc.use_interpreter_without_gpu()
 from roberta_fast.prepacked import PackedLinear  # noqa: E402  (after the interpreter switch)
-from roberta_fast.quantization import Int8Linear  # noqa: E402
+from roberta_fast.quantization import Fp16WeightLinear, Int8Linear  # noqa: E402
 
 SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))  # (in, out) of RobertaLayer's qkv, attn_out, ffn_in, ffn_out
 PEER = {"torch": "onnxruntime", "rf-prepacked": "onnxruntime", "onnxruntime": "onnxruntime",
-        "torch-fp16-weights": "onnxruntime",
+        "rf-fp16-weights": "onnxruntime",
         "rf-int8": "onnxruntime-int8", "rf-int8-fbgemm": "onnxruntime-int8", "onnxruntime-int8": "onnxruntime-int8",
         "onnxruntime-int8-7bit": "onnxruntime-int8"}
 
@@ -100,19 +100,6 @@ def onnxruntime_chain(linears: list, int8: bool, reduce_range: bool = False):
     return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 
 
-def fp16_weights(linear: nn.Linear):
-    """`linear` through fbgemm's fp16-weight GEMM: a function of x, or why it cannot run here."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return "fbgemm is not in this torch's quantized engines"
-    packed = torch.ops.quantized.linear_prepack_fp16(linear.weight, linear.bias)
-
-    def run(x):
-        return torch.ops.quantized.linear_dynamic_fp16(x, packed)
-
-    run.in_features = linear.in_features  # what chain() cuts the input to
-    return run
-
-
 def encoder_stack(blocks: int, hidden: int, ffn: int) -> list:
     """`blocks` encoder blocks' Linear layers in order: QKV, attention output, FFN in, FFN out."""
     shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, ffn), (ffn, hidden)] * blocks
@@ -127,7 +114,7 @@ def contenders(linears: list):
 
     return {"torch": lambda x: chain(linears, x),  # nn.Linear: F.linear
             "rf-prepacked": through(lambda linear: PackedLinear(linear).eval()),
-            "torch-fp16-weights": through(fp16_weights),
+            "rf-fp16-weights": through(lambda linear: Fp16WeightLinear(linear).eval()),
             "onnxruntime": onnxruntime_chain(linears, int8=False),
             "rf-int8": through(lambda linear: Int8Linear(linear, "onednn").eval()),
             "rf-int8-fbgemm": through(lambda linear: Int8Linear(linear, "fbgemm").eval()),

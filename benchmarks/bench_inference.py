@@ -19,6 +19,8 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
                   graphs after the warm-up and after the timed passes (equal: no recompile per shape)
     onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
     rf-prepacked  rf-unpadded after roberta_fast.prepack(model): fp32, the Linear weights packed once by oneDNN
+    rf-fp16-weights  rf-unpadded after roberta_fast.quantize(model, dtype=torch.float16): fp16 Linear weights,
+                  fp32 activations and sums (fbgemm's fp16-weight GEMM)
   int8 on the CPU (issue 30; `weights_mb`: the process's RSS growth while the contender's model was built)
     rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine)
     rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
@@ -176,23 +178,28 @@ model = rf.RobertaModel(rf.RobertaConfig.from_dict(json.loads(sys.argv[1]))).eva
 fp32 = sum(getattr(layer, name).weight.nbytes + getattr(layer, name).bias.nbytes
            for layer in model.layers for name in LAYER_LINEARS)
 before = rss()
-rf.quantize(model, engine=sys.argv[2])
-print(json.dumps({"fp32_mb": fp32 / 2**20, "int8_mb": (fp32 - (before - rss())) / 2**20}))
+if sys.argv[2] == "fp16":
+    rf.quantize(model, dtype=torch.float16)
+else:
+    rf.quantize(model, engine=sys.argv[2])
+print(json.dumps({"fp32_mb": fp32 / 2**20, "packed_mb": (fp32 - (before - rss())) / 2**20}))
 """
 
 
 def linear_weights(cfg, engine):
-    """The four Linear layers per block, in MB, fp32 and after rf.quantize(engine=...): measured in a
-    fresh process whose allocator returns what is freed at once (MALLOC_MMAP_THRESHOLD_), so the RSS
-    drop as the fp32 weights give way to the int8 ones counts those weights alone; None off Linux."""
+    """The four Linear layers per block, in MB, fp32 and after rf.quantize(engine=...) (engine "fp16":
+    rf.quantize(dtype=torch.float16), keys fp16_*): measured in a fresh process whose allocator
+    returns what is freed at once (MALLOC_MMAP_THRESHOLD_), so the RSS drop as the fp32 weights give
+    way to the packed ones counts those weights alone; None off Linux."""
     if not os.path.exists("/proc/self/status"):
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # not a run's keep-freed settings
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     child = [sys.executable, "-c", LINEAR_WEIGHTS_CHILD, json.dumps(cfg.to_dict()), engine]
     out = json.loads(subprocess.run(child, capture_output=True, text=True, check=True, env=env).stdout)
-    return {"engine": engine, "fp32_mb": bc.sig(out["fp32_mb"]), "int8_mb": bc.sig(out["int8_mb"]),
-            "int8_vs_fp32": bc.sig(out["int8_mb"] / out["fp32_mb"])}
+    kind = "fp16" if engine == "fp16" else "int8"
+    return {"engine": "fbgemm" if engine == "fp16" else engine, "fp32_mb": bc.sig(out["fp32_mb"]),
+            f"{kind}_mb": bc.sig(out["packed_mb"]), f"{kind}_vs_fp32": bc.sig(out["packed_mb"] / out["fp32_mb"])}
 
 
 def torch_dynamic_int8(model):
@@ -239,6 +246,11 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
             runs["rf-prepacked"] = lambda ids, mask: hidden(prepacked(ids, attention_mask=mask))
         elif wanted("rf-prepacked"):
             runs["rf-prepacked"] = "fp32 only (oneDNN's packed fp32 weights)"
+        if wanted("rf-fp16-weights") and dtype == torch.float32:
+            fp16w = weighed("rf-fp16-weights", lambda: rf.quantize(ours("reference"), dtype=torch.float16))
+            runs["rf-fp16-weights"] = lambda ids, mask: hidden(fp16w(ids, attention_mask=mask))
+        elif wanted("rf-fp16-weights"):
+            runs["rf-fp16-weights"] = "fp32 only (fp16 weights in an fp32 model)"
         int8_fp32_only = "quantizes the fp32 model (int8 weights, fp32 elsewhere)"
         if dtype != torch.float32:
             runs.update({k: int8_fp32_only for k in INT8_CONTENDERS})
@@ -463,7 +475,8 @@ def main():
             bc.write_json(path, bc.environment(device), results, config=dict(
                 lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
                 threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg(),
-                rf_int8_engine=default_engine(), int8_linear_weights=weights, note=args.note), targets=targets)
+                rf_int8_engine=default_engine(), int8_linear_weights=weights, fp16_linear_weights=fp16_weights,
+                note=args.note), targets=targets)
             print(f"\nwrote {path}")
 
     only = args.only.split(",") if args.only else None
@@ -474,6 +487,10 @@ def main():
         engines = [default_engine()] + (["fbgemm"] if wanted("rf-int8-fbgemm") else [])
         weights = [linear_weights(cfg, engine) for engine in dict.fromkeys(engines)]
         print("int8 Linear weights:", weights)
+    fp16_weights = None  # the same for rf-fp16-weights
+    if device.type == "cpu" and "fp32" in dtypes and wanted("rf-fp16-weights"):
+        fp16_weights = linear_weights(cfg, "fp16")
+        print("fp16 Linear weights:", fp16_weights)
 
     for dist in lengths:
         if dist not in ("uniform", "corpus", "fixed"):

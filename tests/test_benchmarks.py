@@ -156,7 +156,7 @@ def test_cpu_linear_benchmark_times_every_kernel_on_the_same_weights(runs):
     rows = json.loads((out / "bench_cpu_linear.json").read_text())["results"]
     assert {r["tokens"] for r in rows} == {1, 16}
     assert {r["layers"] for r in rows} == {1, 8}  # one layer, and a chained stack of two encoder blocks
-    names = {"torch", "rf-prepacked", "torch-fp16-weights", "rf-int8", "rf-int8-fbgemm"}
+    names = {"torch", "rf-prepacked", "rf-fp16-weights", "rf-int8", "rf-int8-fbgemm"}
     if importlib.util.find_spec("onnxruntime") is not None:
         names |= {"onnxruntime", "onnxruntime-int8", "onnxruntime-int8-7bit"}
     for row in rows:
@@ -172,11 +172,14 @@ def test_cpu_linear_benchmark_times_every_kernel_on_the_same_weights(runs):
 
 def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
     """bench_inference --quick --device cpu: the unpadded, padded and prepacked encoders, transformers and
-    onnxruntime (when installed) run and agree with transformers fp32 at real positions."""
+    onnxruntime (when installed) run and agree with transformers fp32 at real positions; fp16 weights
+    and int8 within their rounding of it."""
     out, procs = runs
     assert procs["bench_inference"].returncode == 0, procs["bench_inference"].stderr
     rows = {r["contender"]: r for r in json.loads((out / "inference.json").read_text())["results"]}
     expected = ["hf-sdpa", "hf-eager", "rf-unpadded", "rf-padded", "rf-prepacked"]
+    assert rows["rf-fp16-weights"]["status"] == "ok", rows["rf-fp16-weights"]  # fp16 weights: 2^-11 rounding each
+    assert 0 < rows["rf-fp16-weights"]["max_abs_diff_vs_hf_fp32"] <= 2e-3, rows["rf-fp16-weights"]
     if importlib.util.find_spec("onnxruntime") is not None:
         expected.append("onnxruntime")
     else:
@@ -192,6 +195,8 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
     weights = {w["engine"]: w for w in record["config"]["int8_linear_weights"]}
     assert set(weights) == {record["config"]["rf_int8_engine"], "fbgemm"}
     assert all(w["fp32_mb"] > 0 and w["int8_mb"] is not None for w in weights.values()), weights
+    fp16 = record["config"]["fp16_linear_weights"]
+    assert fp16["fp32_mb"] > 0 and fp16["fp16_mb"] is not None, fp16
 
 
 def test_records_name_the_commit_where_the_tree_has_no_git(tmp_path):
