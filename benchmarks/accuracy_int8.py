@@ -4,6 +4,7 @@
     python -m roberta_fast.finetune ...                            # the command `setup` prints
     python benchmarks/accuracy_int8.py evaluate --work runs/acc --out benchmarks/results/accuracy-int8-....json
 
+rf.quantize's fp16 weights (`rf-fp16-weights`, dtype=torch.float16) beside them, for scale.
 ONNX Runtime int8 twice: quantize_dynamic's defaults (`ort-int8`) and with reduce_range=True
 (`ort-int8-7bit`), which ONNX Runtime's docs advise on CPUs without VNNI, where its u8s8
 products can saturate (benchmarks/bench_cpu_linear.py measures that per layer).
@@ -126,9 +127,10 @@ def evaluate(args):
     fp32 = rf.RobertaForSequenceClassification.from_pretrained(model_dir).eval()
     label_ids = {name: int(i) for i, name in fp32.config.extra["id2label"].items()}
     labels = np.array([label_ids[r["label"]] for r in rows])
-    int8 = {"rf-int8": rf.quantize(rf.RobertaForSequenceClassification.from_pretrained(model_dir)),  # oneDNN
-            "rf-int8-fbgemm": rf.quantize(rf.RobertaForSequenceClassification.from_pretrained(model_dir),
-                                          engine="fbgemm")}
+    load = lambda: rf.RobertaForSequenceClassification.from_pretrained(model_dir)  # noqa: E731
+    quantized = {"rf-int8": rf.quantize(load()),  # oneDNN
+                 "rf-int8-fbgemm": rf.quantize(load(), engine="fbgemm"),
+                 "rf-fp16-weights": rf.quantize(load(), dtype=torch.float16)}
 
     batches = [_encode(tok, [r["text"] for r in rows[i:i + 64]], args.max_len) for i in range(0, len(rows), 64)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,18 +143,18 @@ def evaluate(args):
         onnx_int8_7bit = Path(tmp) / "int8-7bit.onnx"
         quantize_dynamic(str(onnx_fp32), str(onnx_int8_7bit), weight_type=QuantType.QInt8, reduce_range=True)
         rf_int8_onnx = Path(tmp) / "rf-int8.onnx"  # rf-int8 exported with ONNX's integer ops (the padded path)
-        export_onnx(int8["rf-int8"], rf_int8_onnx, *batches[0], translations=onnx_translation_table())
+        export_onnx(quantized["rf-int8"], rf_int8_onnx, *batches[0], translations=onnx_translation_table())
         import onnxruntime as ort
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = torch.get_num_threads()
         sessions = {name: ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
                     for name, p in (("ort-fp32", onnx_fp32), ("ort-int8", onnx_int8), ("ort-int8-7bit", onnx_int8_7bit),
                                     ("rf-int8-ort", rf_int8_onnx))}
-        logits = {name: [] for name in ("rf-fp32", *int8, *sessions)}
+        logits = {name: [] for name in ("rf-fp32", *quantized, *sessions)}
         with torch.inference_mode():
             for ids, mask in batches:
                 logits["rf-fp32"].append(fp32(ids, attention_mask=mask).logits.numpy())
-                for name, model in int8.items():
+                for name, model in quantized.items():
                     logits[name].append(model(ids, attention_mask=mask).logits.numpy())
                 for name, s in sessions.items():
                     logits[name].append(s.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0])
@@ -171,10 +173,10 @@ def evaluate(args):
                                    "max_abs_logit_diff_vs_fp32": float(diff.max()),
                                    "mean_abs_logit_diff_vs_fp32": float(diff.mean()),
                                    "predictions_changed_vs_fp32": int((x.argmax(-1) != ref.argmax(-1)).sum())}
-    for fp32_name, int8_name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-fbgemm"), ("rf-fp32", "rf-int8-ort"),
-                                 ("ort-fp32", "ort-int8"), ("ort-fp32", "ort-int8-7bit")):
-        drop = record["results"][fp32_name]["accuracy"] - record["results"][int8_name]["accuracy"]
-        record["results"][int8_name]["accuracy_drop_points"] = round(100 * drop, 2)
+    for fp32_name, name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-fbgemm"), ("rf-fp32", "rf-int8-ort"),
+                            ("rf-fp32", "rf-fp16-weights"), ("ort-fp32", "ort-int8"), ("ort-fp32", "ort-int8-7bit")):
+        drop = record["results"][fp32_name]["accuracy"] - record["results"][name]["accuracy"]
+        record["results"][name]["accuracy_drop_points"] = round(100 * drop, 2)
     if args.note:
         record["note"] = args.note
     print(json.dumps(record, indent=1))
