@@ -40,10 +40,12 @@ fp16 weights (`dtype=torch.float16`, as torch.ao.quantization.quantize_dynamic s
 same four layers become `Fp16WeightLinear`, weights rounded to fp16 (half fp32's memory),
 activations and sums in fp32, run by fbgemm's fp16-weight GEMM
 (`torch.ops.quantized.linear_dynamic_fp16`, the kernel quantize_dynamic's fp16 mode runs).
-It is for single short requests, where the matmuls are reading the weights from memory: on the
-CPU measured the encoder's 48 layers at 16 tokens took 29 ms on fp16 weights against 34 ms for
-ONNX Runtime fp32 and 51 ms for rf.prepack, at ~1/100 of int8's error (2e-4 of the largest
-output). Its function is F.linear on the fp16-rounded weights, which is what export records.
+Why: on a short request the matmuls mostly wait for their weights to come from memory, and fp16
+halves those bytes at ~1/75 of int8's error. Measured on the 2-core AVX2 CPU (docs/inference.md):
+single requests at ONNX Runtime fp32's latency (0.95-1.03x), 1.2-1.7x faster than rf.prepack;
+batches of 32 x 128 1.09x rf fp32; hidden states within 2.3e-3 of fp32's (int8: 0.19); weights
+0.62x fp32's (fbgemm's packing pads). Its function is F.linear on the fp16-rounded weights,
+which is what export records.
 
 Quantized models are for inference: training, gradients and save_pretrained are refused
 (fine-tune and save the fp32 model, quantize after loading), and so is an adapter layer in
