@@ -37,8 +37,7 @@ with the eager logits; without the table the export holds the fp32 form (same lo
 speed). Export traces the padded path, so compare it with `model.roberta.unpad = False`.
 
 fp16 weights (`dtype=torch.float16`, as torch.ao.quantization.quantize_dynamic spells it): the
-same four layers become `Fp16WeightLinear`, weights rounded to fp16 (half fp32's memory),
-activations and sums in fp32, run by fbgemm's fp16-weight GEMM
+same four layers become `Fp16WeightLinear`, weights rounded to fp16, activations and sums in fp32, run by fbgemm's fp16-weight GEMM
 (`torch.ops.quantized.linear_dynamic_fp16`, the kernel quantize_dynamic's fp16 mode runs).
 Why: on a short request the matmuls mostly wait for their weights to come from memory, and fp16
 halves those bytes at ~1/75 of int8's error. Measured on the 2-core AVX2 CPU (docs/inference.md):
@@ -205,10 +204,7 @@ class Fp16WeightLinear(_InferenceLinear):
     def __init__(self, linear: nn.Module):
         super().__init__(linear)
         weight = linear.weight.detach().float()
-        largest = weight.abs().max().item() if weight.numel() else 0.0
-        if not largest <= FP16_MAX:  # NaN too
-            raise ValueError(f"rf.quantize(dtype=torch.float16): a weight of magnitude {largest:g} is beyond fp16's "
-                             f"range (+-{FP16_MAX:g}); use int8 (rf.quantize(model)) or fp32 (rf.prepack(model))")
+        _check_fp16_range(weight, "a Linear layer")
         bias = None if linear.bias is None else linear.bias.detach().float()
         self._kernel = _Fp16Weight(weight.half(), bias)
 
@@ -228,6 +224,14 @@ class Fp16WeightLinear(_InferenceLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp16 weights, engine=fbgemm"
+
+
+def _check_fp16_range(weight, where: str):
+    """ValueError when `weight` holds a value fp16 cannot (it would saturate to +-65504 silently)."""
+    largest = weight.abs().max().item() if weight.numel() else 0.0
+    if not largest <= FP16_MAX:  # NaN too
+        raise ValueError(f"rf.quantize(dtype=torch.float16): {where} has a weight of magnitude {largest:g}, beyond "
+                         f"fp16's range (+-{FP16_MAX:g}); use int8 (rf.quantize(model)) or fp32 (rf.prepack(model))")
 
 
 class _Fp16Weight:
@@ -378,6 +382,9 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
             raise ValueError(f"rf.quantize(engine={engine!r}, dtype={dtype}): this model is already quantized "
                              f"(engine={done[0]!r}, dtype={done[1]}); quantize a fresh fp32 copy instead")
         return model
+    if dtype == torch.float16:  # every layer checked before any is swapped: a refused model is left as it was
+        for i, (layer, name) in enumerate(slots):
+            _check_fp16_range(getattr(layer, name).weight, f"{name} of encoder block {i // len(LAYER_LINEARS)}")
     for layer, name in slots:  # nn.Linear, or rf.prepack's PackedLinear (its weight reads back)
         linear = getattr(layer, name)
         setattr(layer, name, Fp16WeightLinear(linear) if dtype == torch.float16 else Int8Linear(linear, resolved))

@@ -345,8 +345,9 @@ def test_quantize_refuses_arguments_it_cannot_honour():
     with torch.no_grad():
         fp32 = model_of("RobertaModel")
         fp32.layers[1].ffn_out.weight[0, 0] = 1e6
-    with pytest.raises(ValueError, match="beyond fp16's range"):
+    with pytest.raises(ValueError, match="ffn_out of encoder block 1 has a weight of magnitude 1e.06, beyond fp16"):
         rf.quantize(fp32, dtype=torch.float16)
+    assert not rf.quantization.is_quantized(fp32)  # refused before any layer was swapped
 
 
 def test_an_fp16_weight_state_dict_loads_into_an_fp16_weight_model_and_no_other():
