@@ -365,3 +365,19 @@ def test_an_fp16_weight_state_dict_loads_into_an_fp16_weight_model_and_no_other(
         rf.quantize(model_of("RobertaModel")).load_state_dict(state)  # int8 layers are not fp16 ones
     with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight_fp16: expected torch.float16 of shape"):
         target.load_state_dict(dict(state, **{"layers.0.qkv.weight_fp16": state["layers.0.qkv.weight_fp16"].float()}))
+
+
+def test_fp16_weights_trace_combine_with_prepack_and_count_parameters():
+    """jit.trace records F.linear on the fp16 weights (as torch.export does); rf.quantize(dtype=fp16)
+    of a prepacked model is that of the plain model; num_parameters() counts the packed layers."""
+    plain = model_of("RobertaModel")
+    ids, mask = awkward_inputs("RobertaModel")
+    direct = rf.quantize(copy.deepcopy(plain), dtype=torch.float16)
+    via_prepack = rf.quantize(rf.prepack(copy.deepcopy(plain)), dtype=torch.float16)
+    for got, want in zip(outputs(via_prepack, ids, mask), outputs(direct, ids, mask), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert direct.num_parameters() == plain.num_parameters()
+    padded(direct)
+    traced = torch.jit.trace(direct, (ids, mask), strict=False)
+    with torch.inference_mode():
+        torch.testing.assert_close(traced(ids, mask)[0], direct(ids, attention_mask=mask)[0], rtol=1e-5, atol=1e-5)
