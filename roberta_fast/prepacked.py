@@ -89,6 +89,10 @@ class _InferenceLinear(nn.Module):
         """{state_dict name: (shape, dtype)} of this layer's state."""
         raise NotImplementedError
 
+    def _with_bias(self, **state) -> dict:
+        """`state` ({name: (shape, dtype)}), then the fp32 bias when the layer has one."""
+        return {**state, "bias": ((self.out_features,), torch.float32)} if self.has_bias else state
+
     def _pack(self, state: dict):
         """A new kernel holder for these state tensors."""
         raise NotImplementedError
@@ -147,9 +151,7 @@ class PackedLinear(_InferenceLinear):
         return F.linear(x, weight, bias)
 
     def _expected_state(self) -> dict:
-        expected = {"weight": ((self.out_features, self.in_features), torch.float32),
-                    "bias": ((self.out_features,), torch.float32)}
-        return expected if self.has_bias else {"weight": expected["weight"]}
+        return self._with_bias(weight=((self.out_features, self.in_features), torch.float32))
 
     def _pack(self, state: dict):
         return _OnednnFp32Weight(state["weight"], state.get("bias"))

@@ -37,14 +37,14 @@ with the eager logits; without the table the export holds the fp32 form (same lo
 speed). Export traces the padded path, so compare it with `model.roberta.unpad = False`.
 
 fp16 weights (`dtype=torch.float16`, as torch.ao.quantization.quantize_dynamic spells it): the
-same four layers become `Fp16WeightLinear`, weights rounded to fp16, activations and sums in fp32, run by fbgemm's fp16-weight GEMM
-(`torch.ops.quantized.linear_dynamic_fp16`, the kernel quantize_dynamic's fp16 mode runs).
-Why: on a short request the matmuls mostly wait for their weights to come from memory, and fp16
-halves those bytes at ~1/75 of int8's error. Measured on the 2-core AVX2 CPU (docs/inference.md):
-single requests at ONNX Runtime fp32's latency (0.95-1.03x), 1.2-1.7x faster than rf.prepack;
-batches of 32 x 128 1.09x rf fp32; hidden states within 2.3e-3 of fp32's (int8: 0.19); weights
-0.62x fp32's (fbgemm's packing pads). Its function is F.linear on the fp16-rounded weights,
-which is what export records.
+same four layers become `Fp16WeightLinear`, weights rounded to fp16, activations and sums in
+fp32, run by fbgemm's fp16-weight GEMM (`torch.ops.quantized.linear_dynamic_fp16`, the kernel
+quantize_dynamic's fp16 mode runs). Why: on a short request the matmuls mostly wait for their
+weights to come from memory, and fp16 halves those bytes at ~1/75 of int8's error. Measured on
+the 2-core AVX2 CPU (docs/inference.md): single requests at ONNX Runtime fp32's latency
+(0.95-1.03x), 1.2-1.7x faster than rf.prepack; batches of 32 x 128 1.09x rf fp32; hidden states
+within 2.3e-3 of fp32's (int8: 0.19); weights 0.62x fp32's (fbgemm's packing pads). Its function
+is F.linear on the fp16-rounded weights, which is what export records.
 
 Quantized models are for inference: training, gradients and save_pretrained are refused
 (fine-tune and save the fp32 model, quantize after loading), and so is an adapter layer in
@@ -53,6 +53,7 @@ that inference-only base with rf.prepack's fp32 PackedLinear (roberta_fast/prepa
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -96,12 +97,8 @@ class Int8Linear(_InferenceLinear):
         return torch.ops.roberta_fast.int8_linear(x, weight_int8, weight_scale, bias)
 
     def _expected_state(self) -> dict:
-        expected = {"weight_int8": ((self.out_features, self.in_features), torch.int8),
-                    "weight_scale": ((self.out_features,), torch.float32),
-                    "bias": ((self.out_features,), torch.float32)}
-        if not self.has_bias:
-            del expected["bias"]
-        return expected
+        return self._with_bias(weight_int8=((self.out_features, self.in_features), torch.int8),
+                               weight_scale=((self.out_features,), torch.float32))
 
     def _pack(self, state: dict):
         return _packed_weight(state["weight_int8"], state["weight_scale"], state.get("bias"), self._kernel.engine)
@@ -157,6 +154,17 @@ class _OnednnWeight:
             1.0, 0, torch.float32, post_op, [], algorithm)  # fp32 out: output scale 1, zero point 0
 
 
+@contextlib.contextmanager
+def _on_engine(engine: str):
+    """torch's quantized engine set to `engine` (it picks the library a prepack op packs for), then restored."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
 class _PackedWeight:
     """PyTorch's quantized Linear weight packed for `engine` (fbgemm, x86, qnnpack), in a plain
     holder: torch.export would try to trace a TorchScript object held by the module itself. The
@@ -164,17 +172,12 @@ class _PackedWeight:
 
     def __init__(self, weight_int8, scale, bias, engine: str):
         self.engine = engine
-        previous = torch.backends.quantized.engine
-        try:
-            torch.backends.quantized.engine = engine
-            with warnings.catch_warnings():  # torch 2.13 deprecates quantized-tensor creation (pytorch#184982)
-                warnings.simplefilter("ignore")
-                scale = scale.double()
-                zero_points = torch.zeros_like(scale, dtype=torch.long)
-                qweight = torch._make_per_channel_quantized_tensor(weight_int8, scale, zero_points, 0)
-                self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        finally:
-            torch.backends.quantized.engine = previous
+        with _on_engine(engine), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch 2.13 deprecates quantized-tensor creation (pytorch#184982)
+            scale = scale.double()
+            zero_points = torch.zeros_like(scale, dtype=torch.long)
+            qweight = torch._make_per_channel_quantized_tensor(weight_int8, scale, zero_points, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
 
     def unpack(self):
         """(weight_int8, weight_scale, bias): fresh tensors read back from the packed weight (the
@@ -215,9 +218,7 @@ class Fp16WeightLinear(_InferenceLinear):
         return F.linear(x, weight_fp16.to(x.dtype), bias)  # fp16 constants in the graph, cast once
 
     def _expected_state(self) -> dict:
-        expected = {"weight_fp16": ((self.out_features, self.in_features), torch.float16),
-                    "bias": ((self.out_features,), torch.float32)}
-        return expected if self.has_bias else {"weight_fp16": expected["weight_fp16"]}
+        return self._with_bias(weight_fp16=((self.out_features, self.in_features), torch.float16))
 
     def _pack(self, state: dict):
         return _Fp16Weight(state["weight_fp16"], state.get("bias"))
@@ -241,13 +242,8 @@ class _Fp16Weight:
     engine = "fbgemm"
 
     def __init__(self, weight_fp16, bias):
-        previous = torch.backends.quantized.engine
-        try:
-            torch.backends.quantized.engine = "fbgemm"
-            # fp16 values, handed over as fp32: exact, so fbgemm's own rounding has nothing left to do
+        with _on_engine(self.engine):  # fp16 values, handed over as fp32: exact, nothing left for fbgemm to round
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight_fp16.float(), bias)
-        finally:
-            torch.backends.quantized.engine = previous
 
     def unpack(self):
         """(weight_fp16, bias): fresh tensors read back from the packed weight."""
@@ -343,8 +339,11 @@ def onnx_translation_table():
     return {torch.ops.roberta_fast.int8_linear.default: int8_linear_onnx}
 
 
+QUANTIZED_LAYERS = (Int8Linear, Fp16WeightLinear)
+
+
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (Int8Linear, Fp16WeightLinear)) for m in model.modules())
+    return any(isinstance(m, QUANTIZED_LAYERS) for m in model.modules())
 
 
 def default_engine() -> str:
@@ -415,7 +414,7 @@ def _checked_engine(engine: str | None, dtype: torch.dtype) -> str:
 
 def _quantized_as(model: nn.Module) -> tuple[str, torch.dtype]:
     """(engine, dtype) of a quantized model's first quantized layer."""
-    layer = next(m for m in model.modules() if isinstance(m, (Int8Linear, Fp16WeightLinear)))
+    layer = next(m for m in model.modules() if isinstance(m, QUANTIZED_LAYERS))
     return layer._kernel.engine, torch.float16 if isinstance(layer, Fp16WeightLinear) else torch.qint8
 
 

@@ -147,8 +147,8 @@ def test_kernel_benchmark_quick(name, runs):
 
 
 def test_cpu_linear_benchmark_times_every_kernel_on_the_same_weights(runs):
-    """bench_cpu_linear --quick: one layer, and two encoder blocks' layers chained, through torch (fp32
-    and fp16 weights), rf.prepack, rf.quantize's two engines and onnxruntime (fp32 and int8, when
+    """bench_cpu_linear --quick: one layer, and two encoder blocks' layers chained, through torch,
+    rf.prepack, rf's fp16 weights, rf.quantize's two int8 engines and onnxruntime (fp32 and int8, when
     installed), each within its precision's error of F.linear (onnxruntime's default u8s8 int8
     saturates on CPUs without VNNI: its bound is loose)."""
     out, procs = runs
