@@ -109,9 +109,11 @@ class Int8Linear(_InferenceLinear):
 
 def _packed_weight(weight_int8, scale, bias, engine: str):
     """The int8 weight packed for `engine`'s kernels: oneDNN's own int8 matmul where it runs
-    (one copy of the weights), else PyTorch's quantized Linear for that engine."""
+    (one copy of the weights), both libraries for "auto", else PyTorch's quantized Linear for that engine."""
     if engine == "onednn":
         return _OnednnWeight(weight_int8, scale, bias)
+    if engine == "auto":
+        return _AutoWeight(weight_int8, scale, bias)
     return _PackedWeight(weight_int8, scale, bias, engine)
 
 
@@ -189,6 +191,38 @@ class _PackedWeight:
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; linear_dynamic has no epilogue)."""
         out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
         return gelu_fresh(out) if post_op == "gelu" else out
+
+
+AUTO_FBGEMM_BELOW_TOKENS = 256  # engine="auto": a call of fewer tokens runs on fbgemm, any other on oneDNN
+
+
+class _AutoWeight:
+    """The int8 weight packed for both libraries (0.28x + 0.32x the fp32 layer's memory); each call
+    runs fbgemm when it has fewer than AUTO_FBGEMM_BELOW_TOKENS tokens, oneDNN otherwise. Why:
+    on the 2-core AVX2 CPU without VNNI (docs/inference.md) fbgemm ran roberta-base's int8
+    encoder 2.2x faster at 1 x 16 tokens and 1.14x at 1 x 128, the two were even at 256 tokens per
+    call, and oneDNN was 1.03-1.11x faster at 32 x 128 (its GELU epilogue, and fbgemm's padding of
+    K). Every layer of one forward sees the same token count, so a call runs on one library."""
+
+    engine = "auto"
+
+    def __init__(self, weight_int8, scale, bias):
+        self.onednn = _OnednnWeight(weight_int8, scale, bias)
+        self.fbgemm = _PackedWeight(weight_int8, scale, bias, "fbgemm")
+
+    def unpack(self):
+        return self.onednn.unpack()
+
+    def __getstate__(self):
+        return self.unpack()
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def __call__(self, x, post_op="none"):
+        tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., in) -> rows
+        library = self.fbgemm if tokens < AUTO_FBGEMM_BELOW_TOKENS else self.onednn
+        return library(x, post_op)
 
 
 FP16_MAX = 65504.0  # the largest finite fp16
@@ -362,10 +396,12 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     quantized the same way is returned as it is.
 
     engine: the kernel library that packs and runs the int8 weights, one of
-    torch.backends.quantized.supported_engines; None picks default_engine() ("onednn": faster
-    on batches on the CPU measured, 0.28x the fp32 layers' memory against fbgemm's 0.32x). On a
-    CPU without VNNI pass "fbgemm" for single short requests: oneDNN's int8 matmul there costs
-    ~0.4 ms per call whatever the length (measured 2.5x the latency at 1 x 16 tokens).
+    torch.backends.quantized.supported_engines, or "auto"; None picks default_engine()
+    ("onednn": faster on batches on the CPU measured, 0.28x the fp32 layers' memory against
+    fbgemm's 0.32x). On a CPU without VNNI pass "fbgemm" for single short requests: oneDNN's
+    int8 matmul there costs ~0.4 ms per call whatever the length (measured 2.2x the latency at
+    1 x 16 tokens); "auto" for mixed traffic: both packings (0.6x), each call run by fbgemm
+    below AUTO_FBGEMM_BELOW_TOKENS tokens and by oneDNN from there.
     dtype: torch.qint8 (int8 weights and activations) or torch.float16 (fp16 weights, fp32
     activations and sums: near fp32's outputs, for single short requests; fbgemm's kernel, so
     engine None or "fbgemm").
@@ -406,9 +442,13 @@ def _checked_engine(engine: str | None, dtype: torch.dtype) -> str:
                              f"kernel (this torch's engines: {supported}); pass engine=None or \"fbgemm\"")
         return "fbgemm"
     engine = default_engine() if engine is None else engine
-    if engine not in supported or (engine == "onednn" and not _has_onednn()):
+    if engine == "auto" and not (_has_onednn() and "fbgemm" in supported):
+        raise ValueError(f"rf.quantize(engine='auto') switches between fbgemm and oneDNN, and this torch's quantized "
+                         f"engines are {supported} (oneDNN's int8 ops: {_has_onednn()}); pass one of them instead")
+    if engine != "auto" and (engine not in supported or (engine == "onednn" and not _has_onednn())):
         raise ValueError(f"rf.quantize(engine={engine!r}): this torch's quantized engines are "
-                         f"{supported}; pass one of them, or None for the default")
+                         f"{supported}; pass one of them, \"auto\" (fbgemm for short calls, oneDNN for long ones) "
+                         "or None for the default")
     return engine
 
 

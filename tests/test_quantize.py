@@ -126,9 +126,16 @@ def test_the_fp16_weight_kernel_computes_linear_on_the_rounded_weights():
         Fp16WeightLinear(linear)
 
 
-@pytest.mark.parametrize("engine", ["onednn", "fbgemm"])
+def has_engine(engine):
+    """Whether this torch runs `engine` ("auto": fbgemm and oneDNN's int8 ops)."""
+    if engine == "auto":
+        return has_engine("fbgemm") and default_engine() == "onednn"
+    return engine in torch.backends.quantized.supported_engines
+
+
+@pytest.mark.parametrize("engine", ["onednn", "fbgemm", "auto"])
 def test_int8_kernels_compute_their_plain_aten_description(engine):
-    if engine not in torch.backends.quantized.supported_engines:
+    if not has_engine(engine):
         pytest.skip(f"this torch build has no {engine} quantized engine")
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
@@ -138,7 +145,7 @@ def test_int8_kernels_compute_their_plain_aten_description(engine):
     torch.testing.assert_close(q.weight_int8.float() * q.weight_scale[:, None], linear.weight.detach(),
                                rtol=0, atol=scale.max().item() / 2 + 1e-7)  # round-to-nearest of the fp32 weights
     inputs = [torch.randn(3, 7, 64) * 4 + 1, torch.rand(1, 64), torch.randn(5, 64) - 3]  # mixed, >= 0, mostly < 0
-    if engine == "onednn":  # rows past one quantization slab of 2**20 elements (fbgemm quantizes by its own
+    if engine != "fbgemm":  # rows past one quantization slab of 2**20 elements (fbgemm quantizes by its own
         inputs.append(torch.randn(2, 8200, 64))  # rounding, which puts ~1e-4 of such values one step apart)
     with torch.inference_mode():
         assert q(torch.empty(2, 0, 64)).shape == (2, 0, 96)  # no tokens, as nn.Linear
@@ -148,6 +155,35 @@ def test_int8_kernels_compute_their_plain_aten_description(engine):
             torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
             # the FFN's layer: oneDNN's GELU epilogue is erf GELU (its tanh form is 5e-4 away on these outputs)
             torch.testing.assert_close(q.forward_gelu(x), F.gelu(out), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not has_engine("auto"), reason="needs torch's fbgemm engine and oneDNN's int8 ops")
+def test_the_auto_engine_runs_short_calls_on_fbgemm_and_long_ones_on_onednn(monkeypatch):
+    """engine="auto": bit for bit fbgemm's layer below AUTO_FBGEMM_BELOW_TOKENS tokens per call
+    (whatever the batch shape), oneDNN's from there; its state is theirs."""
+    from roberta_fast.quantization import AUTO_FBGEMM_BELOW_TOKENS as below
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    auto, fbgemm, onednn = (Int8Linear(linear, engine).eval() for engine in ("auto", "fbgemm", "onednn"))
+    assert "engine=auto" in repr(auto) and not list(auto.buffers()) and not list(auto.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(), onednn.state_dict().values()))
+    with torch.inference_mode():
+        assert auto(torch.empty(2, 0, 64)).shape == (2, 0, 96)
+        for shape, library in [((1, 64), fbgemm), ((below - 1, 64), fbgemm), ((3, (below - 1) // 3, 64), fbgemm),
+                               ((below, 64), onednn), ((2, below // 2, 64), onednn), ((below + 7, 64), onednn)]:
+            x = torch.randn(shape) * 3 + 0.5
+            assert torch.equal(auto(x), library(x)) and torch.equal(auto.forward_gelu(x), library.forward_gelu(x))
+            other = onednn if library is fbgemm else fbgemm  # the two differ: the test tells them apart
+            assert not torch.equal(auto(x), other(x))
+    # a whole model: every layer of a call on one library (the tiny model's calls are short: lower the switch)
+    model = rf.quantize(model_of("RobertaModel"), engine="auto")
+    ids, mask = awkward_inputs("RobertaModel")
+    real = int(mask.sum())
+    for switch, engine in [(real + 1, "fbgemm"), (real, "onednn")]:
+        monkeypatch.setattr(rf.quantization, "AUTO_FBGEMM_BELOW_TOKENS", switch)
+        single = rf.quantize(model_of("RobertaModel"), engine=engine)
+        for g, w in zip(outputs(model, ids, mask), outputs(single, ids, mask)):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_the_eager_activation_qparams_equal_the_exported_ones():
@@ -253,6 +289,15 @@ def test_the_onednn_engine_holds_the_int8_weights_once():
     assert 0.2 < ratio < 0.3, f"int8 weights take {ratio:.3f} of fp32's memory"
 
 
+@pytest.mark.skipif(not has_engine("auto") or not os.path.exists("/proc/self/statm"),
+                    reason="needs torch's fbgemm engine, oneDNN's int8 ops and Linux's /proc")
+def test_the_auto_engine_holds_two_packings_and_no_more():
+    """engine="auto": oneDNN's copy (0.25) and fbgemm's, whose AVX2 packing pads the inner dimension
+    (0.33 here): about 0.6 of fp32's memory, not the original weights kept beside them."""
+    ratio = resident_ratio('Int8Linear(linear, "auto")')
+    assert 0.5 < ratio < 0.65, f"auto's two int8 packings take {ratio:.3f} of fp32's memory"
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
 def test_fp16_weights_are_held_once():
     """fbgemm's fp16 packing, the only copy: half fp32's bytes, padded (measured 0.67 here, as if
@@ -303,13 +348,17 @@ def test_quantized_models_refuse_training_gradients_and_saving(tmp_path, dtype):
             model.to(torch.bfloat16)(ids, attention_mask=mask)  # the int8 layers hold no tensor .to() could cast
 
 
-def test_a_quantized_state_dict_loads_into_a_quantized_model():
-    fp32 = model_of("RobertaModel")
-    source, target = rf.quantize(copy.deepcopy(fp32)), rf.quantize(model_of("RobertaModel", seed=1))
+@pytest.mark.parametrize("engine", [None, "auto"])
+def test_a_quantized_state_dict_loads_into_a_quantized_model(engine):
+    if not has_engine(engine or default_engine()):
+        pytest.skip(f"this torch build has no {engine} quantized engine")
+    source, target = (rf.quantize(model_of("RobertaModel", seed=seed), engine=engine) for seed in (0, 1))
     target.load_state_dict(source.state_dict())
+    twin = copy.deepcopy(source)
     ids, mask = awkward_inputs("RobertaModel")
-    for g, w in zip(outputs(target, ids, mask), outputs(source, ids, mask)):
+    for g, t, w in zip(outputs(target, ids, mask), outputs(twin, ids, mask), outputs(source, ids, mask)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(t, w, rtol=0, atol=0)
 
 
 def test_a_quantized_state_dict_is_checked_and_copies_deeply():
@@ -337,7 +386,7 @@ def test_quantize_refuses_arguments_it_cannot_honour():
         rf.quantize(model_of("RobertaModel"), engine="onednn", dtype=torch.float16)
     int8 = rf.quantize(model_of("RobertaModel"), engine="fbgemm")
     assert rf.quantize(int8) is int8  # no engine asked: the one it has will do
-    for engine, dtype in [("onednn", torch.qint8), (None, torch.float16)]:  # never a silent mix, nor the wrong kind
+    for engine, dtype in [("onednn", torch.qint8), ("auto", torch.qint8), (None, torch.float16)]:  # never a silent mix, nor the wrong kind
         with pytest.raises(ValueError, match="already quantized .*quantize a fresh fp32 copy"):
             rf.quantize(int8, engine=engine, dtype=dtype)
     with pytest.raises(ValueError, match=r"already quantized \(engine='fbgemm', dtype=torch.float16\)"):
