@@ -188,12 +188,12 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["max_abs_diff_vs_hf_fp32"] <= 1e-5 and rows[name]["tokens_per_s"] > 0, rows[name]
     assert rows["rf-compile"]["status"].startswith("skipped")
-    int8 = ["rf-int8", "rf-int8-fbgemm", "hf-int8"] + (["rf-int8-onnxruntime"] if "onnxruntime" in expected else [])
+    int8 = ["rf-int8", "rf-int8-fbgemm", "rf-int8-auto", "hf-int8"] + (["rf-int8-onnxruntime"] if "onnxruntime" in expected else [])
     for name in int8:  # int8: within quantization error of fp32
         assert rows[name]["status"] == "ok" and rows[name]["max_abs_diff_vs_hf_fp32"] <= 0.05, rows[name]
     record = json.loads((out / "inference.json").read_text())
     weights = {w["engine"]: w for w in record["config"]["int8_linear_weights"]}
-    assert set(weights) == {record["config"]["rf_int8_engine"], "fbgemm"}
+    assert set(weights) == {record["config"]["rf_int8_engine"], "fbgemm", "auto"}
     assert all(w["fp32_mb"] > 0 and w["int8_mb"] is not None for w in weights.values()), weights
     fp16 = record["config"]["fp16_linear_weights"]
     assert fp16["fp32_mb"] > 0 and fp16["fp16_mb"] is not None, fp16
