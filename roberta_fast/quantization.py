@@ -17,9 +17,10 @@ x86 int8 path emits); it holds the int8 weights once, in oneDNN's layout (0.28x 
 layers' memory), and runs the FFN's GELU in the matmul's epilogue. Any other engine
 ("fbgemm", "x86", "qnnpack") runs PyTorch's quantized Linear
 (`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the 2-core
-AMD EPYC (AVX2, no VNNI; docs/inference.md): on batches oneDNN ran the int8 encoder ~20%
-faster than fbgemm, whose AVX2 packing pads K to a multiple of 512 (0.32x); on single short
-requests fbgemm ran 2.5x faster (oneDNN's int8 matmul costs ~0.4 ms per call there). torchao 0.18
+AMD EPYC (AVX2, no VNNI; docs/inference.md): on batches of 32 x 128 oneDNN ran the int8
+encoder 1.04-1.22x faster than fbgemm, whose AVX2 packing pads K to a multiple of 512 (0.32x);
+on single short requests fbgemm ran 2.2-2.5x faster (oneDNN's int8 matmul costs ~0.4 ms per
+call there). "auto" holds both packings and picks one per call (_AutoWeight). torchao 0.18
 (PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear runs
 torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
 
