@@ -200,10 +200,11 @@ AUTO_FBGEMM_BELOW_TOKENS = 256  # engine="auto": a call of fewer tokens runs on 
 class _AutoWeight:
     """The int8 weight packed for both libraries (0.28x + 0.32x the fp32 layer's memory); each call
     runs fbgemm when it has fewer than AUTO_FBGEMM_BELOW_TOKENS tokens, oneDNN otherwise. Why:
-    on the 2-core AVX2 CPU without VNNI (docs/inference.md) fbgemm ran roberta-base's int8
-    encoder 2.2x faster at 1 x 16 tokens and 1.14x at 1 x 128, the two were even at 256 tokens per
-    call, and oneDNN was 1.03-1.11x faster at 32 x 128 (its GELU epilogue, and fbgemm's padding of
-    K). Every layer of one forward sees the same token count, so a call runs on one library."""
+    on the 2-core AVX2 CPU without VNNI (docs/inference.md, "Mixed traffic") fbgemm ran
+    roberta-base's int8 encoder 2.2x faster at 1 x 16 tokens and 1.14x at 1 x 128, the two were
+    even at 256 and 384 tokens per call, and oneDNN was 1.04-1.11x faster at 32 x 128 in the
+    benchmark's runs. Every layer of one forward sees the same token count, so a call runs on
+    one library."""
 
     engine = "auto"
 
@@ -444,8 +445,8 @@ def _checked_engine(engine: str | None, dtype: torch.dtype) -> str:
         return "fbgemm"
     engine = default_engine() if engine is None else engine
     if engine == "auto" and not (_has_onednn() and "fbgemm" in supported):
-        raise ValueError(f"rf.quantize(engine='auto') switches between fbgemm and oneDNN, and this torch's quantized "
-                         f"engines are {supported} (oneDNN's int8 ops: {_has_onednn()}); pass one of them instead")
+        raise ValueError(f"rf.quantize(engine='auto') switches between fbgemm and oneDNN, and this torch's "
+                         f"quantized engines are {supported} (oneDNN's int8 ops: {_has_onednn()}); pass one of them")
     if engine != "auto" and (engine not in supported or (engine == "onednn" and not _has_onednn())):
         raise ValueError(f"rf.quantize(engine={engine!r}): this torch's quantized engines are "
                          f"{supported}; pass one of them, \"auto\" (fbgemm for short calls, oneDNN for long ones) "

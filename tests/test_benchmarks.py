@@ -188,7 +188,8 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["max_abs_diff_vs_hf_fp32"] <= 1e-5 and rows[name]["tokens_per_s"] > 0, rows[name]
     assert rows["rf-compile"]["status"].startswith("skipped")
-    int8 = ["rf-int8", "rf-int8-fbgemm", "rf-int8-auto", "hf-int8"] + (["rf-int8-onnxruntime"] if "onnxruntime" in expected else [])
+    int8 = ["rf-int8", "rf-int8-fbgemm", "rf-int8-auto", "hf-int8"]
+    int8 += ["rf-int8-onnxruntime"] if "onnxruntime" in expected else []
     for name in int8:  # int8: within quantization error of fp32
         assert rows[name]["status"] == "ok" and rows[name]["max_abs_diff_vs_hf_fp32"] <= 0.05, rows[name]
     record = json.loads((out / "inference.json").read_text())

@@ -386,7 +386,8 @@ def test_quantize_refuses_arguments_it_cannot_honour():
         rf.quantize(model_of("RobertaModel"), engine="onednn", dtype=torch.float16)
     int8 = rf.quantize(model_of("RobertaModel"), engine="fbgemm")
     assert rf.quantize(int8) is int8  # no engine asked: the one it has will do
-    for engine, dtype in [("onednn", torch.qint8), ("auto", torch.qint8), (None, torch.float16)]:  # never a silent mix, nor the wrong kind
+    # never a silent mix, nor the wrong kind
+    for engine, dtype in [("onednn", torch.qint8), ("auto", torch.qint8), (None, torch.float16)]:
         with pytest.raises(ValueError, match="already quantized .*quantize a fresh fp32 copy"):
             rf.quantize(int8, engine=engine, dtype=dtype)
     with pytest.raises(ValueError, match=r"already quantized \(engine='fbgemm', dtype=torch.float16\)"):
