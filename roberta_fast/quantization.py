@@ -18,8 +18,8 @@ layers' memory), and runs the FFN's GELU in the matmul's epilogue. Any other eng
 ("fbgemm", "x86", "qnnpack") runs PyTorch's quantized Linear
 (`torch.ops.quantized.linear_dynamic`, what quantize_dynamic uses). Measured on the 2-core
 AMD EPYC (AVX2, no VNNI; docs/inference.md): on batches of 32 x 128 oneDNN ran the int8
-encoder 1.04-1.22x faster than fbgemm, whose AVX2 packing pads K to a multiple of 512 (0.32x);
-on single short requests fbgemm ran 2.2-2.5x faster (oneDNN's int8 matmul costs ~0.4 ms per
+encoder 1.04-1.22x faster than fbgemm (whose AVX2 packing pads K to a multiple of 512 in
+memory, 0.32x, not in time); on single short requests fbgemm ran 2.2-2.5x faster (oneDNN's int8 matmul costs ~0.4 ms per
 call there). "auto" holds both packings and picks one per call (_AutoWeight). torchao 0.18
 (PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear runs
 torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
