@@ -194,17 +194,17 @@ class _PackedWeight:
         return gelu_fresh(out) if post_op == "gelu" else out
 
 
-AUTO_FBGEMM_BELOW_TOKENS = 256  # engine="auto": a call of fewer tokens runs on fbgemm, any other on oneDNN
+AUTO_FBGEMM_BELOW_TOKENS = 512  # engine="auto": a call of fewer tokens runs on fbgemm, any other on oneDNN
 
 
 class _AutoWeight:
     """The int8 weight packed for both libraries (0.28x + 0.32x the fp32 layer's memory); each call
     runs fbgemm when it has fewer than AUTO_FBGEMM_BELOW_TOKENS tokens, oneDNN otherwise. Why:
     on the 2-core AVX2 CPU without VNNI (docs/inference.md, "Mixed traffic") fbgemm ran
-    roberta-base's int8 encoder 2.2x faster at 1 x 16 tokens and 1.14x at 1 x 128, the two were
-    even at 256 and 384 tokens per call, and oneDNN was 1.04-1.11x faster at 32 x 128 in the
-    benchmark's runs. Every layer of one forward sees the same token count, so a call runs on
-    one library."""
+    roberta-base's int8 encoder 2.2x faster at 1 x 16 tokens, 1.32x at 1 x 64 and 1.14x at 2 x 128
+    (256 tokens per call), and 1.02x at 3 x 128; oneDNN was 1.03x faster at 4 x 128 and
+    1.04-1.11x at 32 x 128. Every layer of one forward sees the same token count, so a call runs
+    on one library."""
 
     engine = "auto"
 
