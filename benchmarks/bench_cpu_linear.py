@@ -109,15 +109,15 @@ def encoder_stack(blocks: int, hidden: int, ffn: int) -> list:
 def contenders(linears: list):
     """name -> function of x (or why it cannot run): chain(linears) through each library, on the same weights."""
     def through(wrap):
-        wrapped = [wrap(linear) for linear in linears]
-        return wrapped[0] if isinstance(wrapped[0], str) else lambda x: chain(wrapped, x)  # str: why it cannot run
+        wrapped = [wrap(linear).eval() for linear in linears]
+        return lambda x: chain(wrapped, x)
 
     return {"torch": lambda x: chain(linears, x),  # nn.Linear: F.linear
-            "rf-prepacked": through(lambda linear: PackedLinear(linear).eval()),
-            "rf-fp16-weights": through(lambda linear: Fp16WeightLinear(linear).eval()),
+            "rf-prepacked": through(PackedLinear),
+            "rf-fp16-weights": through(Fp16WeightLinear),
             "onnxruntime": onnxruntime_chain(linears, int8=False),
-            "rf-int8": through(lambda linear: Int8Linear(linear, "onednn").eval()),
-            "rf-int8-fbgemm": through(lambda linear: Int8Linear(linear, "fbgemm").eval()),
+            "rf-int8": through(lambda linear: Int8Linear(linear, "onednn")),
+            "rf-int8-fbgemm": through(lambda linear: Int8Linear(linear, "fbgemm")),
             "onnxruntime-int8": onnxruntime_chain(linears, int8=True),
             "onnxruntime-int8-7bit": onnxruntime_chain(linears, int8=True, reduce_range=True)}
 
