@@ -42,11 +42,14 @@ std::vector<torch::Tensor> mask_tokens(const torch::Tensor& ids,
                                        bool return_spans);
 torch::Tensor philox4x32(const torch::Tensor& counters, int64_t k0, int64_t k1);
 
+// quantize_activations.cpp
+std::tuple<torch::Tensor, double, int64_t> quantize_activations(const torch::Tensor& x, int64_t qmax);
+
 }  // namespace roberta_fast
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace rf = roberta_fast;
-  m.doc() = "roberta_fast C++/CUDA ops (fused Adam, dynamic masking)";
+  m.doc() = "roberta_fast C++/CUDA ops (fused Adam, dynamic masking, int8 activation quantization)";
   m.def("version", &rf::version, "Version of the compiled extension.");
   m.def("built_with_cuda", &rf::built_with_cuda,
         "True when the CUDA implementations of the ops were compiled in.");
@@ -78,4 +81,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Philox4x32-10 of each row of an (n, 4) int64 CPU tensor of counters with key "
         "(k0, k1); for tests against the published known-answer vectors.",
         py::arg("counters"), py::arg("k0"), py::arg("k1"));
+  m.def("quantize_activations", &rf::quantize_activations,
+        "Dynamic per-tensor quantization of a float32 CPU tensor to uint8 in [0, qmax]: "
+        "(uint8 tensor of x's shape, scale, zero point), the arithmetic of "
+        "roberta_fast.quantization.activation_qparams and int8_linear_ref bit for bit. "
+        "ValueError on an empty or non-finite x.",
+        py::arg("x"), py::arg("qmax"));
 }

@@ -20,7 +20,7 @@ def test_version_and_build_facts():
 
 def test_ops_are_exposed():
     C = _ext.load()
-    for name in ("adam_step", "grad_sumsq", "mask_tokens", "philox4x32"):
+    for name in ("adam_step", "grad_sumsq", "mask_tokens", "philox4x32", "quantize_activations"):
         assert callable(getattr(C, name)) and getattr(C, name).__doc__
 
 
@@ -41,3 +41,5 @@ def test_unsupported_device_is_explained():
         p = torch.zeros(3, device="meta")
         C.adam_step([p], [p], [p], [p], [], [torch.zeros((), device="meta")],
                     1e-3, 0.9, 0.98, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="unsupported device"):
+        C.quantize_activations(torch.zeros(3, device="meta"), 127)

@@ -145,8 +145,8 @@ def test_int8_kernels_compute_their_plain_aten_description(engine):
     torch.testing.assert_close(q.weight_int8.float() * q.weight_scale[:, None], linear.weight.detach(),
                                rtol=0, atol=scale.max().item() / 2 + 1e-7)  # round-to-nearest of the fp32 weights
     inputs = [torch.randn(3, 7, 64) * 4 + 1, torch.rand(1, 64), torch.randn(5, 64) - 3]  # mixed, >= 0, mostly < 0
-    if engine != "fbgemm":  # rows past one quantization slab of 2**20 elements (fbgemm quantizes by its own
-        inputs.append(torch.randn(2, 8200, 64))  # rounding, which puts ~1e-4 of such values one step apart)
+    if engine != "fbgemm":  # rows over several threads' tasks of the C++ quantizer (fbgemm quantizes by its
+        inputs.append(torch.randn(2, 8200, 64))  # own rounding, which puts ~1e-4 of such values one step apart)
     with torch.inference_mode():
         assert q(torch.empty(2, 0, 64)).shape == (2, 0, 96)  # no tokens, as nn.Linear
     for x in inputs:
@@ -186,24 +186,41 @@ def test_the_auto_engine_runs_short_calls_on_fbgemm_and_long_ones_on_onednn(monk
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_the_eager_activation_qparams_equal_the_exported_ones():
-    """The oneDNN path computes the activation scale and zero point on the host (numpy float32
-    scalars); export computes them with tensor ops (activation_qparams). Same bits, on ranges of
-    every kind: both signs, one sign, all zero, far below and above fbgemm's smallest scale."""
-    from roberta_fast.quantization import _qparams_on_host, _quantize_activations, activation_qparams
+def test_the_eager_activation_quantization_equals_the_exported_one():
+    """The oneDNN path quantizes its activations in C++ (csrc/quantize_activations.cpp); export
+    does it with tensor ops (activation_qparams, int8_linear_ref). Same scale, zero point and
+    uint8 values, bit for bit, on ranges of every kind (both signs, one sign, all zero, far below
+    and above fbgemm's smallest scale), on exact rounding ties, and on inputs large enough to be
+    split over threads with a tail the vector width does not divide."""
+    from roberta_fast import _ext
+    from roberta_fast.quantization import ACTIVATION_QMAX, activation_qparams
 
     g = torch.Generator().manual_seed(0)
-    cases = [torch.zeros(7), torch.full((3,), 1e-7), torch.full((3,), -2.5), torch.tensor([1e-3, -1e-8])]
+    cases = [torch.zeros(7), torch.full((3,), 1e-7), torch.full((3,), -2.5), torch.tensor([1e-3, -1e-8]),
+             torch.arange(-254, 255) / 2.0, torch.arange(0, 255) / 2.0,  # ties at every step, scale 1
+             torch.randn(70_001, generator=g), torch.randn(3, 129, 768, generator=g).transpose(0, 1)]
     for i in range(300):
         x = torch.randn(int(torch.randint(1, 500, (), generator=g)), generator=g)
         x = x * 10 ** float(torch.empty(()).uniform_(-5, 3, generator=g)) + float(torch.randn((), generator=g))
         cases.append([x, x.abs(), -x.abs()][i % 3])
     for x in cases:
         scale, zero_point = activation_qparams(x)
-        host_scale, host_zero_point = _qparams_on_host(x.min().item(), x.max().item())
+        xq, host_scale, host_zero_point = _ext.load().quantize_activations(x, ACTIVATION_QMAX)
         assert (host_scale, host_zero_point) == (scale.item(), zero_point.item()), x
         want = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255).to(torch.uint8)  # int8_linear_ref's
-        assert torch.equal(_quantize_activations(x[None], host_scale, host_zero_point)[0], want)
+        assert xq.shape == x.shape and torch.equal(xq, want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_activation_is_refused_on_onednn(bad):
+    """No int8 scale covers inf or NaN: the oneDNN layer says so instead of returning garbage."""
+    if not has_engine("onednn"):
+        pytest.skip("this torch build has no onednn quantized engine")
+    layer = Int8Linear(torch.nn.Linear(8, 4), "onednn").eval()
+    x = torch.randn(3, 8)
+    x[1, 2] = bad
+    with torch.inference_mode(), pytest.raises(ValueError, match="non-finite activation"):
+        layer(x)
 
 
 def padded(model):
