@@ -44,6 +44,7 @@ torch::Tensor philox4x32(const torch::Tensor& counters, int64_t k0, int64_t k1);
 
 // quantize_activations.cpp
 std::tuple<torch::Tensor, double, int64_t> quantize_activations(const torch::Tensor& x, int64_t qmax);
+void check_activations_finite(const torch::Tensor& x);
 
 }  // namespace roberta_fast
 
@@ -87,4 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "roberta_fast.quantization.activation_qparams and int8_linear_ref bit for bit. "
         "ValueError on an empty or non-finite x.",
         py::arg("x"), py::arg("qmax"));
+  m.def("check_activations_finite", &rf::check_activations_finite,
+        "ValueError when a CPU tensor holds inf or NaN, with quantize_activations' message (for "
+        "int8 kernels that quantize by themselves, and would turn a NaN into finite values).",
+        py::arg("x"));
 }

@@ -51,7 +51,24 @@ void quantize_span(const float* __restrict src, uint8_t* __restrict dst, int64_t
   for (int64_t i = 0; i < n; ++i) dst[i] = quantize_one(src[i], inverse, zero_point);
 }
 
+// x's (min, max), by ATen's vectorized pass; ValueError when either is not finite: no int8
+// scale covers inf or NaN, and a quantized NaN would pass on as plausible values.
+std::tuple<float, float> finite_range(const torch::Tensor& x) {
+  const auto [low_t, high_t] = at::aminmax(x);
+  const float low = low_t.item<float>(), high = high_t.item<float>();
+  TORCH_CHECK_VALUE(std::isfinite(low) && std::isfinite(high),
+                    "rf.quantize: an int8 layer got a non-finite activation (min ", low, ", max ", high,
+                    "): no int8 scale covers it (the fp32 model would carry inf or NaN on from here); look "
+                    "for inf or NaN in the weights or inputs");
+  return {low, high};
+}
+
 }  // namespace
+
+void check_activations_finite(const torch::Tensor& x) {
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "check_activations_finite: unsupported device ", x.device());
+  if (x.numel() > 0) finite_range(x);
+}
 
 std::tuple<torch::Tensor, double, int64_t> quantize_activations(const torch::Tensor& x, int64_t qmax) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), "quantize_activations: unsupported device ", x.device(),
@@ -60,12 +77,7 @@ std::tuple<torch::Tensor, double, int64_t> quantize_activations(const torch::Ten
   TORCH_CHECK_VALUE(x.numel() > 0, "quantize_activations: an empty tensor has no range to scale by");
   TORCH_CHECK_VALUE(qmax > 0 && qmax <= 255, "quantize_activations: qmax in [1, 255], got ", qmax);
   const torch::Tensor input = x.contiguous();
-  const auto [low_t, high_t] = at::aminmax(input);  // ATen's vectorized pass
-  const float low = low_t.item<float>(), high = high_t.item<float>();
-  TORCH_CHECK_VALUE(std::isfinite(low) && std::isfinite(high),
-                    "rf.quantize: an int8 layer got a non-finite activation (min ", low, ", max ", high,
-                    "): no int8 scale covers it (the fp32 model would carry inf or NaN on from here); look "
-                    "for inf or NaN in the weights or inputs");
+  const auto [low, high] = finite_range(input);
   float scale, zero_point;  // plain locals: a lambda cannot capture structured bindings in C++17
   std::tie(scale, zero_point) = qparams(low, high, static_cast<float>(qmax));
   const float inverse = 1.0f / scale;  // int8_linear_ref multiplies by the float32 reciprocal

@@ -191,6 +191,7 @@ class _PackedWeight:
 
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; linear_dynamic has no epilogue)."""
+        _ext.load().check_activations_finite(x)  # fbgemm would quantize a NaN to plausible values
         out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
         return gelu_fresh(out) if post_op == "gelu" else out
 
