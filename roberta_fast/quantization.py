@@ -28,7 +28,9 @@ Numerics: the activations are quantized as fbgemm does on x86, to 7 bits (reduce
 AVX2's u8·s8 pair sums would saturate at 8), one scale over the whole input, so a row's
 output depends slightly on the other rows of its batch, as with ONNX Runtime's and
 PyTorch's dynamic quantization; unpadded, padding takes no part in the scale. The oneDNN
-path quantizes with int8_linear_ref's own arithmetic; fbgemm's differs by a rounding step.
+path quantizes with int8_linear_ref's own arithmetic, in one C++ op
+(csrc/quantize_activations.cpp); fbgemm's differs by a rounding step. An activation holding inf
+or NaN is refused on every engine: no int8 scale covers it.
 
 Export: under torch.export each Int8Linear is one `roberta_fast::int8_linear` node (its
 weights as constants), whose kernel is `int8_linear_ref`, the same arithmetic in plain aten
