@@ -197,7 +197,7 @@ def test_the_eager_activation_quantization_equals_the_exported_one():
 
     g = torch.Generator().manual_seed(0)
     cases = [torch.zeros(7), torch.full((3,), 1e-7), torch.full((3,), -2.5), torch.tensor([1e-3, -1e-8]),
-             torch.arange(-254, 255) / 2.0, torch.arange(0, 255) / 2.0,  # ties at every step, scale 1
+             torch.arange(-254, 255) / 2.0, torch.arange(0, 255) / 2.0,  # exact .5 ties (scales 2 and 1)
              torch.randn(70_001, generator=g), torch.randn(3, 129, 768, generator=g).transpose(0, 1)]
     for i in range(300):
         x = torch.randn(int(torch.randint(1, 500, (), generator=g)), generator=g)
