@@ -207,8 +207,9 @@ class _AutoWeight:
     on the 2-core AVX2 CPU without VNNI (docs/inference.md, "Mixed traffic") fbgemm ran
     roberta-base's int8 encoder 2.2x faster at 1 x 16 tokens, 1.32x at 1 x 64 and 1.14x at 2 x 128
     (256 tokens per call), and 1.02x at 3 x 128; oneDNN was 1.03x faster at 4 x 128 and
-    1.04-1.11x at 32 x 128. Every layer of one forward sees the same token count, so a call runs
-    on one library."""
+    1.04-1.11x at 32 x 128. Since oneDNN's activations are quantized in C++ the two are level
+    from ~192 to ~384 tokens (scratch runs), so 512 costs at most ~5% there. Every layer of one
+    forward sees the same token count, so a call runs on one library."""
 
     engine = "auto"
 
