@@ -55,8 +55,27 @@ def device_facts(device):
         return {"type": "cuda", "name": props.name, "sm_count": props.multi_processor_count,
                 "memory_gib": round(props.total_memory / 2**30, 1),
                 "capability": f"{props.major}.{props.minor}"}
-    return {"type": "cpu", "name": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    return {"type": "cpu", "name": _cpu_model() or platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+            **cpu_isa()}
+
+
+def _cpu_model():
+    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def cpu_isa():
+    """The instruction sets CPU timings depend on: torch's vector level, and whether int8 products sum
+    without saturation (VNNI, AMX) and bf16 matmuls run in hardware (AVX512-BF16, AMX). The int8 and
+    bf16 figures of a CPU without them do not carry over to one with them, nor back."""
+    probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 (private, may be absent)
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "vnni": probe("_is_vnni_supported"),
+            "avx512_bf16": probe("_is_avx512_bf16_supported"), "amx": probe("_is_amx_tile_supported")}
 
 
 def _git_commit():
