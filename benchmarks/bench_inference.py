@@ -22,7 +22,9 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     rf-fp16-weights  rf-unpadded after roberta_fast.quantize(model, dtype=torch.float16): fp16 Linear weights,
                   fp32 activations and sums (fbgemm's fp16-weight GEMM)
   int8 on the CPU (issue 30; `weights_mb`: the process's RSS growth while the contender's model was built)
-    rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine)
+    rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine;
+                  8-bit activations where the CPU sums them exactly, VNNI or AMX, else 7: `rf_int8_activation_bits`)
+    rf-int8-7bit  the same with activation_bits=7 (the default on CPUs without VNNI; on others, an export for them)
     rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
     rf-int8-auto  the same with engine="auto": both packings, fbgemm for calls of few tokens, oneDNN for the rest
     onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
@@ -68,9 +70,10 @@ import _common as bc
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 from plot import throughput_chart  # noqa: E402
-from roberta_fast.quantization import default_engine, onnx_translation_table  # noqa: E402
+from roberta_fast.quantization import (default_engine, onnx_translation_table,  # noqa: E402
+                                       sums_8bit_activations_exactly)
 
-INT8_CONTENDERS = ("rf-int8", "rf-int8-fbgemm", "rf-int8-auto", "rf-int8-onnxruntime", "onnxruntime-int8",
+INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-fbgemm", "rf-int8-auto", "rf-int8-onnxruntime", "onnxruntime-int8",
                    "onnxruntime-int8-7bit", "hf-int8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -258,6 +261,9 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
         else:
             int8 = weighed("rf-int8", lambda: rf.quantize(ours("reference")))
             runs["rf-int8"] = lambda ids, mask: hidden(int8(ids, attention_mask=mask))
+            if wanted("rf-int8-7bit"):
+                int8_7bit = weighed("rf-int8-7bit", lambda: rf.quantize(ours("reference"), activation_bits=7))
+                runs["rf-int8-7bit"] = lambda ids, mask: hidden(int8_7bit(ids, attention_mask=mask))
             if wanted("rf-int8-fbgemm"):
                 fbgemm = weighed("rf-int8-fbgemm", lambda: rf.quantize(ours("reference"), engine="fbgemm"))
                 runs["rf-int8-fbgemm"] = lambda ids, mask: hidden(fbgemm(ids, attention_mask=mask))
@@ -480,7 +486,8 @@ def main():
             bc.write_json(path, bc.environment(device), results, config=dict(
                 lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
                 threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg(),
-                rf_int8_engine=default_engine(), int8_linear_weights=weights, fp16_linear_weights=fp16_weights,
+                rf_int8_engine=default_engine(), rf_int8_activation_bits=8 if sums_8bit_activations_exactly(
+                    default_engine()) else 7, int8_linear_weights=weights, fp16_linear_weights=fp16_weights,
                 note=args.note), targets=targets)
             print(f"\nwrote {path}")
 

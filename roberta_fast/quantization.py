@@ -24,10 +24,13 @@ call there). "auto" holds both packings and picks one per call (_AutoWeight). to
 (PyPI) installs beside torch 2.13 and quantizes, but on the CPU its int8 Linear runs
 torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
 
-Numerics: the activations are quantized as fbgemm does on x86, to 7 bits (reduce_range:
-AVX2's u8·s8 pair sums would saturate at 8), one scale over the whole input, so a row's
-output depends slightly on the other rows of its batch, as with ONNX Runtime's and
-PyTorch's dynamic quantization; unpadded, padding takes no part in the scale. The oneDNN
+Numerics: the activations are quantized as fbgemm does on x86, one scale over the whole input
+(so a row's output depends slightly on the other rows of its batch, as with ONNX Runtime's and
+PyTorch's dynamic quantization; unpadded, padding takes no part in the scale), to 8 bits where
+the CPU's int8 kernels sum u8·s8 products exactly (VNNI or AMX: `vpdpbusd` adds them into int32)
+and to 7 bits elsewhere (reduce_range: without VNNI the kernels add product pairs into int16,
+`vpmaddubsw`, which 8-bit activations saturate: measured 9% off on oneDNN's AVX2 kernel).
+`activation_bits=` pins it (7 for an export meant for CPUs without VNNI). The oneDNN
 path quantizes with int8_linear_ref's own arithmetic, in one C++ op
 (csrc/quantize_activations.cpp); fbgemm's differs by a rounding step. An activation holding inf
 or NaN is refused on every engine: no int8 scale covers it.
@@ -57,6 +60,7 @@ that inference-only base with rf.prepack's fp32 PackedLinear (roberta_fast/prepa
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -67,7 +71,7 @@ from . import _ext
 from .ops import gelu_fresh
 from .prepacked import LAYER_LINEARS, _InferenceLinear, encoder_linears  # noqa: F401 (LAYER_LINEARS: public here too)
 
-ACTIVATION_QMAX = 127  # uint8 activations in [0, 127]: fbgemm's reduce_range on x86
+ACTIVATION_QMAX = 127  # 7-bit uint8 activations in [0, 127]: fbgemm's reduce_range on x86
 
 
 class Int8Linear(_InferenceLinear):
@@ -80,44 +84,89 @@ class Int8Linear(_InferenceLinear):
     KIND = "quantized"
     FUNCTION = "rf.quantize"
 
-    def __init__(self, linear: nn.Module, engine: str):
+    def __init__(self, linear: nn.Module, engine: str, activation_bits: int = 7):
         super().__init__(linear)
         weight = linear.weight.detach().float()
         # symmetric per-row scales: the row's largest |w| maps to 127
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         weight_int8 = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self._kernel = _packed_weight(weight_int8, scale, bias, engine)
+        self._kernel = _packed_weight(weight_int8, scale, bias, engine, 2**activation_bits - 1)
 
     weight_int8 = property(lambda self: self._kernel.unpack()[0])  # (out, in) int8
     weight_scale = property(lambda self: self._kernel.unpack()[1])  # (out,) fp32
     bias = property(lambda self: self._kernel.unpack()[2])  # (out,) fp32 or None
 
     def _traced(self, x, weight_int8, weight_scale, bias):
+        qmax = self._kernel.qmax
         if torch.jit.is_tracing():
-            return int8_linear_ref(x, weight_int8, weight_scale, bias)
+            return int8_linear_ref(x, weight_int8, weight_scale, bias, qmax)
         # one node of the exported graph: see onnx_translation_table
-        return torch.ops.roberta_fast.int8_linear(x, weight_int8, weight_scale, bias)
+        return torch.ops.roberta_fast.int8_linear(x, weight_int8, weight_scale, bias, qmax)
 
     def _expected_state(self) -> dict:
         return self._with_bias(weight_int8=((self.out_features, self.in_features), torch.int8),
                                weight_scale=((self.out_features,), torch.float32))
 
     def _pack(self, state: dict):
-        return _packed_weight(state["weight_int8"], state["weight_scale"], state.get("bias"), self._kernel.engine)
+        return _packed_weight(state["weight_int8"], state["weight_scale"], state.get("bias"), self._kernel.engine,
+                              self._kernel.qmax)
+
+    @property
+    def activation_bits(self) -> int:
+        return self._kernel.qmax.bit_length()
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", int8 weights per row, engine={self._kernel.engine}"
+        return (super().extra_repr() + f", int8 weights per row, {self.activation_bits}-bit activations, "
+                f"engine={self._kernel.engine}")
 
 
-def _packed_weight(weight_int8, scale, bias, engine: str):
-    """The int8 weight packed for `engine`'s kernels: oneDNN's own int8 matmul where it runs
-    (one copy of the weights), both libraries for "auto", else PyTorch's quantized Linear for that engine."""
+def _packed_weight(weight_int8, scale, bias, engine: str, qmax: int):
+    """The int8 weight packed for `engine`'s kernels, its activations quantized to [0, qmax]: oneDNN's
+    own int8 matmul where it runs (one copy of the weights), both libraries for "auto", else
+    PyTorch's quantized Linear for that engine. 8-bit activations only where they sum exactly."""
+    _check_activation_range(engine, qmax)
     if engine == "onednn":
-        return _OnednnWeight(weight_int8, scale, bias)
+        return _OnednnWeight(weight_int8, scale, bias, qmax)
     if engine == "auto":
-        return _AutoWeight(weight_int8, scale, bias)
-    return _PackedWeight(weight_int8, scale, bias, engine)
+        return _AutoWeight(weight_int8, scale, bias, qmax)
+    return _PackedWeight(weight_int8, scale, bias, engine, qmax)
+
+
+def _check_activation_range(engine: str, qmax: int):
+    """ValueError unless `engine`'s kernels compute activations in [0, qmax] exactly on this CPU."""
+    if qmax not in (ACTIVATION_QMAX, 255):
+        raise ValueError(f"int8 activations take 7 or 8 bits (qmax 127 or 255), got qmax {qmax}")
+    if qmax == 255 and not sums_8bit_activations_exactly(engine):
+        raise ValueError(f"8-bit int8 activations would saturate on this CPU's {engine} kernels: without VNNI or "
+                         "AMX (or under an ISA cap such as ONEDNN_MAX_CPU_ISA) they add u8*s8 product pairs into "
+                         "int16; quantize a fresh fp32 copy here with activation_bits=7 or None")
+
+
+@functools.cache
+def sums_8bit_activations_exactly(engine: str) -> bool:
+    """Whether `engine`'s int8 matmul ("auto": both of its libraries) sums 8-bit activations' u8*s8
+    products exactly on this CPU. Without VNNI or AMX, x86 kernels add product pairs into int16
+    (`vpmaddubsw`), which saturates at 255 * 127 * 2 (hence fbgemm's 7-bit reduce_range); with
+    them (`vpdpbusd`, AMX tiles) products add into int32. Both must say so: the CPU's flags, and
+    a worst-case matmul (every product 255 * 127, paired) run on the kernels, which catches an
+    ISA cap such as ONEDNN_MAX_CPU_ISA; the flag alone guards against a kernel picked for the
+    probe's small shape that a large one would not use."""
+    has_flag = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 (private probes)
+    if not (has_flag("_is_vnni_supported") or has_flag("_is_amx_tile_supported")):
+        return False
+    if engine == "auto":
+        return sums_8bit_activations_exactly("onednn") and sums_8bit_activations_exactly("fbgemm")
+    depth, width = 256, 16
+    weight = torch.full((width, depth), 127, dtype=torch.int8)
+    weight[1::2] = -127  # rows of +127 and of -127: the sums at both ends of int32's use here
+    x = torch.full((4, depth), 255.0)  # range [0, 255]: scale 1, zero point 0, every activation 255
+    holder = (_OnednnWeight if engine == "onednn" else
+              lambda *args: _PackedWeight(*args[:3], engine, args[3]))(weight, torch.ones(width), None, 255)
+    with torch.inference_mode():
+        out = holder(x)
+    want = (255.0 * 127 * depth) * torch.where(torch.arange(width) % 2 == 0, 1.0, -1.0)
+    return bool(torch.equal(out, want.expand_as(out)))
 
 
 class _OnednnWeight:
@@ -130,21 +179,22 @@ class _OnednnWeight:
 
     engine = "onednn"
 
-    def __init__(self, weight_int8, scale, bias):
+    def __init__(self, weight_int8, scale, bias, qmax=ACTIVATION_QMAX):
         self.packed = torch.ops.onednn.qlinear_prepack(weight_int8, None)  # (in, out) int8, oneDNN's blocked layout
         self.scale = scale.float().contiguous()
         self.zero_points = torch.zeros_like(self.scale, dtype=torch.long)  # symmetric weights
         self.bias = bias
+        self.qmax = qmax
 
     def unpack(self):
         bias = None if self.bias is None else self.bias.clone()
         return self.packed.to_dense().t().contiguous(), self.scale.clone(), bias
 
     def __getstate__(self):
-        return self.unpack()
+        return (*self.unpack(), self.qmax)
 
     def __setstate__(self, state):
-        self.__init__(*state)
+        _unpickled(self, state)
 
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, with oneDNN's `post_op` applied to it ("gelu": erf GELU)."""
@@ -153,11 +203,19 @@ class _OnednnWeight:
         # min, max, scale, zero point and uint8 values in one C++ call (csrc/quantize_activations.cpp),
         # int8_linear_ref's arithmetic bit for bit: 22 us for a 16 x 768 input where the dozen aten
         # ops and host reads it replaced took 168 us, and 1.6x faster at 4096 x 3072 (2-core AVX2 CPU)
-        xq, scale, zero_point = _ext.load().quantize_activations(x, ACTIVATION_QMAX)  # x: fp32 (checked)
+        xq, scale, zero_point = _ext.load().quantize_activations(x, self.qmax)  # x: fp32 (checked)
         algorithm = "none" if post_op == "gelu" else ""  # oneDNN's GELU algorithms: "none" (erf) or "tanh"
         return torch.ops.onednn.qlinear_pointwise.default(
             xq, scale, zero_point, self.packed, self.scale, self.zero_points, self.bias,
             1.0, 0, torch.float32, post_op, [], algorithm)  # fp32 out: output scale 1, zero point 0
+
+
+def _unpickled(holder, state):
+    """__setstate__ of the oneDNN and auto holders: the state unpacked, packed again on this CPU,
+    which must compute its activation range (a pickle from before activation_bits: 7 bits)."""
+    *tensors, qmax = state if len(state) == 4 else (*state, ACTIVATION_QMAX)
+    _check_activation_range(holder.engine, qmax)
+    holder.__init__(*tensors, qmax)
 
 
 @contextlib.contextmanager
@@ -176,8 +234,8 @@ class _PackedWeight:
     holder: torch.export would try to trace a TorchScript object held by the module itself. The
     packed object carries its library: linear_dynamic runs it whatever the global engine is later."""
 
-    def __init__(self, weight_int8, scale, bias, engine: str):
-        self.engine = engine
+    def __init__(self, weight_int8, scale, bias, engine: str, qmax=ACTIVATION_QMAX):
+        self.engine, self.qmax = engine, qmax
         with _on_engine(engine), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch 2.13 deprecates quantized-tensor creation (pytorch#184982)
             scale = scale.double()
@@ -191,10 +249,16 @@ class _PackedWeight:
         qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float(), None if bias is None else bias.clone()
 
+    def __setstate__(self, state):
+        """Unpickled (the packed weight unpickles itself): this CPU must compute its activation range."""
+        self.__dict__.update({"qmax": ACTIVATION_QMAX, **state})
+        _check_activation_range(self.engine, self.qmax)
+
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; linear_dynamic has no epilogue)."""
         _ext.load().check_activations_finite(x)  # fbgemm would quantize a NaN to plausible values
-        out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
+        # reduce_range: fbgemm's own 7-bit activations, [0, 127]; else 8 bits, [0, 255]
+        out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=self.qmax == ACTIVATION_QMAX)
         return gelu_fresh(out) if post_op == "gelu" else out
 
 
@@ -213,18 +277,19 @@ class _AutoWeight:
 
     engine = "auto"
 
-    def __init__(self, weight_int8, scale, bias):
-        self.onednn = _OnednnWeight(weight_int8, scale, bias)
-        self.fbgemm = _PackedWeight(weight_int8, scale, bias, "fbgemm")
+    def __init__(self, weight_int8, scale, bias, qmax=ACTIVATION_QMAX):
+        self.onednn = _OnednnWeight(weight_int8, scale, bias, qmax)
+        self.fbgemm = _PackedWeight(weight_int8, scale, bias, "fbgemm", qmax)
+        self.qmax = qmax
 
     def unpack(self):
         return self.onednn.unpack()
 
     def __getstate__(self):
-        return self.unpack()
+        return (*self.unpack(), self.qmax)
 
     def __setstate__(self, state):
-        self.__init__(*state)
+        _unpickled(self, state)
 
     def __call__(self, x, post_op="none"):
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., in) -> rows
@@ -297,22 +362,23 @@ class _Fp16Weight:
         return gelu_fresh(out) if post_op == "gelu" else out
 
 
-def activation_qparams(x):
-    """(scale, zero_point) of fbgemm's dynamic activation quantization on x86: uint8 in
-    [0, ACTIVATION_QMAX], the range [min(x, 0), max(x, 0)], zero point from the nearer end, rounded."""
+def activation_qparams(x, qmax=ACTIVATION_QMAX):
+    """(scale, zero_point) of fbgemm's dynamic activation quantization on x86: uint8 in [0, qmax]
+    (127: 7 bits, reduce_range; 255: 8 bits), the range [min(x, 0), max(x, 0)], zero point from the
+    nearer end, rounded."""
     low, high = x.min().clamp(max=0), x.max().clamp(min=0)  # (min and max export to ONNX, torch.aminmax does not)
-    scale = ((high - low) / ACTIVATION_QMAX).clamp(min=6.1e-5)  # fbgemm's smallest scale
-    from_min, from_max = -low / scale, ACTIVATION_QMAX - high / scale
+    scale = ((high - low) / qmax).clamp(min=6.1e-5)  # fbgemm's smallest scale
+    from_min, from_max = -low / scale, qmax - high / scale
     # fbgemm picks the zero point whose end is represented with less error (|qmin| - |min/s| vs |qmax| - |max/s|)
-    zero_point = torch.where(-(low / scale).abs() < ACTIVATION_QMAX - (high / scale).abs(), from_min, from_max)
-    return scale, torch.round(zero_point).clamp(0, ACTIVATION_QMAX)
+    zero_point = torch.where(-(low / scale).abs() < qmax - (high / scale).abs(), from_min, from_max)
+    return scale, torch.round(zero_point).clamp(0, qmax)
 
 
-def int8_linear_ref(x, weight_int8, weight_scale, bias=None):
-    """What the int8 kernels compute, in plain aten ops (export, tests): x quantized to uint8
-    with activation_qparams, times the int8 weights, rescaled, plus bias. oneDNN's path
+def int8_linear_ref(x, weight_int8, weight_scale, bias=None, qmax=ACTIVATION_QMAX):
+    """What the int8 kernels compute, in plain aten ops (export, tests): x quantized to uint8 in
+    [0, qmax] with activation_qparams, times the int8 weights, rescaled, plus bias. oneDNN's path
     quantizes identically; fbgemm's own quantization puts a few values one step apart."""
-    scale, zero_point = activation_qparams(x)
+    scale, zero_point = activation_qparams(x, qmax)
     xq = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255) - zero_point  # integer values, as float
     out = F.linear(xq, weight_int8.to(x.dtype)) * (scale * weight_scale)  # exact integer products, fp32 sums
     return out if bias is None else out + bias
@@ -322,7 +388,7 @@ def int8_linear_ref(x, weight_int8, weight_scale, bias=None):
 # by torch.onnx without a translation) as its plain aten ops, translated to ONNX's integer ops by
 # onnx_translation_table().
 torch.library.define("roberta_fast::int8_linear",
-                     "(Tensor x, Tensor weight_int8, Tensor weight_scale, Tensor? bias) -> Tensor")
+                     "(Tensor x, Tensor weight_int8, Tensor weight_scale, Tensor? bias, int qmax=127) -> Tensor")
 torch.library.impl("roberta_fast::int8_linear", "CompositeImplicitAutograd")(int8_linear_ref)
 
 
@@ -336,22 +402,30 @@ def onnx_translation_table():
     except ImportError as error:
         raise ImportError("the int8 ONNX translation needs onnxscript: pip install -e .[export]") from error
 
-    def int8_linear_onnx(x, weight_int8, weight_scale, bias=None):
+    def int8_linear_onnx(x, weight_int8, weight_scale, bias=None, qmax: int = ACTIVATION_QMAX):
         """int8_linear_ref in ONNX ops: activation_qparams, then uint8 x times int8 weights in int32."""
-        qmax, zero = op.Constant(value_float=float(ACTIVATION_QMAX)), op.Constant(value_float=0.0)
-        low = op.Min(op.ReduceMin(x, keepdims=0), zero)
-        high = op.Max(op.ReduceMax(x, keepdims=0), zero)
-        scale = op.Max(op.Div(op.Sub(high, low), qmax), op.Constant(value_float=6.1e-5))
-        low_steps, high_steps = op.Div(low, scale), op.Div(high, scale)
-        nearer_min = op.Less(op.Neg(op.Abs(low_steps)), op.Sub(qmax, op.Abs(high_steps)))
-        zero_point = op.Clip(op.Round(op.Where(nearer_min, op.Neg(low_steps), op.Sub(qmax, high_steps))), zero, qmax)
-        zero_point = op.Cast(zero_point, to=2)  # uint8
-        xq = op.QuantizeLinear(x, scale, zero_point)  # round half to even, + zero point, saturate to [0, 255]
+        if qmax == 255:  # 8 bits: ONNX's own dynamic quantization, which ONNX Runtime fuses with the matmul
+            xq, scale, zero_point = op.DynamicQuantizeLinear(x)  # (no 6.1e-5 floor on the scale: ~0 apart)
+        else:
+            xq, scale, zero_point = _seven_bit_quantization(op, x)
         acc = op.MatMulInteger(xq, op.Transpose(weight_int8, perm=[1, 0]), zero_point)  # int32 (folded: constant)
         out = op.Mul(op.Cast(acc, to=1), op.Mul(scale, weight_scale))  # fp32
         return out if bias is None else op.Add(out, bias)
 
     return {torch.ops.roberta_fast.int8_linear.default: int8_linear_onnx}
+
+
+def _seven_bit_quantization(op, x):
+    """(uint8 x, scale, zero point) of activation_qparams at qmax 127, in ONNX ops."""
+    qmax, zero = op.Constant(value_float=float(ACTIVATION_QMAX)), op.Constant(value_float=0.0)
+    low = op.Min(op.ReduceMin(x, keepdims=0), zero)
+    high = op.Max(op.ReduceMax(x, keepdims=0), zero)
+    scale = op.Max(op.Div(op.Sub(high, low), qmax), op.Constant(value_float=6.1e-5))
+    low_steps, high_steps = op.Div(low, scale), op.Div(high, scale)
+    nearer_min = op.Less(op.Neg(op.Abs(low_steps)), op.Sub(qmax, op.Abs(high_steps)))
+    zero_point = op.Clip(op.Round(op.Where(nearer_min, op.Neg(low_steps), op.Sub(qmax, high_steps))), zero, qmax)
+    zero_point = op.Cast(zero_point, to=2)  # uint8
+    return op.QuantizeLinear(x, scale, zero_point), scale, zero_point  # round half to even, + zero point, saturate
 
 
 QUANTIZED_LAYERS = (Int8Linear, Fp16WeightLinear)
@@ -371,7 +445,8 @@ def _has_onednn() -> bool:
             and hasattr(torch.ops.onednn, "qlinear_pointwise"))
 
 
-def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = torch.qint8) -> nn.Module:
+def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = torch.qint8,
+             activation_bits: int | None = None) -> nn.Module:
     """Swap each encoder block's four Linear layers for Int8Linear (or, with dtype=torch.float16,
     Fp16WeightLinear), in place; returns the model (eval mode, parameters frozen). A model already
     quantized the same way is returned as it is.
@@ -386,24 +461,29 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     dtype: torch.qint8 (int8 weights and activations) or torch.float16 (fp16 weights, fp32
     activations and sums: near fp32's outputs, for single short requests; fbgemm's kernel, so
     engine None or "fbgemm").
+    activation_bits: 8, 7, or None (the default): 8 where this CPU's kernels sum 8-bit u8*s8
+    products exactly (VNNI or AMX; sums_8bit_activations_exactly), else 7. An ONNX export keeps
+    the bits: for CPUs without VNNI, export a model quantized with 7.
     """
     slots = encoder_linears(model, "rf.quantize")
     if dtype not in (torch.qint8, torch.float16):
         raise ValueError(f"rf.quantize(dtype={dtype}): pass torch.qint8 (int8 weights and activations, the "
                          "default) or torch.float16 (fp16 weights, fp32 activations)")
     resolved = _checked_engine(engine, dtype)
+    bits = _checked_activation_bits(activation_bits, resolved, dtype)
     if is_quantized(model):
         done = _quantized_as(model)
-        if done[1] != dtype or engine not in (None, done[0]):
-            raise ValueError(f"rf.quantize(engine={engine!r}, dtype={dtype}): this model is already quantized "
-                             f"(engine={done[0]!r}, dtype={done[1]}); quantize a fresh fp32 copy instead")
+        if done[1] != dtype or engine not in (None, done[0]) or activation_bits not in (None, done[2]):
+            raise ValueError(f"rf.quantize(engine={engine!r}, dtype={dtype}, activation_bits={activation_bits}): "
+                             f"this model is already quantized (engine={done[0]!r}, dtype={done[1]}, "
+                             f"activation_bits={done[2]}); quantize a fresh fp32 copy instead")
         return model
     if dtype == torch.float16:  # every layer checked before any is swapped: a refused model is left as it was
         for i, (layer, name) in enumerate(slots):
             _check_fp16_range(getattr(layer, name).weight, f"{name} of encoder block {i // len(LAYER_LINEARS)}")
     for layer, name in slots:  # nn.Linear, or rf.prepack's PackedLinear (its weight reads back)
         linear = getattr(layer, name)
-        setattr(layer, name, Fp16WeightLinear(linear) if dtype == torch.float16 else Int8Linear(linear, resolved))
+        setattr(layer, name, Fp16WeightLinear(linear) if dtype == torch.float16 else Int8Linear(linear, resolved, bits))
     model.requires_grad_(False)
     return model.eval()
 
@@ -433,10 +513,28 @@ def _checked_engine(engine: str | None, dtype: torch.dtype) -> str:
     return engine
 
 
-def _quantized_as(model: nn.Module) -> tuple[str, torch.dtype]:
-    """(engine, dtype) of a quantized model's first quantized layer."""
+def _checked_activation_bits(bits: int | None, engine: str, dtype: torch.dtype) -> int | None:
+    """The activations' bits rf.quantize uses (None for fp16 weights, whose activations stay fp32)."""
+    if dtype == torch.float16:
+        if bits is not None:
+            raise ValueError(f"rf.quantize(dtype=torch.float16, activation_bits={bits}): fp16 weights keep fp32 "
+                             "activations; leave activation_bits out")
+        return None
+    if bits not in (None, 7, 8):
+        raise ValueError(f"rf.quantize(activation_bits={bits!r}): pass 8, 7, or None (8 where this CPU's int8 "
+                         "kernels sum 8-bit activations exactly, else 7)")
+    if bits is None:
+        return 8 if sums_8bit_activations_exactly(engine) else 7
+    _check_activation_range(engine, 2**bits - 1)
+    return bits
+
+
+def _quantized_as(model: nn.Module) -> tuple[str, torch.dtype, int | None]:
+    """(engine, dtype, activation bits) of a quantized model's first quantized layer."""
     layer = next(m for m in model.modules() if isinstance(m, QUANTIZED_LAYERS))
-    return layer._kernel.engine, torch.float16 if isinstance(layer, Fp16WeightLinear) else torch.qint8
+    if isinstance(layer, Fp16WeightLinear):
+        return layer._kernel.engine, torch.float16, None
+    return layer._kernel.engine, torch.qint8, layer.activation_bits
 
 
 def refuse_quantized(model: nn.Module, action: str):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import roberta_fast as rf
 from roberta_fast.quantization import (LAYER_LINEARS, Fp16WeightLinear, Int8Linear, default_engine, int8_linear_ref,
+                                       sums_8bit_activations_exactly,
                                        onnx_translation_table)
 
 DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
@@ -133,13 +134,22 @@ def has_engine(engine):
     return engine in torch.backends.quantized.supported_engines
 
 
+def skip_unless_8bit(engine):
+    if not sums_8bit_activations_exactly(engine):
+        pytest.skip(f"8-bit activations need a CPU with VNNI or AMX, where {engine}'s u8*s8 products sum in int32")
+
+
+@pytest.mark.parametrize("bits", [7, 8])
 @pytest.mark.parametrize("engine", ["onednn", "fbgemm", "auto"])
-def test_int8_kernels_compute_their_plain_aten_description(engine):
+def test_int8_kernels_compute_their_plain_aten_description(engine, bits):
     if not has_engine(engine):
         pytest.skip(f"this torch build has no {engine} quantized engine")
+    if bits == 8:
+        skip_unless_8bit(engine)
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
-    q = Int8Linear(linear, engine).eval()
+    q = Int8Linear(linear, engine, bits).eval()
+    assert f"{bits}-bit activations" in repr(q) and q.activation_bits == bits
     assert not list(q.buffers()) and not list(q.parameters())  # one copy of the weights: the packed one
     scale = linear.weight.detach().abs().amax(dim=1) / 127
     torch.testing.assert_close(q.weight_int8.float() * q.weight_scale[:, None], linear.weight.detach(),
@@ -151,7 +161,7 @@ def test_int8_kernels_compute_their_plain_aten_description(engine):
         assert q(torch.empty(2, 0, 64)).shape == (2, 0, 96)  # no tokens, as nn.Linear
     for x in inputs:
         with torch.inference_mode():
-            out, want = q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias)
+            out, want = q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias, 2**bits - 1)
             torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
             # the FFN's layer: oneDNN's GELU epilogue is erf GELU (its tanh form is 5e-4 away on these outputs)
             torch.testing.assert_close(q.forward_gelu(x), F.gelu(out), rtol=1e-6, atol=1e-6)
@@ -186,14 +196,15 @@ def test_the_auto_engine_runs_short_calls_on_fbgemm_and_long_ones_on_onednn(monk
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_the_eager_activation_quantization_equals_the_exported_one():
+@pytest.mark.parametrize("qmax", [127, 255])
+def test_the_eager_activation_quantization_equals_the_exported_one(qmax):
     """The oneDNN path quantizes its activations in C++ (csrc/quantize_activations.cpp); export
     does it with tensor ops (activation_qparams, int8_linear_ref). Same scale, zero point and
     uint8 values, bit for bit, on ranges of every kind (both signs, one sign, all zero, far below
     and above fbgemm's smallest scale), on exact rounding ties, and on inputs large enough to be
     split over threads with a tail the vector width does not divide."""
     from roberta_fast import _ext
-    from roberta_fast.quantization import ACTIVATION_QMAX, activation_qparams
+    from roberta_fast.quantization import activation_qparams
 
     g = torch.Generator().manual_seed(0)
     cases = [torch.zeros(7), torch.full((3,), 1e-7), torch.full((3,), -2.5), torch.tensor([1e-3, -1e-8]),
@@ -204,8 +215,8 @@ def test_the_eager_activation_quantization_equals_the_exported_one():
         x = x * 10 ** float(torch.empty(()).uniform_(-5, 3, generator=g)) + float(torch.randn((), generator=g))
         cases.append([x, x.abs(), -x.abs()][i % 3])
     for x in cases:
-        scale, zero_point = activation_qparams(x)
-        xq, host_scale, host_zero_point = _ext.load().quantize_activations(x, ACTIVATION_QMAX)
+        scale, zero_point = activation_qparams(x, qmax)
+        xq, host_scale, host_zero_point = _ext.load().quantize_activations(x, qmax)
         assert (host_scale, host_zero_point) == (scale.item(), zero_point.item()), x
         want = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255).to(torch.uint8)  # int8_linear_ref's
         assert xq.shape == x.shape and torch.equal(xq, want)
@@ -244,18 +255,20 @@ def test_torch_export_of_a_quantized_model_equals_eager(cls, dtype):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("cls,dtype,int8_ops", [("RobertaForSequenceClassification", torch.qint8, True),
-                                                ("RobertaModel", torch.qint8, False),
-                                                ("RobertaForTokenClassification", torch.float16, False)])
-def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, dtype, int8_ops, tmp_path):
+@pytest.mark.parametrize("cls,dtype,int8_ops,bits", [("RobertaForSequenceClassification", torch.qint8, True, None),
+                                                     ("RobertaForQuestionAnswering", torch.qint8, True, 7),
+                                                     ("RobertaModel", torch.qint8, False, None),
+                                                     ("RobertaForTokenClassification", torch.float16, False, None)])
+def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, dtype, int8_ops, bits, tmp_path):
     """With onnx_translation_table() each int8 layer becomes ONNX's integer matmul (int8 speed in
-    ONNX Runtime); without it, the same arithmetic in fp32 MatMuls. Either way: the eager logits.
-    fp16 weights export as F.linear on their values, cast to fp32."""
+    ONNX Runtime; 8-bit activations by DynamicQuantizeLinear, 7-bit ones by their own ops); without
+    it, the same arithmetic in fp32 MatMuls. Either way: the eager logits. fp16 weights export as
+    F.linear on their values, cast to fp32."""
     for package in ("onnx", "onnxscript", "onnxruntime"):
         pytest.importorskip(package, reason=f"ONNX export needs {package}: pip install -e .[export]")
     import onnxruntime as ort
 
-    model = padded(rf.quantize(model_of(cls), dtype=dtype))
+    model = padded(rf.quantize(model_of(cls), dtype=dtype, activation_bits=bits))
     ids, mask = awkward_inputs(cls)
     dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
     with warnings.catch_warnings():
@@ -266,6 +279,9 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
     op_types = [node.op_type for node in program.model.graph]
     int8_layers = len(LAYER_LINEARS) * TINY["num_hidden_layers"]
     assert op_types.count("MatMulInteger") == (int8_layers if int8_ops else 0), sorted(set(op_types))
+    if int8_ops:
+        eight = rf.quantization._quantized_as(model)[2] == 8
+        assert op_types.count("DynamicQuantizeLinear") == (int8_layers if eight else 0), sorted(set(op_types))
     program.save(tmp_path / "int8.onnx")
     session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
     ids, mask = ids[1:], mask[1:, :9]  # another shape than the traced one
@@ -409,7 +425,7 @@ def test_quantize_refuses_arguments_it_cannot_honour():
     for engine, dtype in [("onednn", torch.qint8), ("auto", torch.qint8), (None, torch.float16)]:
         with pytest.raises(ValueError, match="already quantized .*quantize a fresh fp32 copy"):
             rf.quantize(int8, engine=engine, dtype=dtype)
-    with pytest.raises(ValueError, match=r"already quantized \(engine='fbgemm', dtype=torch.float16\)"):
+    with pytest.raises(ValueError, match=r"already quantized \(engine='fbgemm', dtype=torch.float16, activation"):
         rf.quantize(rf.quantize(model_of("RobertaModel"), dtype=torch.float16))
     with torch.no_grad():
         fp32 = model_of("RobertaModel")
@@ -417,6 +433,71 @@ def test_quantize_refuses_arguments_it_cannot_honour():
     with pytest.raises(ValueError, match="ffn_out of encoder block 1 has a weight of magnitude 1e.06, beyond fp16"):
         rf.quantize(fp32, dtype=torch.float16)
     assert not rf.quantization.is_quantized(fp32)  # refused before any layer was swapped
+    for bits, message in [(6, "pass 8, 7, or None"), (16, "pass 8, 7, or None")]:
+        with pytest.raises(ValueError, match=message):
+            rf.quantize(model_of("RobertaModel"), activation_bits=bits)
+    with pytest.raises(ValueError, match="fp16 weights keep fp32 activations"):
+        rf.quantize(model_of("RobertaModel"), dtype=torch.float16, activation_bits=8)
+    seven = rf.quantize(model_of("RobertaModel"), engine="fbgemm", activation_bits=7)
+    assert rf.quantize(seven, activation_bits=7) is seven
+    with pytest.raises(ValueError, match="activation_bits=7\); quantize a fresh fp32 copy"):
+        rf.quantize(seven, activation_bits=8)
+
+
+def test_8bit_activations_are_refused_where_the_kernels_would_saturate(monkeypatch):
+    """Where the kernels add u8*s8 product pairs into int16 (no VNNI or AMX), 8-bit activations
+    would saturate: the default is then 7 bits, 8 is refused, and so is a model with 8-bit
+    activations unpickled there."""
+    eight = None
+    if sums_8bit_activations_exactly("fbgemm"):
+        eight = copy.deepcopy(rf.quantize(model_of("RobertaModel"), engine="fbgemm", activation_bits=8))
+    monkeypatch.setattr(rf.quantization, "sums_8bit_activations_exactly", lambda engine: False)
+    assert {m.activation_bits for m in rf.quantize(model_of("RobertaModel")).modules()
+            if isinstance(m, Int8Linear)} == {7}
+    with pytest.raises(ValueError, match="8-bit int8 activations would saturate on this CPU's .*activation_bits=7"):
+        rf.quantize(model_of("RobertaModel"), activation_bits=8)
+    if eight is not None:
+        with pytest.raises(ValueError, match="would saturate"):
+            copy.deepcopy(eight)
+
+
+def test_the_saturation_probe_sees_an_isa_without_vnni():
+    """oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA) adds u8*s8 pairs into int16 whatever the CPU: the
+    probe must see it (measured here: 8-bit activations 9% off on that kernel), so the default is 7
+    bits. On a VNNI CPU the uncapped kernels must sum 8 bits exactly at roberta-base's width."""
+    if not has_engine("onednn"):
+        pytest.skip("this torch build has no oneDNN quantized engine")
+    child = textwrap.dedent("""
+        import torch
+        from roberta_fast.quantization import sums_8bit_activations_exactly
+        print(sums_8bit_activations_exactly("onednn"))
+    """)
+    capped = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True,
+                            env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")).stdout.split()[-1]
+    assert capped == "False"
+    for engine in ("onednn", "fbgemm"):
+        if sums_8bit_activations_exactly(engine):  # the probe's answer holds on a wider layer and a batch
+            q = Int8Linear(torch.nn.Linear(768, 64), engine, 8).eval()
+            x = torch.full((40, 768), 255.0)
+            x[:, ::5] = 0.0  # range [0, 255]: scale 1, activations 255 and 0
+            with torch.inference_mode():
+                want = x.double() @ (q.weight_int8.double() * q.weight_scale.double()[:, None]).t() + q.bias.double()
+                torch.testing.assert_close(q(x).double(), want, rtol=1e-6, atol=1e-3)
+
+
+def test_8bit_activations_halve_the_error():
+    """Where the kernels sum 8-bit activations exactly, the default takes 8 bits: the int8 model's
+    outputs land about twice as close to fp32's as with 7."""
+    skip_unless_8bit(default_engine())
+    fp32 = model_of("RobertaForSequenceClassification")
+    ids, mask = awkward_inputs("RobertaForSequenceClassification")
+    errors = {}
+    for bits in (7, None):
+        model = rf.quantize(copy.deepcopy(fp32), activation_bits=bits)
+        errors[bits] = max((a - b).abs().mean().item() for a, b in zip(outputs(model, ids, mask),
+                                                                     outputs(fp32, ids, mask)))
+    assert {m.activation_bits for m in model.modules() if isinstance(m, Int8Linear)} == {8}
+    assert errors[None] < 0.7 * errors[7], errors
 
 
 def test_an_fp16_weight_state_dict_loads_into_an_fp16_weight_model_and_no_other():
