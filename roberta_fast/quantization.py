@@ -148,10 +148,10 @@ def sums_8bit_activations_exactly(engine: str) -> bool:
     """Whether `engine`'s int8 matmul ("auto": both of its libraries) sums 8-bit activations' u8*s8
     products exactly on this CPU. Without VNNI or AMX, x86 kernels add product pairs into int16
     (`vpmaddubsw`), which saturates at 255 * 127 * 2 (hence fbgemm's 7-bit reduce_range); with
-    them (`vpdpbusd`, AMX tiles) products add into int32. Both must say so: the CPU's flags, and
-    a worst-case matmul (every product 255 * 127, paired) run on the kernels, which catches an
-    ISA cap such as ONEDNN_MAX_CPU_ISA; the flag alone guards against a kernel picked for the
-    probe's small shape that a large one would not use."""
+    them (`vpdpbusd`, AMX tiles) products add into int32. Two checks must both pass: the CPU's
+    flags, and a worst-case matmul (every product 255 * 127, paired) run on the kernels. The
+    matmul catches an ISA cap such as ONEDNN_MAX_CPU_ISA; the flags catch a CPU whose library
+    picks a non-saturating kernel for the probe's small shape but not for a layer's."""
     has_flag = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 (private probes)
     if not (has_flag("_is_vnni_supported") or has_flag("_is_amx_tile_supported")):
         return False
@@ -161,8 +161,9 @@ def sums_8bit_activations_exactly(engine: str) -> bool:
     weight = torch.full((width, depth), 127, dtype=torch.int8)
     weight[1::2] = -127  # rows of +127 and of -127: the sums at both ends of int32's use here
     x = torch.full((4, depth), 255.0)  # range [0, 255]: scale 1, zero point 0, every activation 255
-    holder = (_OnednnWeight if engine == "onednn" else
-              lambda *args: _PackedWeight(*args[:3], engine, args[3]))(weight, torch.ones(width), None, 255)
+    ones = torch.ones(width)
+    holder = (_OnednnWeight(weight, ones, None, 255) if engine == "onednn"
+              else _PackedWeight(weight, ones, None, engine, 255))
     with torch.inference_mode():
         out = holder(x)
     want = (255.0 * 127 * depth) * torch.where(torch.arange(width) % 2 == 0, 1.0, -1.0)
