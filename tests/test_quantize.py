@@ -440,7 +440,7 @@ def test_quantize_refuses_arguments_it_cannot_honour():
         rf.quantize(model_of("RobertaModel"), dtype=torch.float16, activation_bits=8)
     seven = rf.quantize(model_of("RobertaModel"), engine="fbgemm", activation_bits=7)
     assert rf.quantize(seven, activation_bits=7) is seven
-    with pytest.raises(ValueError, match="activation_bits=7\); quantize a fresh fp32 copy"):
+    with pytest.raises(ValueError, match=r"activation_bits=7\); quantize a fresh fp32 copy"):
         rf.quantize(seven, activation_bits=8)
 
 
