@@ -178,8 +178,9 @@ def evaluate(args):
                                    "max_abs_logit_diff_vs_fp32": float(diff.max()),
                                    "mean_abs_logit_diff_vs_fp32": float(diff.mean()),
                                    "predictions_changed_vs_fp32": int((x.argmax(-1) != ref.argmax(-1)).sum())}
-    for fp32_name, name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-7bit"), ("rf-fp32", "rf-int8-fbgemm"), ("rf-fp32", "rf-int8-ort"),
-                            ("rf-fp32", "rf-fp16-weights"), ("ort-fp32", "ort-int8"), ("ort-fp32", "ort-int8-7bit")):
+    for fp32_name, name in (("rf-fp32", "rf-int8"), ("rf-fp32", "rf-int8-7bit"), ("rf-fp32", "rf-int8-fbgemm"),
+                            ("rf-fp32", "rf-int8-ort"), ("rf-fp32", "rf-fp16-weights"), ("ort-fp32", "ort-int8"),
+                            ("ort-fp32", "ort-int8-7bit")):
         drop = record["results"][fp32_name]["accuracy"] - record["results"][name]["accuracy"]
         record["results"][name]["accuracy_drop_points"] = round(100 * drop, 2)
     if args.note:

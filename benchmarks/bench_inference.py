@@ -73,8 +73,8 @@ from plot import throughput_chart  # noqa: E402
 from roberta_fast.quantization import (default_engine, onnx_translation_table,  # noqa: E402
                                        sums_8bit_activations_exactly)
 
-INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-fbgemm", "rf-int8-auto", "rf-int8-onnxruntime", "onnxruntime-int8",
-                   "onnxruntime-int8-7bit", "hf-int8")
+INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-fbgemm", "rf-int8-auto", "rf-int8-onnxruntime",
+                   "onnxruntime-int8", "onnxruntime-int8-7bit", "hf-int8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

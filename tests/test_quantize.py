@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 import roberta_fast as rf
 from roberta_fast.quantization import (LAYER_LINEARS, Fp16WeightLinear, Int8Linear, default_engine, int8_linear_ref,
-                                       sums_8bit_activations_exactly,
-                                       onnx_translation_table)
+                                       onnx_translation_table, sums_8bit_activations_exactly)
 
 DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
           "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
