@@ -70,8 +70,7 @@ import _common as bc
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 from plot import throughput_chart  # noqa: E402
-from roberta_fast.quantization import (default_engine, onnx_translation_table,  # noqa: E402
-                                       sums_8bit_activations_exactly)
+from roberta_fast.quantization import default_activation_bits, default_engine, onnx_translation_table  # noqa: E402
 
 INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-fbgemm", "rf-int8-auto", "rf-int8-onnxruntime",
                    "onnxruntime-int8", "onnxruntime-int8-7bit", "hf-int8")
@@ -488,8 +487,8 @@ def main():
             bc.write_json(path, bc.environment(device), results, config=dict(
                 lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
                 threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg(),
-                rf_int8_engine=default_engine(), rf_int8_activation_bits=8 if sums_8bit_activations_exactly(
-                    default_engine()) else 7, int8_linear_weights=weights, fp16_linear_weights=fp16_weights,
+                rf_int8_engine=default_engine(), rf_int8_activation_bits=default_activation_bits(default_engine()),
+                int8_linear_weights=weights, fp16_linear_weights=fp16_weights,
                 note=args.note), targets=targets)
             print(f"\nwrote {path}")
 

@@ -525,9 +525,15 @@ def _checked_activation_bits(bits: int | None, engine: str, dtype: torch.dtype) 
         raise ValueError(f"rf.quantize(activation_bits={bits!r}): pass 8, 7, or None (8 where this CPU's int8 "
                          "kernels sum 8-bit activations exactly, else 7)")
     if bits is None:
-        return 8 if sums_8bit_activations_exactly(engine) else 7
+        return default_activation_bits(engine)
     _check_activation_range(engine, 2**bits - 1)
     return bits
+
+
+def default_activation_bits(engine: str) -> int:
+    """rf.quantize's activation bits on `engine` when none are asked: 8 where this CPU's kernels sum
+    them exactly (sums_8bit_activations_exactly), else 7."""
+    return 8 if sums_8bit_activations_exactly(engine) else 7
 
 
 def _quantized_as(model: nn.Module) -> tuple[str, torch.dtype, int | None]:
