@@ -15,6 +15,8 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
   on the CPU (issue 18)
     rf-unpadded   roberta_fast.RobertaModel under inference_mode: padding dropped at the embeddings
     rf-padded     the same model with unpad = False (the padded reference path)
+    rf-unpadded-whole  rf-unpadded with cpu_group_tokens = None: a batch of over 1024 tokens runs whole,
+                  not in groups of rows (RobertaModel.encode)
     rf-compile    rf-unpadded under torch.compile(dynamic=True); `graphs` counts its compiled
                   graphs after the warm-up and after the timed passes (equal: no recompile per shape)
     onnxruntime   the encoder exported with torch.onnx.export (dynamic batch and length), CPU provider
@@ -25,6 +27,7 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     rf-int8       rf-unpadded after roberta_fast.quantize(model): int8 Linear layers (oneDNN, the default engine;
                   8-bit activations where the CPU sums them exactly, VNNI or AMX, else 7: `rf_int8_activation_bits`)
     rf-int8-7bit  the same with activation_bits=7 (the default on CPUs without VNNI; on others, an export for them)
+    rf-int8-whole  rf-int8 with cpu_group_tokens = None (batches run whole, as rf-unpadded-whole)
     rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
     rf-int8-auto  the same with engine="auto": both packings, fbgemm for calls of few tokens, oneDNN for the rest
     onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
@@ -70,10 +73,11 @@ import _common as bc
 bc.use_interpreter_without_gpu()
 import roberta_fast as rf  # noqa: E402  (after the interpreter switch)
 from plot import throughput_chart  # noqa: E402
+from roberta_fast.model import CPU_GROUP_TOKENS  # noqa: E402
 from roberta_fast.quantization import default_activation_bits, default_engine, onnx_translation_table  # noqa: E402
 
-INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-fbgemm", "rf-int8-auto", "rf-int8-onnxruntime",
-                   "onnxruntime-int8", "onnxruntime-int8-7bit", "hf-int8")
+INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-whole", "rf-int8-fbgemm", "rf-int8-auto",
+                   "rf-int8-onnxruntime", "onnxruntime-int8", "onnxruntime-int8-7bit", "hf-int8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -226,9 +230,9 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
         eager.set_attn_implementation("eager")
         runs["hf-eager"] = lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))
 
-    def ours(backend, unpad=True):
+    def ours(backend, unpad=True, cpu_group_tokens=CPU_GROUP_TOKENS):
         model = rf.RobertaModel.from_pretrained(sdpa, backend=backend).eval().to(device, dtype)
-        model.check_inputs, model.unpad = False, unpad
+        model.check_inputs, model.unpad, model.cpu_group_tokens = False, unpad, cpu_group_tokens
         return model
 
     if device.type == "cpu":
@@ -237,6 +241,9 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
         if wanted("rf-padded"):
             padded = ours("reference", unpad=False)
             runs["rf-padded"] = lambda ids, mask: hidden(padded(ids, attention_mask=mask))
+        if wanted("rf-unpadded-whole"):
+            whole = ours("reference", cpu_group_tokens=None)
+            runs["rf-unpadded-whole"] = lambda ids, mask: hidden(whole(ids, attention_mask=mask))
         if skip_compile:
             runs["rf-compile"] = "skipped (--skip-compile or --quick)"
         else:
@@ -265,6 +272,9 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
             if wanted("rf-int8-7bit"):
                 int8_7bit = weighed("rf-int8-7bit", lambda: rf.quantize(ours("reference"), activation_bits=7))
                 runs["rf-int8-7bit"] = lambda ids, mask: hidden(int8_7bit(ids, attention_mask=mask))
+            if wanted("rf-int8-whole"):
+                int8_whole = weighed("rf-int8-whole", lambda: rf.quantize(ours("reference", cpu_group_tokens=None)))
+                runs["rf-int8-whole"] = lambda ids, mask: hidden(int8_whole(ids, attention_mask=mask))
             if wanted("rf-int8-fbgemm"):
                 fbgemm = weighed("rf-int8-fbgemm", lambda: rf.quantize(ours("reference"), engine="fbgemm"))
                 runs["rf-int8-fbgemm"] = lambda ids, mask: hidden(fbgemm(ids, attention_mask=mask))

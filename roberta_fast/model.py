@@ -25,6 +25,7 @@ from .ops import _warn_once
 from .config import RobertaConfig
 
 IGNORE_INDEX = -100  # label of a position that is not predicted
+CPU_GROUP_TOKENS = 1024  # RobertaModel.encode: CPU inference runs larger batches in groups of rows of this many tokens
 
 
 # ----------------------------------------------------------------------- outputs
@@ -618,6 +619,7 @@ class RobertaModel(_PreTrained):
         self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self.unpad = True
+        self.cpu_group_tokens = CPU_GROUP_TOKENS  # None: CPU inference runs each batch whole
         # torch.utils.checkpoint's kwargs while gradient checkpointing is on (transformers' config flag too)
         self.checkpointing = {"use_reentrant": False} if config.extra.get("gradient_checkpointing") else None
         self.apply(self._init_weights)
@@ -648,7 +650,53 @@ class RobertaModel(_PreTrained):
         Packed rows (several documents per row, DOC-SENTENCES packing): `cu_seqlens`
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
         keeps attention inside each segment, and `position_ids` restart per document.
+
+        On the CPU without gradients (ops.unpad_impl's "sdpa" case) a batch of more than
+        `model.cpu_group_tokens` tokens (None: no limit) runs as consecutive groups of rows of at
+        most that many (a longer row alone), their outputs concatenated. Rows are independent,
+        so this is the same function (an int8 model quantizes each group's activations on their
+        own). Why: a 4096-token batch's largest activations (the FFN's 50 MB, the QKV's 38 MB)
+        are above glibc's 32 MB mmap ceiling, so each is mapped afresh and page-faulted in at
+        every call; groups of 1024 tokens reuse heap memory (docs/inference.md).
         """
+        groups = self._row_groups(input_ids if inputs_embeds is None else inputs_embeds, attention_mask, cu_seqlens)
+        if groups is None:
+            return self._encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                                output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
+        outs = [self._encode(*(None if t is None else t[rows] for t in (input_ids, attention_mask, token_type_ids,
+                                                                      position_ids)),
+                             output_hidden_states, output_attentions,
+                             inputs_embeds=None if inputs_embeds is None else inputs_embeds[rows])
+                for rows in groups]
+        return BaseModelOutput(*(_cat_rows([getattr(out, name) for out in outs])
+                                 for name in ("last_hidden_state", "pooler_output", "hidden_states", "attentions",
+                                              "cross_attentions")))
+
+    def _row_groups(self, shaped, attention_mask, cu_seqlens) -> list[slice] | None:
+        """encode's groups: consecutive row ranges of at most `cpu_group_tokens` tokens each (the
+        attended ones when the batch runs unpadded); None: the batch runs whole."""
+        batch, seqlen = shaped.shape[:2]
+        if (self.cpu_group_tokens is None or batch * seqlen <= self.cpu_group_tokens or cu_seqlens is not None
+                or torch.compiler.is_compiling()
+                or ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) != "sdpa"):
+            return None
+        if attention_mask is not None and self.unpad:
+            lengths = attention_mask.sum(dim=1).tolist()
+        else:
+            lengths = [seqlen] * batch
+        groups, start, tokens = [], 0, 0
+        for row, length in enumerate(lengths):
+            if tokens and tokens + length > self.cpu_group_tokens:
+                groups.append(slice(start, row))
+                start, tokens = row, 0
+            tokens += length
+        groups.append(slice(start, batch))
+        return groups if len(groups) > 1 else None
+
+    def _encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None) -> BaseModelOutput:
+        """encode() on one batch, or one group of its rows."""
         if output_hidden_states is None:  # the config's, as transformers reads them
             output_hidden_states = self.config.output_hidden_states
         if output_attentions is None:
@@ -697,6 +745,16 @@ class RobertaModel(_PreTrained):
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
         return BaseModelOutput(x, pooled, tuple(states) if output_hidden_states else None,
                                tuple(attentions) if output_attentions else None, () if output_attentions else None)
+
+
+def _cat_rows(parts: list):
+    """One output field of encode's row groups joined along the batch: tensors concatenated,
+    tuples (of per-layer tensors) field by field, None and () kept."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    if parts[0]:
+        return tuple(torch.cat(layer) for layer in zip(*parts))
+    return parts[0]
 
 
 class _Packing:

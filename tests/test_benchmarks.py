@@ -177,7 +177,7 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
     out, procs = runs
     assert procs["bench_inference"].returncode == 0, procs["bench_inference"].stderr
     rows = {r["contender"]: r for r in json.loads((out / "inference.json").read_text())["results"]}
-    expected = ["hf-sdpa", "hf-eager", "rf-unpadded", "rf-padded", "rf-prepacked"]
+    expected = ["hf-sdpa", "hf-eager", "rf-unpadded", "rf-unpadded-whole", "rf-padded", "rf-prepacked"]
     assert rows["rf-fp16-weights"]["status"] == "ok", rows["rf-fp16-weights"]  # fp16 weights: 2^-11 rounding each
     assert 0 < rows["rf-fp16-weights"]["max_abs_diff_vs_hf_fp32"] <= 2e-3, rows["rf-fp16-weights"]
     if importlib.util.find_spec("onnxruntime") is not None:
@@ -188,7 +188,7 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["max_abs_diff_vs_hf_fp32"] <= 1e-5 and rows[name]["tokens_per_s"] > 0, rows[name]
     assert rows["rf-compile"]["status"].startswith("skipped")
-    int8 = ["rf-int8", "rf-int8-fbgemm", "rf-int8-auto", "hf-int8"]
+    int8 = ["rf-int8", "rf-int8-whole", "rf-int8-fbgemm", "rf-int8-auto", "hf-int8"]
     int8 += ["rf-int8-onnxruntime"] if "onnxruntime" in expected else []
     for name in int8:  # int8: within quantization error of fp32
         assert rows[name]["status"] == "ok" and rows[name]["max_abs_diff_vs_hf_fp32"] <= 0.05, rows[name]

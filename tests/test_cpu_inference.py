@@ -4,7 +4,7 @@ Under torch.no_grad / torch.inference_mode the reference backend on the CPU drop
 padding at the embeddings and runs attention per sequence (ops.attention_varlen_sdpa);
 real positions equal transformers', padded ones are zeros (as the fused unpadded path
 gives them). With gradients recorded, uniform lengths, or output_attentions, the batch
-runs padded as before. torch.compile on this path (no recompile per batch shape) is
+runs padded as before. Batches of more than cpu_group_tokens tokens run in groups of rows. torch.compile on this path (no recompile per batch shape) is
 checked by benchmarks/bench_inference.py's rf-compile contender: compiling takes ~35 s here.
 """
 import pytest
@@ -114,6 +114,74 @@ def test_padded_path_where_unpadding_does_not_apply(sdpa_calls):
         ours.unpad = False
         assert max_rel(ours(ids, attention_mask=mask).last_hidden_state, want.last_hidden_state) < 1e-5
     assert not sdpa_calls
+
+
+@pytest.mark.parametrize("pattern", ["right", "holes"])
+def test_large_batches_run_in_groups_of_rows_and_match_transformers(pattern, sdpa_calls, monkeypatch):
+    """Past cpu_group_tokens (here 20 of the batch's 49 or so real tokens) encode runs consecutive
+    groups of rows and concatenates their outputs: transformers' values, every output field."""
+    hf = hf_model("RobertaModel")
+    ours = rf.RobertaModel.from_pretrained(hf).eval()
+    ours.cpu_group_tokens = 20
+    ids, mask = batch(pattern, seed=3)
+    groups = []
+    original = ours._encode
+    monkeypatch.setattr(ours, "_encode", lambda ids, *a, **k: groups.append(len(ids)) or original(ids, *a, **k))
+    with torch.inference_mode():
+        want = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        got = ours(ids, attention_mask=mask, output_hidden_states=True)
+    lengths = mask.sum(1).tolist()
+    if pattern == "right":  # rows of 22, 1, 9 and 17 tokens: 22 alone (over the limit), 1 + 9, 17
+        assert lengths == [22, 1, 9, 17] and groups == [1, 2, 1]
+        # the two padded groups ran unpadded (the first, one full row, has nothing to unpad)
+        assert len(sdpa_calls) == FIELDS["num_hidden_layers"] * 2
+    assert len(groups) > 1 and sum(groups) == 4
+    real = mask.bool()
+    for a, b in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert a.shape == b.shape and max_rel(a[real], b[real]) < 1e-5
+        assert (a[~real] == 0).all()
+    assert max_rel(got.pooler_output[real[:, 0]], want.pooler_output[real[:, 0]]) < 1e-5
+    ours.cpu_group_tokens = None  # the whole batch in one go: the same values
+    with torch.inference_mode():
+        whole = ours(ids, attention_mask=mask, output_hidden_states=True)
+    assert groups[-1] == 4
+    torch.testing.assert_close(got.last_hidden_state, whole.last_hidden_state, rtol=1e-5, atol=1e-6)
+
+
+def test_row_groups_keep_every_input_and_head_output():
+    """Grouped: token types, positions, inputs_embeds, attentions and a head's logits all follow their rows."""
+    hf = hf_model("RobertaForSequenceClassification", num_labels=3, type_vocab_size=2)
+    hf.set_attn_implementation("eager")  # returns the attention probabilities
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf).eval()
+    ours.roberta.cpu_group_tokens = 30
+    ids, mask = batch("right", seed=4)
+    types = (torch.arange(22) > 10).long().expand(4, 22)
+    positions = torch.arange(2, 24).expand(4, 22)
+    embeds = hf.roberta.embeddings.word_embeddings(ids).detach()
+    inputs = dict(attention_mask=mask, token_type_ids=types, position_ids=positions, output_attentions=True)
+    with torch.no_grad():
+        for kind in ("input_ids", "inputs_embeds"):
+            source = {"input_ids": ids} if kind == "input_ids" else {"inputs_embeds": embeds}
+            want, got = hf(**source, **inputs), ours(**source, **inputs)
+            assert ours.roberta._row_groups(ids, mask, None) == [slice(0, 2), slice(2, 4)]
+            assert max_rel(got.logits, want.logits) < 1e-5, kind
+            for a, b in zip(got.attentions, want.attentions, strict=True):
+                assert a.shape == b.shape and max_rel(a, b) < 1e-5, kind
+
+
+def test_no_row_groups_with_gradients_packed_rows_or_small_batches():
+    ours = rf.RobertaModel.from_pretrained(hf_model("RobertaModel")).eval()
+    ours.cpu_group_tokens = 20
+    ids, mask = batch("right")
+    assert ours._row_groups(ids, mask, None) is None  # gradients recorded: training runs the batch whole
+    with torch.no_grad():
+        assert ours._row_groups(ids, mask, None) == [slice(0, 1), slice(1, 3), slice(3, 4)]
+        assert ours._row_groups(ids, mask, torch.tensor([0, 40, 88], dtype=torch.int32)) is None
+        assert ours._row_groups(ids[:1, :20], mask[:1, :20], None) is None  # within the limit
+        ours.unpad = False  # every row costs its padded length: 22 each
+        assert ours._row_groups(ids, mask, None) == [slice(i, i + 1) for i in range(4)]
+        ours.cpu_group_tokens = None
+        assert ours._row_groups(ids, mask, None) is None
 
 
 

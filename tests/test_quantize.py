@@ -195,6 +195,21 @@ def test_the_auto_engine_runs_short_calls_on_fbgemm_and_long_ones_on_onednn(monk
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_an_int8_model_quantizes_each_row_group_on_its_own():
+    """A batch over cpu_group_tokens runs in groups of rows (RobertaModel.encode): each group's
+    outputs are those of the group run alone, bit for bit, since its activations get their own scales."""
+    model = rf.quantize(model_of("RobertaModel"))
+    ids, mask = awkward_inputs("RobertaModel")  # rows of LONGEST, 1 and 5 real tokens
+    model.cpu_group_tokens = None
+    whole = outputs(model, ids, mask)
+    model.cpu_group_tokens = LONGEST  # groups: the first row, then the other two
+    grouped = outputs(model, ids, mask)
+    alone = [outputs(model, ids[rows], mask[rows]) for rows in (slice(0, 1), slice(1, 3))]
+    for g, first, rest in zip(grouped, *alone, strict=True):
+        torch.testing.assert_close(g, torch.cat([first, rest]), rtol=0, atol=0)
+    assert any(not torch.equal(g, w) for g, w in zip(grouped, whole))  # the grouping changed the scales
+
+
 @pytest.mark.parametrize("qmax", [127, 255])
 def test_the_eager_activation_quantization_equals_the_exported_one(qmax):
     """The oneDNN path quantizes its activations in C++ (csrc/quantize_activations.cpp); export
