@@ -25,8 +25,9 @@ call there). "auto" holds both packings and picks one per call (_AutoWeight). to
 torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.compile).
 
 Numerics: the activations are quantized as fbgemm does on x86, one scale over the whole input
-(so a row's output depends slightly on the other rows of its batch, as with ONNX Runtime's and
-PyTorch's dynamic quantization; unpadded, padding takes no part in the scale), to 8 bits where
+(so a row's output depends slightly on the other rows of its batch, or of its group of rows past
+1024 tokens (RobertaModel.encode), as with ONNX Runtime's and PyTorch's dynamic quantization;
+unpadded, padding takes no part in the scale), to 8 bits where
 the CPU's int8 kernels sum u8·s8 products exactly (VNNI or AMX: `vpdpbusd` adds them into int32)
 and to 7 bits elsewhere (reduce_range: without VNNI the kernels add product pairs into int16,
 `vpmaddubsw`, which 8-bit activations saturate: measured 9% off on oneDNN's AVX2 kernel).
@@ -274,7 +275,8 @@ class _AutoWeight:
     (256 tokens per call), and 1.02x at 3 x 128; oneDNN was 1.03x faster at 4 x 128 and
     1.04-1.11x at 32 x 128. Since oneDNN's activations are quantized in C++ the two are level
     from ~192 to ~384 tokens (scratch runs), so 512 costs at most ~5% there. Every layer of one
-    forward sees the same token count, so a call runs on one library."""
+    forward (of one group of rows, RobertaModel.encode) sees the same token count, so a call runs
+    on one library."""
 
     engine = "auto"
 
