@@ -663,10 +663,13 @@ class RobertaModel(_PreTrained):
         if groups is None:
             return self._encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
                                 output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
-        outs = [self._encode(*(None if t is None else t[rows] for t in (input_ids, attention_mask, token_type_ids,
-                                                                      position_ids)),
-                             output_hidden_states, output_attentions,
-                             inputs_embeds=None if inputs_embeds is None else inputs_embeds[rows])
+        batch = groups[-1].stop
+
+        def rows_of(t, rows):  # a per-row input's rows; None, or one row broadcast over the batch, as it is
+            return t[rows] if t is not None and t.shape[0] == batch else t
+
+        outs = [self._encode(*(rows_of(t, rows) for t in (input_ids, attention_mask, token_type_ids, position_ids)),
+                             output_hidden_states, output_attentions, inputs_embeds=rows_of(inputs_embeds, rows))
                 for rows in groups]
         return BaseModelOutput(*(_cat_rows([getattr(out, name) for out in outs])
                                  for name in ("last_hidden_state", "pooler_output", "hidden_states", "attentions",
@@ -681,7 +684,7 @@ class RobertaModel(_PreTrained):
                 or ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) != "sdpa"):
             return None
         if attention_mask is not None and self.unpad:
-            lengths = attention_mask.sum(dim=1).tolist()
+            lengths = attention_mask.bool().sum(dim=1).expand(batch).tolist()
         else:
             lengths = [seqlen] * batch
         groups, start, tokens = [], 0, 0

@@ -167,6 +167,12 @@ def test_row_groups_keep_every_input_and_head_output():
             assert max_rel(got.logits, want.logits) < 1e-5, kind
             for a, b in zip(got.attentions, want.attentions, strict=True):
                 assert a.shape == b.shape and max_rel(a, b) < 1e-5, kind
+        # unchecked inputs may broadcast one row over an unpadded batch, as in transformers: every group gets it
+        ours.check_inputs = False
+        full = torch.ones_like(mask)
+        broadcast = ours(ids, attention_mask=full, token_type_ids=types[:1], position_ids=positions[:1]).logits
+        assert ours.roberta._row_groups(ids, full, None) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4)]
+        assert max_rel(broadcast, hf(input_ids=ids, **{**inputs, "attention_mask": full}).logits) < 1e-5
 
 
 def test_no_row_groups_with_gradients_packed_rows_or_small_batches():
