@@ -459,8 +459,9 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     ("onednn": faster on batches on the CPU measured, 0.28x the fp32 layers' memory against
     fbgemm's 0.32x). Pass "fbgemm" for single short requests: on a CPU without VNNI oneDNN's
     int8 matmul costs ~0.4 ms per call whatever the length (measured 2.2x the latency at 1 x 16
-    tokens), and with VNNI it still ran 1.14x fbgemm's latency there; "auto" for mixed traffic: both packings (0.6x), each call run by fbgemm
-    below AUTO_FBGEMM_BELOW_TOKENS tokens and by oneDNN from there.
+    tokens), and with VNNI it still ran 1.14x fbgemm's latency there; "auto" for mixed traffic:
+    both packings (0.6x), each call run by fbgemm below AUTO_FBGEMM_BELOW_TOKENS tokens and by
+    oneDNN from there.
     dtype: torch.qint8 (int8 weights and activations) or torch.float16 (fp16 weights, fp32
     activations and sums: near fp32's outputs, for single short requests; fbgemm's kernel, so
     engine None or "fbgemm").
