@@ -110,8 +110,10 @@ def extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     # -fno-trapping-math: lets GCC vectorize loops with float compares (quantize_activations.cpp);
-    # results stay IEEE's, only floating-point exception flags are not kept (clang's default)
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
+    # results stay IEEE's, only floating-point exception flags are not kept (clang's default).
+    # -ffp-contract=off: no fused multiply-add where the source has a multiply and an add, so code
+    # compiled for an FMA-capable ISA (quantize_activations.cpp's AVX-512 clone) rounds as the baseline does
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
     include = [os.path.join(here, "csrc")]
     if cuda_available_for_build() and cu:
         default_cuda_arch_list()
