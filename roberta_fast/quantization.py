@@ -204,7 +204,8 @@ class _OnednnWeight:
             return x.new_empty(*x.shape[:-1], self.scale.numel())
         # min, max, scale, zero point and uint8 values in one C++ call (csrc/quantize_activations.cpp),
         # int8_linear_ref's arithmetic bit for bit: 22 us for a 16 x 768 input where the dozen aten
-        # ops and host reads it replaced took 168 us, and 1.6x faster at 4096 x 3072 (2-core AVX2 CPU)
+        # ops and host reads it replaced took 168 us, and 1.6x faster at 4096 x 3072 (2-core AVX2 CPU;
+        # 6.8 us on the AVX-512 CPU since its loop has AVX2 and AVX-512 clones)
         xq, scale, zero_point = _ext.load().quantize_activations(x, self.qmax)  # x: fp32 (checked)
         algorithm = "none" if post_op == "gelu" else ""  # oneDNN's GELU algorithms: "none" (erf) or "tanh"
         return torch.ops.onednn.qlinear_pointwise.default(
