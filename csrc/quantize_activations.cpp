@@ -57,8 +57,8 @@ inline uint8_t quantize_one(float x, float inverse, float zero_point) {
 
 // quantize_one over n elements; by value and __restrict, as the uint8 stores could otherwise
 // alias anything and keep the loop from vectorizing.
-RF_ISA_CLONES void quantize_span(const float* __restrict src, uint8_t* __restrict dst, int64_t n, float inverse,
-                   float zero_point) {
+RF_ISA_CLONES void quantize_span(const float* __restrict src, uint8_t* __restrict dst, int64_t n,
+                                 float inverse, float zero_point) {
   for (int64_t i = 0; i < n; ++i) dst[i] = quantize_one(src[i], inverse, zero_point);
 }
 
