@@ -144,6 +144,12 @@ def _check_activation_range(engine: str, qmax: int):
                          "int16; quantize a fresh fp32 copy here with activation_bits=7 or None")
 
 
+def has_int8_dot_products() -> bool:
+    """Whether this CPU has VNNI or AMX (int8 dot products summed into int32), by torch's private probes."""
+    has_flag = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
+    return has_flag("_is_vnni_supported") or has_flag("_is_amx_tile_supported")
+
+
 @functools.cache
 def sums_8bit_activations_exactly(engine: str) -> bool:
     """Whether `engine`'s int8 matmul ("auto": both of its libraries) sums 8-bit activations' u8*s8
@@ -153,8 +159,7 @@ def sums_8bit_activations_exactly(engine: str) -> bool:
     flags, and a worst-case matmul (every product 255 * 127, paired) run on the kernels. The
     matmul catches an ISA cap such as ONEDNN_MAX_CPU_ISA; the flags catch a CPU whose library
     picks a non-saturating kernel for the probe's small shape but not for a layer's."""
-    has_flag = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 (private probes)
-    if not (has_flag("_is_vnni_supported") or has_flag("_is_amx_tile_supported")):
+    if not has_int8_dot_products():
         return False
     if engine == "auto":
         return sums_8bit_activations_exactly("onednn") and sums_8bit_activations_exactly("fbgemm")
@@ -265,7 +270,9 @@ class _PackedWeight:
         return gelu_fresh(out) if post_op == "gelu" else out
 
 
-AUTO_FBGEMM_BELOW_TOKENS = 512  # engine="auto": a call of fewer tokens runs on fbgemm, any other on oneDNN
+# engine="auto": a call of fewer tokens runs on fbgemm, any other on oneDNN; where the two crossed end
+# to end on roberta-base's shape (2 cores): 512 on the AVX2 CPU, ~24 on the AVX-512 VNNI one (AMX not measured)
+AUTO_FBGEMM_BELOW_TOKENS = 24 if has_int8_dot_products() else 512
 
 
 class _AutoWeight:
@@ -275,9 +282,12 @@ class _AutoWeight:
     roberta-base's int8 encoder 2.2x faster at 1 x 16 tokens, 1.32x at 1 x 64 and 1.14x at 2 x 128
     (256 tokens per call), and 1.02x at 3 x 128; oneDNN was 1.03x faster at 4 x 128 and
     1.04-1.11x at 32 x 128. Since oneDNN's activations are quantized in C++ the two are level
-    from ~192 to ~384 tokens (scratch runs), so 512 costs at most ~5% there. Every layer of one
-    forward (of one group of rows, RobertaModel.encode) sees the same token count, so a call runs
-    on one library."""
+    from ~192 to ~384 tokens (scratch runs), so 512 costs at most ~5% there. On the 2-core AVX-512
+    VNNI CPU oneDNN's fixed cost per call is smaller: fbgemm ran 1.21x faster at 1 x 8, the two were
+    level at 1 x 16 and 1 x 24, and oneDNN ran 1.05x faster at 1 x 32, 1.13-1.23x from 1 x 64 to
+    1 x 256 and 1.12x at 4 x 128 (scratch, medians of interleaved forwards), hence 24 there. Every
+    layer of one forward (of one group of rows, RobertaModel.encode) sees the same token count, so
+    a call runs on one library."""
 
     engine = "auto"
 
