@@ -284,8 +284,8 @@ class _AutoWeight:
     1.04-1.11x at 32 x 128. Since oneDNN's activations are quantized in C++ the two are level
     from ~192 to ~384 tokens (scratch runs), so 512 costs at most ~5% there. On the 2-core AVX-512
     VNNI CPU oneDNN's fixed cost per call is smaller: fbgemm ran 1.21x faster at 1 x 8, the two were
-    level at 1 x 16 and 1 x 24, and oneDNN ran 1.05x faster at 1 x 32, 1.13-1.23x from 1 x 64 to
-    1 x 256 and 1.12x at 4 x 128 (scratch, medians of interleaved forwards), hence 24 there. Every
+    within a few percent from 1 x 16 to 1 x 32, and oneDNN ran 1.13-1.23x faster from 1 x 64 to
+    1 x 256 and 1.11x at 1 x 384 and 4 x 128 (scratch, medians of interleaved forwards), hence 24 there. Every
     layer of one forward (of one group of rows, RobertaModel.encode) sees the same token count, so
     a call runs on one library."""
 
