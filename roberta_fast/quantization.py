@@ -468,10 +468,11 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     engine: the kernel library that packs and runs the int8 weights, one of
     torch.backends.quantized.supported_engines, or "auto"; None picks default_engine()
     ("onednn": faster on batches on the CPU measured, 0.28x the fp32 layers' memory against
-    fbgemm's 0.32x). Pass "fbgemm" for single short requests: on a CPU without VNNI oneDNN's
-    int8 matmul costs ~0.4 ms per call whatever the length (measured 2.2x the latency at 1 x 16
-    tokens), and with VNNI it still ran 1.14x fbgemm's latency there; "auto" for mixed traffic:
-    both packings (0.6x), each call run by fbgemm below AUTO_FBGEMM_BELOW_TOKENS tokens and by
+    fbgemm's 0.32x). On a CPU without VNNI pass "fbgemm" for single short requests: oneDNN's
+    int8 matmul costs ~0.4 ms per call there whatever the length (measured 2.2x the latency at
+    1 x 16 tokens). With VNNI the default is the faster one from ~24 tokens per call, and fbgemm
+    only below (1.02-1.16x at 1 x 16 and 1 x 8 in one record). "auto" for mixed traffic: both
+    packings (0.6x), each call run by fbgemm below AUTO_FBGEMM_BELOW_TOKENS tokens and by
     oneDNN from there.
     dtype: torch.qint8 (int8 weights and activations) or torch.float16 (fp16 weights, fp32
     activations and sums: near fp32's outputs, for single short requests; fbgemm's kernel, so
