@@ -55,12 +55,33 @@ def outputs(model, ids, mask):
     return [t for t in out.to_tuple() if isinstance(t, torch.Tensor)] + list(out.hidden_states)
 
 
-def torch_dynamic(model):
-    """PyTorch's own dynamic quantization of the same four Linear layers per block."""
-    names = {name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in LAYER_LINEARS}
+class TorchDynamicDecoder(torch.nn.Module):
+    """The MLM decoder (word embeddings, transposed, + lm_head.bias) as PyTorch's dynamic int8 Linear."""
+
+    def __init__(self, model):
+        super().__init__()
+        linear = torch.nn.Linear(TINY["hidden_size"], TINY["vocab_size"])
+        linear.weight.data, linear.bias.data = model.get_output_embeddings().weight.data, model.lm_head.bias.data
+        self.linear = quantize_dynamic(torch.nn.Sequential(linear), {"0"})[0]
+
+    def forward(self, x, weight, bias):
+        return self.linear(x)
+
+
+def quantize_dynamic(model, names):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
-        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), names, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(model, names, dtype=torch.qint8)
+
+
+def torch_dynamic(model):
+    """PyTorch's own dynamic quantization of the same layers: the four Linear layers per block and
+    the MLM decoder."""
+    names = {name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in LAYER_LINEARS}
+    peer = quantize_dynamic(copy.deepcopy(model), names)
+    if hasattr(peer, "lm_head"):
+        peer.lm_head.quantized_decoder = TorchDynamicDecoder(peer)
+    return peer
 
 
 @pytest.mark.parametrize("cls", DROPIN)
@@ -82,12 +103,22 @@ def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls):
     assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
 
 
+class RoundedDecoder(torch.nn.Module):
+    """The MLM decoder on the fp16-rounded word embeddings (the lookup keeps the fp32 table)."""
+
+    def forward(self, x, weight, bias):
+        return F.linear(x, weight.half().float(), bias)
+
+
 def fp16_rounded(model):
-    """A copy of the fp32 `model` whose encoder Linear weights are rounded to fp16 (and kept in fp32)."""
+    """A copy of the fp32 `model` whose encoder Linear weights, and MLM decoder, are rounded to fp16
+    (and kept in fp32)."""
     rounded = copy.deepcopy(model)
     for name, module in rounded.named_modules():
         if name.rsplit(".", 1)[-1] in LAYER_LINEARS:
             module.weight.data = module.weight.data.half().float()
+    if hasattr(rounded, "lm_head"):
+        rounded.lm_head.quantized_decoder = RoundedDecoder()
     return rounded
 
 
@@ -271,6 +302,7 @@ def test_torch_export_of_a_quantized_model_equals_eager(cls, dtype):
 
 @pytest.mark.parametrize("cls,dtype,int8_ops,bits", [("RobertaForSequenceClassification", torch.qint8, True, None),
                                                      ("RobertaForQuestionAnswering", torch.qint8, True, 7),
+                                                     ("RobertaForMaskedLM", torch.qint8, True, None),
                                                      ("RobertaModel", torch.qint8, False, None),
                                                      ("RobertaForTokenClassification", torch.float16, False, None)])
 def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits(cls, dtype, int8_ops, bits, tmp_path):
@@ -291,7 +323,7 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
                                     dynamic_shapes={"input_ids": dims, "attention_mask": dims},
                                     custom_translation_table=onnx_translation_table() if int8_ops else None)
     op_types = [node.op_type for node in program.model.graph]
-    int8_layers = len(LAYER_LINEARS) * TINY["num_hidden_layers"]
+    int8_layers = len(LAYER_LINEARS) * TINY["num_hidden_layers"] + (cls == "RobertaForMaskedLM")  # + its decoder
     assert op_types.count("MatMulInteger") == (int8_layers if int8_ops else 0), sorted(set(op_types))
     if int8_ops:
         eight = rf.quantization._quantized_as(model)[2] == 8
@@ -426,6 +458,37 @@ def test_a_quantized_state_dict_is_checked_and_copies_deeply():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_the_mlm_decoders_quantized_copy_follows_the_tied_weights(dtype):
+    """The decoder runs on a quantized copy of the word embeddings that is no state of its own: the
+    state_dict and parameter count are the model's, and after the tied weights change (loaded,
+    edited in place, resized) the logits are those of the changed fp32 model quantized afresh."""
+    fp32 = model_of("RobertaForMaskedLM")
+    ids, mask = awkward_inputs("RobertaForMaskedLM")
+    model = rf.quantize(copy.deepcopy(fp32), dtype=dtype)
+    assert isinstance(model.lm_head.quantized_decoder.layer, Fp16WeightLinear if dtype == torch.float16 else Int8Linear)
+    assert not [key for key in model.state_dict() if "decoder" in key]
+    assert model.num_parameters() == fp32.num_parameters()
+
+    def assert_logits_of(changed_fp32):
+        want = outputs(rf.quantize(copy.deepcopy(changed_fp32), dtype=dtype), ids, mask)[0]
+        torch.testing.assert_close(outputs(model, ids, mask)[0], want, rtol=0, atol=0)
+
+    other = model_of("RobertaForMaskedLM", seed=1)
+    model.load_state_dict(rf.quantize(copy.deepcopy(other), dtype=dtype).state_dict())
+    assert_logits_of(other)
+    with torch.no_grad():  # through transformers' view of the decoder: its weight is the embeddings'
+        model.get_output_embeddings().weight.mul_(2)
+        model.lm_head.bias.add_(1)
+        other.get_output_embeddings().weight.mul_(2)
+        other.lm_head.bias.add_(1)
+    assert_logits_of(other)
+    for m in (model, other):
+        torch.manual_seed(2)  # resizing draws the new rows
+        m.resize_token_embeddings(TINY["vocab_size"] + 7)
+    assert_logits_of(other)
+
+
 def test_quantize_refuses_arguments_it_cannot_honour():
     with pytest.raises(ValueError, match="quantized engines are"):
         rf.quantize(model_of("RobertaModel"), engine="no-such-engine")
@@ -447,6 +510,12 @@ def test_quantize_refuses_arguments_it_cannot_honour():
     with pytest.raises(ValueError, match="ffn_out of encoder block 1 has a weight of magnitude 1e.06, beyond fp16"):
         rf.quantize(fp32, dtype=torch.float16)
     assert not rf.quantization.is_quantized(fp32)  # refused before any layer was swapped
+    with torch.no_grad():
+        mlm = model_of("RobertaForMaskedLM")
+        mlm.get_input_embeddings().weight[5, 0] = -1e6
+    with pytest.raises(ValueError, match=r"the word embeddings \(the MLM decoder\) has a weight of magnitude 1e.06"):
+        rf.quantize(mlm, dtype=torch.float16)
+    assert not rf.quantization.is_quantized(mlm)
     for bits, message in [(6, "pass 8, 7, or None"), (16, "pass 8, 7, or None")]:
         with pytest.raises(ValueError, match=message):
             rf.quantize(model_of("RobertaModel"), activation_bits=bits)
