@@ -3,7 +3,7 @@
     python benchmarks/bench_inference.py [--device cpu|cuda] [--quick] [--json PATH] [--skip-compile]
                                          [--lengths uniform,corpus] [--dtypes fp32,bf16] [--batches N] [--repeats N]
                                          [--only rf-unpadded,...] [--chart PATH]
-                                         [--batch-size N] [--fixed-length N]
+                                         [--batch-size N] [--fixed-length N] [--head encoder|mlm]
 
 The drop-in case (issues 8 and 18): batches of 32 sequences, right-padded to the longest,
 through roberta-base's encoder (random weights). Lengths: "uniform" in 8..512, "corpus",
@@ -54,6 +54,9 @@ lengths, >= 3x hf-sdpa on the uniform mix; the record's `targets` says met / mis
 --quick (CI): a tiny model, uniform lengths 4..64, fp32, no compile contenders, no onnxruntime-int8-7bit.
 --batch-size 1 --lengths fixed --fixed-length 16 (say): the single-request latency of CPU serving
 (the targets above are for batches of 32 and 128 tokens, and are then not measured).
+--head mlm: every contender is its framework's RobertaForMaskedLM (the encoder and the MLM head, logits
+at every position, as a fill-mask pipeline asks for them); the differences are of the logits, and the
+targets (the encoder's) are not measured.
 Machine shared with other work? Each row keeps the 1-minute load average after its setting ran.
 """
 import copy
@@ -118,7 +121,8 @@ def corpus_lengths(max_len):
 
 
 def hidden(out):
-    return out.last_hidden_state
+    """The output compared and timed: the MLM logits of a *ForMaskedLM (--head mlm), else the last hidden state."""
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
 def onnx_runner(name, model, example, int8=False, translations=None, reduce_range=False):
@@ -136,14 +140,15 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
                                     dynamic_shapes={"input_ids": dims, "attention_mask": dims},
                                     custom_translation_table=translations and translations())
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_inference_"), "encoder.onnx")
-    program.save(path)
-    if int8:
-        from onnxruntime.quantization import quantize_dynamic
+    with tempfile.TemporaryDirectory(prefix="bench_inference_") as folder:  # ~0.6 GB for roberta-base: not left behind
+        path = os.path.join(folder, "encoder.onnx")
+        program.save(path)
+        if int8:
+            from onnxruntime.quantization import quantize_dynamic
 
-        quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)  # uint8 activations
-        path = path.replace(".onnx", "-int8.onnx")
-    session = weighed(name, lambda: bc.onnxruntime_cpu_session(path))
+            quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)  # uint8 activations
+            path = path.replace(".onnx", "-int8.onnx")
+        session = weighed(name, lambda: bc.onnxruntime_cpu_session(path))  # the session holds the model read in
     names = [i.name for i in session.get_inputs()]
 
     def run(ids, mask):
@@ -152,12 +157,17 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
     return run
 
 
-def hf_sdpa(cfg, device, dtype):
-    """transformers' RobertaModel with SDPA attention; the same random weights at every call."""
+HEAD_CLASSES = {"encoder": "RobertaModel", "mlm": "RobertaForMaskedLM"}  # --head -> the class each framework runs
+
+
+def hf_sdpa(cfg, device, dtype, head="encoder"):
+    """transformers' RobertaModel (RobertaForMaskedLM: --head mlm) with SDPA attention; the same random
+    weights at every call."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.RobertaModel(transformers.RobertaConfig(**cfg.to_dict())).eval().to(device, dtype)
+    cls = getattr(transformers, HEAD_CLASSES[head])
+    model = cls(transformers.RobertaConfig(**cfg.to_dict())).eval().to(device, dtype)
     model.set_attn_implementation("sdpa")
     return model
 
@@ -218,12 +228,12 @@ def torch_dynamic_int8(model):
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
-def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: True):
-    """name -> callable(ids, mask) -> last hidden state, or name -> the reason it cannot run; the
-    costlier ones (an ONNX export, a second model) are built only when `wanted(name)`."""
+def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: True, head="encoder"):
+    """name -> callable(ids, mask) -> last hidden state (MLM logits: head "mlm"), or name -> the reason
+    it cannot run; the costlier ones (an ONNX export, a second model) are built only when `wanted(name)`."""
     import transformers  # noqa: F401  (imported before weighing the first model)
 
-    sdpa = weighed("hf-sdpa", lambda: hf_sdpa(cfg, device, dtype))
+    sdpa = weighed("hf-sdpa", lambda: hf_sdpa(cfg, device, dtype, head))
     runs = {"hf-sdpa": lambda ids, mask: hidden(sdpa(input_ids=ids, attention_mask=mask))}
     if wanted("hf-eager"):
         eager = copy.deepcopy(sdpa)
@@ -231,8 +241,9 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
         runs["hf-eager"] = lambda ids, mask: hidden(eager(input_ids=ids, attention_mask=mask))
 
     def ours(backend, unpad=True, cpu_group_tokens=CPU_GROUP_TOKENS):
-        model = rf.RobertaModel.from_pretrained(sdpa, backend=backend).eval().to(device, dtype)
-        model.check_inputs, model.unpad, model.cpu_group_tokens = False, unpad, cpu_group_tokens
+        model = getattr(rf, HEAD_CLASSES[head]).from_pretrained(sdpa, backend=backend).eval().to(device, dtype)
+        encoder = getattr(model, "roberta", model)
+        model.check_inputs, encoder.unpad, encoder.cpu_group_tokens = False, unpad, cpu_group_tokens
         return model
 
     if device.type == "cpu":
@@ -290,7 +301,7 @@ def contenders(cfg, device, dtype, skip_compile, example, wanted=lambda name: Tr
                 runs["rf-int8-onnxruntime"] = onnx_runner("rf-int8-onnxruntime", rf.quantize(ours("reference")),
                                                           example, translations=onnx_translation_table)
             if wanted("hf-int8"):
-                hf_int8 = weighed("hf-int8", lambda: torch_dynamic_int8(hf_sdpa(cfg, device, dtype)))
+                hf_int8 = weighed("hf-int8", lambda: torch_dynamic_int8(hf_sdpa(cfg, device, dtype, head)))
                 runs["hf-int8"] = lambda ids, mask: hidden(hf_int8(input_ids=ids, attention_mask=mask))
     else:
         for backend in ("fused", "reference"):
@@ -454,6 +465,8 @@ def main():
     p.add_argument("--only", default=None, help="comma-separated contenders to run (hf-sdpa, the peer, always runs)")
     p.add_argument("--chart", default=None, help="bar chart of real tokens/s (PNG; default: beside the record)")
     p.add_argument("--note", default=None, help="a sentence kept in the record (e.g. what else ran on the machine)")
+    p.add_argument("--head", choices=sorted(HEAD_CLASSES), default="encoder",
+                   help="encoder (RobertaModel, the default) or mlm (RobertaForMaskedLM, logits at every position)")
     args = p.parse_args()
     device = torch.device(args.device) if args.device else bc.default_device()
     quick = args.quick
@@ -476,6 +489,8 @@ def main():
     # the issue's speed targets are for batches of 32 and fixed 128-token sequences
     off_target = None if quick or (shape["batch_size"], fixed) == (32, 128) else \
         f"batches of {shape['batch_size']}, fixed {fixed} tokens: the targets are for 32 and 128"
+    if args.head != "encoder":
+        off_target = f"--head {args.head}: the targets are for the encoder (RobertaModel)"
     repeats = args.repeats or repeats
     skip_compile = args.skip_compile or quick
     facts = bc.device_facts(device)
@@ -496,6 +511,7 @@ def main():
         if path:
             bc.write_json(path, bc.environment(device), results, config=dict(
                 lengths=configs, model="tiny" if quick else "roberta-base shape, random weights",
+                head=HEAD_CLASSES[args.head],
                 threads=torch.get_num_threads(), repeats=repeats, load_after=os.getloadavg(),
                 rf_int8_engine=default_engine(), rf_int8_activation_bits=default_activation_bits(default_engine()),
                 int8_linear_weights=weights, fp16_linear_weights=fp16_weights,
@@ -531,11 +547,11 @@ def main():
         reference = None
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            runs = contenders(cfg, device, dtype, skip_compile, data[0], wanted)
+            runs = contenders(cfg, device, dtype, skip_compile, data[0], wanted, args.head)
             runs = {k: v for k, v in runs.items() if k == "hf-sdpa" or wanted(k)}
             with torch.inference_mode():
                 if reference is None:  # transformers SDPA in fp32 on the same weights
-                    ref_model = hf_sdpa(cfg, device, torch.float32)
+                    ref_model = hf_sdpa(cfg, device, torch.float32, args.head)
                     reference = [hidden(ref_model(input_ids=ids, attention_mask=mask)) for ids, mask in data]
                     del ref_model
                 rows, _ = measure(runs, data, device, repeats, reference)
