@@ -573,7 +573,8 @@ def main():
     bc.print_rows(targets, ["target", "goal", "achieved", "status"])
     chart = args.chart or (path and not quick and os.path.splitext(path)[0] + ".png")
     if chart:
-        print(throughput_chart({"environment": bc.environment(device), "results": results}, chart))
+        print(throughput_chart({"environment": bc.environment(device), "results": results,
+                                "config": {"head": HEAD_CLASSES[args.head]}}, chart))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def _series(report: dict):
 
 def _title(report: dict) -> str:
     env = report["environment"]
-    what = "encoder inference, real tokens/s" if _is_inference(report) else "training throughput"
+    mlm = report.get("config", {}).get("head") == "RobertaForMaskedLM"  # bench_inference --head mlm
+    what = f"{'MLM (encoder + head)' if mlm else 'encoder'} inference, real tokens/s" if _is_inference(report) \
+        else "training throughput"
     device = env["device"]
     name = f"CPU ({device['name']}, {device['cores']} cores)" if device["type"] == "cpu" else device["name"]
     unverified = report.get("verification", {}).get("verified") is False  # throughput.py --gate
