@@ -8,8 +8,9 @@
 The four Linear layers of every encoder block (the fused `qkv`, `attn_out`, `ffn_in`,
 `ffn_out`: 85M of roberta-base's 124.7M parameters) become `Int8Linear`: int8 weights, one
 symmetric scale per output row, and int8 activations quantized dynamically (per tensor, at
-each call). Everything else stays fp32 (embeddings, LayerNorms, attention, pooler and heads),
-and the unpadded CPU path is kept.
+each call). So does RobertaForMaskedLM's decoder, on a copy of the word embeddings it is tied
+to (TiedDecoder). Everything else stays fp32 (embeddings, LayerNorms, attention, pooler and the
+other heads), and the unpadded CPU path is kept.
 
 Kernels (`engine=`): "onednn", the default, runs oneDNN's int8 matmul
 (`torch.ops.onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, the ops torch.compile's
@@ -44,10 +45,11 @@ with the eager logits; without the table the export holds the fp32 form (same lo
 speed). Export traces the padded path, so compare it with `model.roberta.unpad = False`.
 
 fp16 weights (`dtype=torch.float16`, as torch.ao.quantization.quantize_dynamic spells it): the
-same four layers become `Fp16WeightLinear`, weights rounded to fp16, activations and sums in
-fp32, run by fbgemm's fp16-weight GEMM (`torch.ops.quantized.linear_dynamic_fp16`, the kernel
-quantize_dynamic's fp16 mode runs). Why: on a short request the matmuls mostly wait for their
-weights to come from memory, and fp16 halves those bytes at ~1/75 of int8's error. Measured on
+same four layers (and the MLM decoder) become `Fp16WeightLinear`, weights rounded to fp16,
+activations and sums in fp32, run by fbgemm's fp16-weight GEMM
+(`torch.ops.quantized.linear_dynamic_fp16`, the kernel quantize_dynamic's fp16 mode runs).
+Why: on a short request the matmuls mostly wait for their weights to come from memory, and
+fp16 halves those bytes at ~1/75 of int8's error. Measured on
 the 2-core AVX2 CPU (docs/inference.md): single requests at ONNX Runtime fp32's latency
 (0.95-1.03x), 1.2-1.7x faster than rf.prepack; batches of 32 x 128 1.09x rf fp32; hidden states
 within 2.3e-3 of fp32's (int8: 0.19); weights 0.62x fp32's (fbgemm's packing pads). Its function
@@ -505,7 +507,8 @@ def _has_onednn() -> bool:
 def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = torch.qint8,
              activation_bits: int | None = None) -> nn.Module:
     """Swap each encoder block's four Linear layers for Int8Linear (or, with dtype=torch.float16,
-    Fp16WeightLinear), in place; returns the model (eval mode, parameters frozen). A model already
+    Fp16WeightLinear), in place, and run an MLM head's decoder on such a copy of the word
+    embeddings (TiedDecoder); returns the model (eval mode, parameters frozen). A model already
     quantized the same way is returned as it is.
 
     engine: the kernel library that packs and runs the int8 weights, one of
