@@ -319,7 +319,8 @@ def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: flo
     if backend == "fused":
         return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p,
                                      cast_dtype=cast_dtype)
-    x = F.dropout(x, p=dropout_p, training=dropout_p > 0)
+    if dropout_p > 0:  # not a no-op call per sublayer in inference
+        x = F.dropout(x, p=dropout_p)
     if residual is not None:
         x = x + residual
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
