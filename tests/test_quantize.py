@@ -2,8 +2,8 @@
 
 Tolerance, the flash-attention way (DESIGN.md): the int8 model's error against the fp32 model
 must be at most 2x the error of PyTorch's own dynamic quantization
-(torch.ao.quantization.quantize_dynamic of the same four Linear layers per block, per-tensor
-weights) plus 1e-3; and the eager int8 kernels must compute what their plain-aten description
+(torch.ao.quantization.quantize_dynamic of the same four Linear layers per block and of the MLM
+decoder, per-tensor weights) plus 1e-3; and the eager int8 kernels must compute what their plain-aten description
 (`int8_linear_ref`, what export traces) computes, to 1e-4. Shapes: a padded batch holding a
 one-token row and a row as long as the model's positions allow (a tiny config: 62 tokens).
 fp16 weights (dtype=torch.float16) must compute F.linear on the fp16-rounded weights: the model
