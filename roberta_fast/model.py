@@ -814,14 +814,14 @@ class RobertaLMHead(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.quantized_decoder = None  # rf.quantize's copy of the decoder (quantization.TiedDecoder)
+        self.packed_decoder = None  # rf.prepack's or rf.quantize's copy of the decoder (prepacked.TiedDecoder)
 
     def forward(self, x, decoder_weight, backend="reference"):
         x = _linear_gelu(self.dense, x, backend)
         x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
                                        self.layer_norm.eps, 0.0, backend)
-        if self.quantized_decoder is not None:
-            return self.quantized_decoder(x, decoder_weight, self.bias)
+        if self.packed_decoder is not None:
+            return self.packed_decoder(x, decoder_weight, self.bias)
         return F.linear(x, decoder_weight, self.bias)
 
 

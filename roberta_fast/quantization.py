@@ -9,7 +9,7 @@ The four Linear layers of every encoder block (the fused `qkv`, `attn_out`, `ffn
 `ffn_out`: 85M of roberta-base's 124.7M parameters) become `Int8Linear`: int8 weights, one
 symmetric scale per output row, and int8 activations quantized dynamically (per tensor, at
 each call). So does RobertaForMaskedLM's decoder, on a copy of the word embeddings it is tied
-to (TiedDecoder). Everything else stays fp32 (embeddings, LayerNorms, attention, pooler and the
+to (prepacked.TiedDecoder). Everything else stays fp32 (embeddings, LayerNorms, attention, pooler and the
 other heads), and the unpadded CPU path is kept.
 
 Kernels (`engine=`): "onednn", the default, runs oneDNN's int8 matmul
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 import warnings
 
 import torch
@@ -73,7 +72,8 @@ from torch import nn
 
 from . import _ext
 from .ops import gelu_fresh
-from .prepacked import LAYER_LINEARS, _InferenceLinear, encoder_linears  # noqa: F401 (LAYER_LINEARS: public here too)
+from .prepacked import LAYER_LINEARS, TiedDecoder, _InferenceLinear, encoder_linears, mlm_head  # noqa: F401
+# (LAYER_LINEARS: public here too)
 
 ACTIVATION_QMAX = 127  # 7-bit uint8 activations in [0, 127]: fbgemm's reduce_range on x86
 
@@ -390,48 +390,6 @@ class _Fp16Weight:
         return gelu_fresh(out) if post_op == "gelu" else out
 
 
-class TiedDecoder(nn.Module):
-    """RobertaForMaskedLM's decoder under rf.quantize: logits = x @ word_embeddings.T + bias on a
-    quantized copy of the word embeddings (an Int8Linear or Fp16WeightLinear, as the encoder's
-    layers), the fp32 table kept for the lookup. Why: it is roberta-base's largest matmul
-    (768 -> 50265); at 1 x 16 tokens it took 29 ms in fp32, 2.9 ms in int8 and 7.8 ms with fp16
-    weights (2-core AVX-512 VNNI CPU, docs/inference.md), and ONNX Runtime's quantize_dynamic
-    quantizes it too. The copy is not model state (the state_dict keeps the tied fp32 weight
-    and lm_head.bias) nor a submodule; an eager call rebuilds it when either tensor has been
-    replaced or changed in place since (load_state_dict, resize_token_embeddings, an edit
-    through get_output_embeddings()). Export and torch.compile run the copy as it is."""
-
-    def __init__(self, weight, bias, dtype: torch.dtype, engine: str, activation_bits: int | None):
-        super().__init__()
-        self.dtype, self.engine, self.activation_bits = dtype, engine, activation_bits
-        self._build(weight, bias)
-
-    def _build(self, weight, bias):
-        linear = types.SimpleNamespace(weight=weight, bias=bias, in_features=weight.shape[1],
-                                       out_features=weight.shape[0])  # (vocab, hidden): what Linear reads
-        with torch.inference_mode(False):  # plain tensors, even when rebuilt inside a forward
-            layer = (Fp16WeightLinear(linear) if self.dtype == torch.float16
-                     else Int8Linear(linear, self.engine, self.activation_bits))
-        self.__dict__["layer"] = layer  # not registered: no state_dict keys, nothing to count twice
-        self._source = _identity(weight, bias)
-
-    def forward(self, x, weight, bias):
-        if not (torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.compiler.is_compiling()):
-            if _identity(weight, bias) != self._source:
-                self._build(weight, bias)
-        self.layer.training = self.training  # so that it refuses training as the encoder's layers do
-        return self.layer(x)
-
-    def extra_repr(self) -> str:
-        return f"tied to the word embeddings: {self.layer.extra_repr()}"
-
-
-def _identity(*tensors) -> tuple:
-    """Which tensors, at which storage and which in-place version (inference tensors keep none): changes
-    when any is replaced or edited."""
-    return tuple((id(t), t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in tensors)
-
-
 def activation_qparams(x, qmax=ACTIVATION_QMAX):
     """(scale, zero_point) of fbgemm's dynamic activation quantization on x86: uint8 in [0, qmax]
     (127: 7 bits, reduce_range; 255: 8 bits), the range [min(x, 0), max(x, 0)], zero point from the
@@ -519,7 +477,7 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
              activation_bits: int | None = None) -> nn.Module:
     """Swap each encoder block's four Linear layers for Int8Linear (or, with dtype=torch.float16,
     Fp16WeightLinear), in place, and run an MLM head's decoder on such a copy of the word
-    embeddings (TiedDecoder); returns the model (eval mode, parameters frozen). A model already
+    embeddings (prepacked.TiedDecoder); returns the model (eval mode, parameters frozen). A model already
     quantized the same way is returned as it is.
 
     engine: the kernel library that packs and runs the int8 weights, one of
@@ -551,7 +509,7 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
                              f"this model is already quantized (engine={done[0]!r}, dtype={done[1]}, "
                              f"activation_bits={done[2]}); quantize a fresh fp32 copy instead")
         return model
-    head = _mlm_head(model)
+    head = mlm_head(model)
     if dtype == torch.float16:  # every layer checked before any is swapped: a refused model is left as it was
         for i, (layer, name) in enumerate(slots):
             _check_fp16_range(getattr(layer, name).weight, f"{name} of encoder block {i // len(LAYER_LINEARS)}")
@@ -561,16 +519,11 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
         linear = getattr(layer, name)
         setattr(layer, name, Fp16WeightLinear(linear) if dtype == torch.float16 else Int8Linear(linear, resolved, bits))
     if head is not None:
-        head.quantized_decoder = TiedDecoder(model.get_input_embeddings().weight, head.bias, dtype, resolved, bits)
+        embeddings = model.get_input_embeddings().weight
+        head.packed_decoder = (TiedDecoder(embeddings, head.bias, Fp16WeightLinear) if dtype == torch.float16
+                               else TiedDecoder(embeddings, head.bias, Int8Linear, engine=resolved, activation_bits=bits))
     model.requires_grad_(False)
     return model.eval()
-
-
-def _mlm_head(model: nn.Module):
-    """The model's MLM head (RobertaLMHead), or None."""
-    from .model import RobertaLMHead
-
-    return next((m for m in model.modules() if isinstance(m, RobertaLMHead)), None)
 
 
 def _checked_engine(engine: str | None, dtype: torch.dtype) -> str:

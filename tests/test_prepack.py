@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import roberta_fast as rf
 from roberta_fast.prepacked import LAYER_LINEARS, PackedLinear, has_onednn_fp32
-from test_quantize import (DROPIN, TINY, assert_inference_only, awkward_inputs, model_of, outputs, padded,
-                           resident_ratio)
+from test_quantize import (DROPIN, TINY, assert_inference_only, assert_the_packed_decoder_follows_the_tied_weights,
+                           awkward_inputs, model_of, outputs, padded, resident_ratio)
 
 pytestmark = pytest.mark.skipif(not has_onednn_fp32(), reason="needs a torch built with oneDNN (torch.backends.mkldnn)")
 
@@ -24,6 +24,8 @@ def test_prepacked_outputs_equal_the_plain_models(cls):
     plain = model_of(cls)
     packed = rf.prepack(copy.deepcopy(plain))
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == len(LAYER_LINEARS) * TINY["num_hidden_layers"]
+    if cls == "RobertaForMaskedLM":  # and the decoder, on a packed copy of the word embeddings
+        assert isinstance(packed.lm_head.packed_decoder.layer, PackedLinear)
     ids, mask = awkward_inputs(cls)
     for got, want in zip(outputs(packed, ids, mask), outputs(plain, ids, mask), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -92,16 +94,21 @@ def test_a_prepacked_model_saves_and_loads_as_the_plain_model(tmp_path):
 
 def test_prepacked_and_quantized_layers_combine():
     """rf.quantize of a prepacked model is rf.quantize of the plain model (the packed weight reads
-    back exactly); rf.prepack of a quantized model leaves its int8 layers; both count parameters
-    as the plain model does."""
-    plain = model_of("RobertaModel")
-    ids, mask = awkward_inputs("RobertaModel")
+    back exactly), its MLM decoder included; rf.prepack of a quantized model leaves its int8 layers
+    and decoder; both count parameters as the plain model does."""
+    plain = model_of("RobertaForMaskedLM")
+    ids, mask = awkward_inputs("RobertaForMaskedLM")
     direct = rf.quantize(copy.deepcopy(plain))
     via_prepack = rf.quantize(rf.prepack(copy.deepcopy(plain)))
     for got, want in zip(outputs(via_prepack, ids, mask), outputs(direct, ids, mask), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert rf.prepack(direct) is direct and not any(isinstance(m, PackedLinear) for m in direct.modules())
+    assert type(direct.lm_head.packed_decoder.layer) is rf.quantization.Int8Linear
     assert direct.num_parameters() == plain.num_parameters()
+
+
+def test_the_mlm_decoders_packed_copy_follows_the_tied_weights():
+    assert_the_packed_decoder_follows_the_tied_weights(rf.prepack, PackedLinear)
 
 
 def test_prepacked_models_refuse_training_gradients_and_other_dtypes():

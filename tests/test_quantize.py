@@ -80,7 +80,7 @@ def torch_dynamic(model):
     names = {name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in LAYER_LINEARS}
     peer = quantize_dynamic(copy.deepcopy(model), names)
     if hasattr(peer, "lm_head"):
-        peer.lm_head.quantized_decoder = TorchDynamicDecoder(peer)
+        peer.lm_head.packed_decoder = TorchDynamicDecoder(peer)
     return peer
 
 
@@ -118,7 +118,7 @@ def fp16_rounded(model):
         if name.rsplit(".", 1)[-1] in LAYER_LINEARS:
             module.weight.data = module.weight.data.half().float()
     if hasattr(rounded, "lm_head"):
-        rounded.lm_head.quantized_decoder = RoundedDecoder()
+        rounded.lm_head.packed_decoder = RoundedDecoder()
     return rounded
 
 
@@ -458,24 +458,24 @@ def test_a_quantized_state_dict_is_checked_and_copies_deeply():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
-def test_the_mlm_decoders_quantized_copy_follows_the_tied_weights(dtype):
-    """The decoder runs on a quantized copy of the word embeddings that is no state of its own: the
-    state_dict and parameter count are the model's, and after the tied weights change (loaded,
-    edited in place, resized) the logits are those of the changed fp32 model quantized afresh."""
+def assert_the_packed_decoder_follows_the_tied_weights(pack, layer_class):
+    """`pack` (rf.quantize, rf.prepack) runs the MLM decoder on a `layer_class` copy of the word
+    embeddings that is no state of its own: the state_dict and parameter count are the model's,
+    and after the tied weights change (loaded, edited in place, resized) the logits are those of
+    the changed fp32 model packed afresh."""
     fp32 = model_of("RobertaForMaskedLM")
     ids, mask = awkward_inputs("RobertaForMaskedLM")
-    model = rf.quantize(copy.deepcopy(fp32), dtype=dtype)
-    assert isinstance(model.lm_head.quantized_decoder.layer, Fp16WeightLinear if dtype == torch.float16 else Int8Linear)
+    model = pack(copy.deepcopy(fp32))
+    assert type(model.lm_head.packed_decoder.layer) is layer_class
     assert not [key for key in model.state_dict() if "decoder" in key]
     assert model.num_parameters() == fp32.num_parameters()
 
     def assert_logits_of(changed_fp32):
-        want = outputs(rf.quantize(copy.deepcopy(changed_fp32), dtype=dtype), ids, mask)[0]
+        want = outputs(pack(copy.deepcopy(changed_fp32)), ids, mask)[0]
         torch.testing.assert_close(outputs(model, ids, mask)[0], want, rtol=0, atol=0)
 
     other = model_of("RobertaForMaskedLM", seed=1)
-    model.load_state_dict(rf.quantize(copy.deepcopy(other), dtype=dtype).state_dict())
+    model.load_state_dict(pack(copy.deepcopy(other)).state_dict())
     assert_logits_of(other)
     with torch.no_grad():  # through transformers' view of the decoder: its weight is the embeddings'
         model.get_output_embeddings().weight.mul_(2)
@@ -487,6 +487,12 @@ def test_the_mlm_decoders_quantized_copy_follows_the_tied_weights(dtype):
         torch.manual_seed(2)  # resizing draws the new rows
         m.resize_token_embeddings(TINY["vocab_size"] + 7)
     assert_logits_of(other)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_the_mlm_decoders_quantized_copy_follows_the_tied_weights(dtype):
+    assert_the_packed_decoder_follows_the_tied_weights(lambda model: rf.quantize(model, dtype=dtype),
+                                                       Fp16WeightLinear if dtype == torch.float16 else Int8Linear)
 
 
 def test_quantize_refuses_arguments_it_cannot_honour():
