@@ -13,8 +13,10 @@ time in addmm, and one block's four matmuls took 5.6 ms plainly, 3.1 ms on weigh
 (torch.ops.mkldnn._reorder_linear_weight, run by oneDNN's brgemm through
 mkldnn._linear_pointwise: the kernels torch.compile's CPU freezing path emits). The four Linear
 layers of every block become `PackedLinear`; the packed copy replaces the original (one copy of
-the weights), and the FFN's GELU runs in the matmul's epilogue (erf, as F.gelu). The function is
-the same, in fp32: outputs differ from the plain model's by fp32 summation order only.
+the weights), and the FFN's GELU runs in the matmul's epilogue (erf, as F.gelu). An MLM head's
+decoder runs on a packed copy of the word embeddings it is tied to (`TiedDecoder`; the lookup
+keeps the table). The function is the same, in fp32: outputs differ from the plain model's by
+fp32 summation order only.
 
 `_InferenceLinear` is also the base of rf.quantize's Int8Linear: a Linear layer held in a kernel
 library's packed form, for inference only (training and gradients are refused), whose
