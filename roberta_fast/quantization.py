@@ -9,8 +9,8 @@ The four Linear layers of every encoder block (the fused `qkv`, `attn_out`, `ffn
 `ffn_out`: 85M of roberta-base's 124.7M parameters) become `Int8Linear`: int8 weights, one
 symmetric scale per output row, and int8 activations quantized dynamically (per tensor, at
 each call). So does RobertaForMaskedLM's decoder, on a copy of the word embeddings it is tied
-to (prepacked.TiedDecoder). Everything else stays fp32 (embeddings, LayerNorms, attention, pooler and the
-other heads), and the unpadded CPU path is kept.
+to (prepacked.TiedDecoder). Everything else stays fp32 (embeddings, LayerNorms, attention,
+pooler and the other heads), and the unpadded CPU path is kept.
 
 Kernels (`engine=`): "onednn", the default, runs oneDNN's int8 matmul
 (`torch.ops.onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, the ops torch.compile's
@@ -72,8 +72,8 @@ from torch import nn
 
 from . import _ext
 from .ops import gelu_fresh
-from .prepacked import LAYER_LINEARS, TiedDecoder, _InferenceLinear, encoder_linears, mlm_head  # noqa: F401
-# (LAYER_LINEARS: public here too)
+from .prepacked import LAYER_LINEARS  # noqa: F401 (public here too)
+from .prepacked import TiedDecoder, _InferenceLinear, encoder_linears, mlm_head
 
 ACTIVATION_QMAX = 127  # 7-bit uint8 activations in [0, 127]: fbgemm's reduce_range on x86
 
@@ -245,8 +245,8 @@ def _eager_op(name: str):
     """torch.ops.quantized.<name>'s C++ function, for the holders, which only ever run eagerly (outside
     the graph under torch.compile; export traces int8_linear_ref). torch.ops' Python wrapper first
     scans the arguments for torch.export's fake script objects, since the packed weight is a script
-    object: 4-8 us a call, against ~14 us for linear_dynamic itself at 16 x 96. Without it a 1 x 16
-    request (48 calls) on roberta-base's shape took 5% less (2-core AVX-512 VNNI CPU, interleaved)."""
+    object: 4-8 us a call, against ~14 us for linear_dynamic itself at 16 x 96. Skipping it took 5%
+    off a 1 x 16 request (48 calls) on roberta-base's shape (2-core AVX-512 VNNI CPU, interleaved)."""
     overload = getattr(torch.ops.quantized, name).default
     return getattr(overload, "_op", overload)  # the wrapper itself, should a torch lack the attribute
 
@@ -477,8 +477,8 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
              activation_bits: int | None = None) -> nn.Module:
     """Swap each encoder block's four Linear layers for Int8Linear (or, with dtype=torch.float16,
     Fp16WeightLinear), in place, and run an MLM head's decoder on such a copy of the word
-    embeddings (prepacked.TiedDecoder); returns the model (eval mode, parameters frozen). A model already
-    quantized the same way is returned as it is.
+    embeddings (prepacked.TiedDecoder); returns the model (eval mode, parameters frozen). A model
+    already quantized the same way is returned as it is.
 
     engine: the kernel library that packs and runs the int8 weights, one of
     torch.backends.quantized.supported_engines, or "auto"; None picks default_engine()
@@ -515,13 +515,12 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
             _check_fp16_range(getattr(layer, name).weight, f"{name} of encoder block {i // len(LAYER_LINEARS)}")
         if head is not None:
             _check_fp16_range(model.get_input_embeddings().weight, "the word embeddings (the MLM decoder)")
+    layer_class, kwargs = ((Fp16WeightLinear, {}) if dtype == torch.float16
+                           else (Int8Linear, dict(engine=resolved, activation_bits=bits)))
     for layer, name in slots:  # nn.Linear, or rf.prepack's PackedLinear (its weight reads back)
-        linear = getattr(layer, name)
-        setattr(layer, name, Fp16WeightLinear(linear) if dtype == torch.float16 else Int8Linear(linear, resolved, bits))
+        setattr(layer, name, layer_class(getattr(layer, name), **kwargs))
     if head is not None:
-        embeddings = model.get_input_embeddings().weight
-        head.packed_decoder = (TiedDecoder(embeddings, head.bias, Fp16WeightLinear) if dtype == torch.float16
-                               else TiedDecoder(embeddings, head.bias, Int8Linear, engine=resolved, activation_bits=bits))
+        head.packed_decoder = TiedDecoder(model.get_input_embeddings().weight, head.bias, layer_class, **kwargs)
     model.requires_grad_(False)
     return model.eval()
 
