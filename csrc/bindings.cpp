@@ -46,11 +46,18 @@ torch::Tensor philox4x32(const torch::Tensor& counters, int64_t k0, int64_t k1);
 std::tuple<torch::Tensor, double, int64_t> quantize_activations(const torch::Tensor& x, int64_t qmax);
 void check_activations_finite(const torch::Tensor& x);
 
+// inference_layer.cpp
+torch::Tensor inference_layer(const torch::Tensor& x, const std::vector<py::tuple>& linears,
+                              const std::vector<torch::Tensor>& norms, double attn_eps, double ffn_eps,
+                              int64_t heads, const std::optional<torch::Tensor>& attention_mask,
+                              const std::optional<torch::Tensor>& cu_seqlens);
+
 }  // namespace roberta_fast
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace rf = roberta_fast;
-  m.doc() = "roberta_fast C++/CUDA ops (fused Adam, dynamic masking, int8 activation quantization)";
+  m.doc() = "roberta_fast C++/CUDA ops (fused Adam, dynamic masking, int8 activation quantization, "
+           "the CPU inference layer)";
   m.def("version", &rf::version, "Version of the compiled extension.");
   m.def("built_with_cuda", &rf::built_with_cuda,
         "True when the CUDA implementations of the ops were compiled in.");
@@ -92,4 +99,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "ValueError when a CPU tensor holds inf or NaN, with quantize_activations' message (for "
         "int8 kernels that quantize by themselves, and would turn a NaN into finite values).",
         py::arg("x"));
+  m.def("inference_layer", &rf::inference_layer,
+        "One post-LN encoder layer (RobertaLayer) for CPU inference on packed Linear weights, the "
+        "same ops as its Python path in one call: linears are the four layers' kernel specs "
+        "(qkv, attn_out, ffn_in, ffn_out), norms attn_norm's and ffn_norm's weight and bias. x is "
+        "(batch, seqlen, hidden) with an optional bool attention_mask, or (tokens, hidden) with "
+        "cu_seqlens (int, batch + 1 offsets).",
+        py::arg("x"), py::arg("linears"), py::arg("norms"), py::arg("attn_eps"), py::arg("ffn_eps"),
+        py::arg("heads"), py::arg("attention_mask") = py::none(), py::arg("cu_seqlens") = py::none());
 }

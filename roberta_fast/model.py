@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from . import ops
+from . import _ext, ops
 from .ops import _warn_once
 from .config import RobertaConfig
 
@@ -327,7 +327,10 @@ class RobertaEmbeddings(nn.Module):
 def _linear_gelu(linear: nn.Module, x, backend: str):
     """erf GELU(linear(x)), the bias add fused into the GELU for a plain nn.Linear, the GELU fused
     into the matmul for rf.prepack's and rf.quantize's packed layers (their forward_gelu); any other
-    module (a PEFT LoRA layer, which keeps the base weight as .weight) runs its own forward."""
+    module (a PEFT LoRA layer, which keeps the base weight as .weight), or one with forward hooks
+    (a calibration observer sees the Linear's output, before GELU), is called as a module."""
+    if _has_hooks(linear):
+        return F.gelu(linear(x))
     if type(linear) is nn.Linear:
         return ops.linear_gelu(x, linear.weight, linear.bias, backend)
     if hasattr(linear, "forward_gelu"):
@@ -335,8 +338,25 @@ def _linear_gelu(linear: nn.Module, x, backend: str):
     return F.gelu(linear(x))
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would call forward (pre-)hooks: its own or the global ones
+    (nn.modules.module.register_module_forward_hook); where it would, the layer calls it as a module."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1])
+
+
+_GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),  # torch's dicts, mutated in place
+                 getattr(nn.modules.module, "_global_forward_pre_hooks", {}))
+
+
 class RobertaLayer(nn.Module):
-    """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+    """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x)).
+
+    In CPU inference on packed Linear layers (rf.quantize, rf.prepack) the layer runs as one C++
+    op (csrc/inference_layer.cpp): the same ops as the Python path below, bit for bit, without
+    the Python between them (most of a short request's time; docs/inference.md).
+    """
+
+    cpu_inference_layer = True  # False: always the Python path (the C++ layer's reference: tests, profiling)
 
     def __init__(self, config: RobertaConfig):
         super().__init__()
@@ -361,6 +381,14 @@ class RobertaLayer(nn.Module):
         LayerNorm write such a copy of the output too (ops.autocast_copy_dtype).
         Returns (x, x's copy in cast_dtype or None, attention probabilities or None).
         """
+        specs = self._inference_specs(x, backend, output_attentions, x_cast, cast_dtype)
+        if specs is not None:
+            mask, cu_seqlens = (attention_mask, None) if packed is None else (None, packed[0])
+            norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
+            x = _ext.load().inference_layer(x, specs, norms, self.attn_norm.eps, self.ffn_norm.eps, self.num_heads,
+                                            mask, cu_seqlens)
+            return x, None, None
+
         hidden = x.shape[-1]
         hidden_p = self.hidden_dropout_p if self.training else 0.0
         attention_p = self.attention_dropout_p if self.training else 0.0
@@ -387,6 +415,25 @@ class RobertaLayer(nn.Module):
                                          self.ffn_norm.eps, hidden_p, backend, cast_dtype)
         x, x_cast = out if cast_dtype is not None else (out, None)
         return x, x_cast, probs
+
+
+    def _inference_specs(self, x, backend: str, output_attentions: bool, x_cast, cast_dtype) -> list | None:
+        """The four Linear layers' kernel specs when this call can run as the C++ inference layer:
+        CPU inference in fp32 on packed Linear layers (their inference_spec), nothing exported,
+        traced or compiled, no hook to call, neither attention probabilities nor autocast copies
+        asked for; else None, and the Python path runs (the same ops, or its clear errors)."""
+        if (not self.cpu_inference_layer or self.training or backend != "reference" or output_attentions
+                or x_cast is not None or cast_dtype is not None or x.dtype != torch.float32 or x.device.type != "cpu"
+                or (x.requires_grad and torch.is_grad_enabled()) or _tracing() or torch.compiler.is_exporting()):
+            return None
+        linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
+        if any(map(_has_hooks, linears)):  # (the norms are not called as modules on either path)
+            return None
+        tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
+        specs = [linear.inference_spec(tokens) if hasattr(linear, "inference_spec") else None for linear in linears]
+        return None if None in specs else specs  # None: a plain nn.Linear, an adapter, a layer in training
+
+
 
 
 class _PreTrained(nn.Module):

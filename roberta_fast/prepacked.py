@@ -37,7 +37,8 @@ LAYER_LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")  # RobertaLayer's four 
 
 class _InferenceLinear(nn.Module):
     """nn.Linear's forward, for inference, on weights held once by `self._kernel`: a holder whose
-    __call__(x, post_op) runs the packed kernel and whose unpack() reads the STATE tensors back.
+    __call__(x, post_op) runs the packed kernel, whose spec(tokens) names that kernel and its weight
+    for the C++ inference layer, and whose unpack() reads the STATE tensors back.
     Subclasses pack (`_pack`), name the state (`STATE`, `_expected_state`) and say what
     export traces (`_traced`)."""
 
@@ -57,6 +58,11 @@ class _InferenceLinear(nn.Module):
         """erf GELU(self(x)) (the FFN's first layer), in the kernel's epilogue where it has one: on
         the output still in cache, the same values as F.gelu."""
         return self._run(x, gelu=True)
+
+    def inference_spec(self, tokens: int) -> tuple | None:
+        """The kernel a call on `tokens` rows runs, as the C++ inference layer takes it
+        (csrc/inference_layer.cpp); None where a call would refuse (training)."""
+        return None if self.training else self._kernel.spec(tokens)
 
     def replaced_numel(self) -> int:
         """The parameters of the nn.Linear this layer replaced (num_parameters counts them)."""
@@ -180,6 +186,10 @@ class _OnednnFp32Weight:
 
     def __setstate__(self, state):
         self.__init__(*state)
+
+    def spec(self, tokens: int) -> tuple:
+        """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""
+        return ("linear_pointwise", self.packed, self.bias)
 
     def __call__(self, x, post_op="none"):
         """The layer's output, with oneDNN's `post_op` applied to it ("gelu": erf GELU)."""

@@ -206,6 +206,10 @@ class _OnednnWeight:
     def __setstate__(self, state):
         _unpickled(self, state)
 
+    def spec(self, tokens: int) -> tuple:
+        """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""
+        return ("qlinear_pointwise", self.packed, self.scale, self.zero_points, self.bias, self.qmax)
+
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, with oneDNN's `post_op` applied to it ("gelu": erf GELU)."""
         if x.numel() == 0:  # no tokens: nothing to scale by
@@ -276,6 +280,10 @@ class _PackedWeight:
         self.__dict__.update({"qmax": ACTIVATION_QMAX, **state})
         _check_activation_range(self.engine, self.qmax)
 
+    def spec(self, tokens: int) -> tuple:
+        """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""
+        return ("linear_dynamic", self.packed, self.qmax == ACTIVATION_QMAX)
+
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; linear_dynamic has no epilogue)."""
         _ext.load().check_activations_finite(x)  # fbgemm would quantize a NaN to plausible values
@@ -319,10 +327,16 @@ class _AutoWeight:
     def __setstate__(self, state):
         _unpickled(self, state)
 
+    def _library(self, tokens: int):
+        return self.fbgemm if tokens < AUTO_FBGEMM_BELOW_TOKENS else self.onednn
+
+    def spec(self, tokens: int) -> tuple:
+        """What __call__ runs on `tokens` rows, for the C++ inference layer (csrc/inference_layer.cpp)."""
+        return self._library(tokens).spec(tokens)
+
     def __call__(self, x, post_op="none"):
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., in) -> rows
-        library = self.fbgemm if tokens < AUTO_FBGEMM_BELOW_TOKENS else self.onednn
-        return library(x, post_op)
+        return self._library(tokens)(x, post_op)
 
 
 FP16_MAX = 65504.0  # the largest finite fp16
@@ -383,6 +397,10 @@ class _Fp16Weight:
         """(weight_fp16, bias): fresh tensors read back from the packed weight."""
         weight, bias = torch.ops.quantized.linear_unpack_fp16(self.packed)  # fp32 holding fp16 values
         return weight.half(), None if bias is None else bias.clone()
+
+    def spec(self, tokens: int) -> tuple:
+        """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""
+        return ("linear_dynamic_fp16", self.packed)
 
     def __call__(self, x, post_op="none"):
         """The layer's fp32 output, then `post_op` ("gelu": erf GELU; the kernel has no epilogue)."""

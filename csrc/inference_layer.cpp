@@ -1,0 +1,142 @@
+// One post-LN encoder layer for CPU inference on packed weights (rf.quantize, rf.prepack), in one
+// call from Python instead of ~30. Its reference is RobertaLayer.forward's own Python path
+// (roberta_fast/model.py): the same ATen ops and kernels on the same tensors in the same order,
+// so the two agree bit for bit (tests/test_inference_layer.py). Why: on a short request the
+// arithmetic is small and the Python around each op is not. At roberta-base's depth and heads but
+// a width of 96 (1 x 16 tokens, int8 on fbgemm) a request spent ~1.8 ms of its ~3.5 ms in
+// Python between the ops (a scripted copy of the layer ran in ~1.7 ms; 2-core AVX-512 EPYC).
+//
+//   x = LayerNorm(x + attn_out(Attention(qkv(x))));  x = LayerNorm(x + ffn_out(GELU(ffn_in(x))))
+//
+// Each Linear layer comes as its kernel holder's spec(tokens), a tuple naming the op its
+// __call__ runs and that op's packed weight (roberta_fast/quantization.py, prepacked.py):
+//   ("linear_dynamic", packed, reduce_range)  quantized::linear_dynamic (int8: fbgemm, x86, qnnpack)
+//   ("linear_dynamic_fp16", packed)           quantized::linear_dynamic_fp16 (fbgemm's fp16 weights)
+//   ("qlinear_pointwise", packed, w_scale, w_zero_points, bias, qmax)
+//                                             quantize_activations, then onednn::qlinear_pointwise
+//   ("linear_pointwise", packed, bias)        mkldnn::_linear_pointwise (rf.prepack's fp32)
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <torch/csrc/jit/api/object.h>
+
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace roberta_fast {
+
+// quantize_activations.cpp
+std::tuple<torch::Tensor, double, int64_t> quantize_activations(const torch::Tensor& x, int64_t qmax);
+void check_activations_finite(const torch::Tensor& x);
+
+namespace {
+
+std::optional<torch::Tensor> optional_tensor(const py::handle& h) {
+  if (h.is_none()) return std::nullopt;
+  return py::cast<torch::Tensor>(h);
+}
+
+// The packed weight held by a torch.ScriptObject (what quantized.linear_prepack{,_fp16} return).
+c10::intrusive_ptr<LinearPackedParamsBase> packed_params(const py::handle& h) {
+  return c10::IValue(py::cast<torch::jit::Object>(h)._ivalue()).toCustomClass<LinearPackedParamsBase>();
+}
+
+// An op called through the dispatcher on a stack of IValues (boxed), as torch.ops calls it from
+// Python, so no C++ signature of a private op is assumed here.
+torch::Tensor call_boxed(const char* name, std::vector<c10::IValue> stack) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// One Linear layer's output for x, with erf GELU applied when `gelu` (in the kernel's epilogue
+// where it has one, else in place on the fresh output: ops.gelu_fresh).
+torch::Tensor linear(const py::tuple& spec, const torch::Tensor& x, bool gelu) {
+  const std::string kind = py::cast<std::string>(spec[0]);
+  const std::string post_op = gelu ? "gelu" : "none";
+  const std::string algorithm = gelu ? "none" : "";  // oneDNN's GELU algorithms: "none" (erf) or "tanh"
+  if (kind == "linear_dynamic" || kind == "linear_dynamic_fp16") {  // what the two ops run, without their dispatch
+    const bool int8 = kind == "linear_dynamic";
+    if (int8) check_activations_finite(x);  // fbgemm would quantize a NaN to plausible values
+    torch::Tensor out = packed_params(spec[1])->apply_dynamic(x, int8 && py::cast<bool>(spec[2]));
+    return gelu ? at::gelu_(out) : out;  // no epilogue: in place on the fresh output (ops.gelu_fresh)
+  }
+  if (kind == "qlinear_pointwise") {
+    const torch::Tensor w_scale = py::cast<torch::Tensor>(spec[2]);
+    if (x.numel() == 0) {  // no tokens: nothing to scale by
+      std::vector<int64_t> shape = x.sizes().vec();
+      shape.back() = w_scale.numel();
+      return x.new_empty(shape);
+    }
+    const auto [xq, scale, zero_point] = quantize_activations(x, py::cast<int64_t>(spec[5]));
+    return call_boxed("onednn::qlinear_pointwise",
+                      {xq, scale, zero_point, py::cast<torch::Tensor>(spec[1]), w_scale, py::cast<torch::Tensor>(spec[3]), optional_tensor(spec[4]), 1.0, int64_t{0},
+                       c10::ScalarType::Float, post_op, c10::List<std::optional<at::Scalar>>(), algorithm});
+  }
+  if (kind == "linear_pointwise") {
+    return call_boxed("mkldnn::_linear_pointwise",
+                      {x, py::cast<torch::Tensor>(spec[1]), optional_tensor(spec[2]), post_op,
+                       c10::List<std::optional<at::Scalar>>(), algorithm});
+  }
+  TORCH_CHECK_VALUE(false, "inference_layer: unknown Linear kernel '", kind, "'");
+}
+
+// Softmax attention, as ops.attention (dense) and ops.attention_varlen_sdpa (packed) compute it
+// in inference. qkv: (batch, seqlen, 3H) with attention_mask, bool (batch, seqlen) over keys or
+// (batch, seqlen, seqlen) over (query, key) pairs, true = attend, or none; or (tokens, 3H) with cu_seqlens, sequence i being tokens
+// cu_seqlens[i]:cu_seqlens[i + 1]. Returns (batch, seqlen, H) or (tokens, H).
+torch::Tensor attention(const torch::Tensor& qkv, int64_t heads, const std::optional<torch::Tensor>& attention_mask,
+                        const std::optional<torch::Tensor>& cu_seqlens) {
+  const int64_t hidden = qkv.size(-1) / 3, head_dim = hidden / heads;
+  if (cu_seqlens.has_value()) {
+    const int64_t tokens = qkv.size(0);
+    const auto qkv_split = qkv.view({tokens, 3, heads, head_dim}).unbind(1);  // each (tokens, heads, head_dim)
+    const torch::Tensor bounds = cu_seqlens->to(at::kLong).contiguous();
+    const int64_t* b = bounds.data_ptr<int64_t>();
+    std::vector<torch::Tensor> outs;
+    for (int64_t i = 0; i + 1 < bounds.numel(); ++i) {
+      if (b[i + 1] <= b[i]) continue;
+      auto one = [&](int j) { return qkv_split[j].slice(0, b[i], b[i + 1]).transpose(0, 1).unsqueeze(0); };
+      // 4-D (1, heads, length, head_dim): SDPA's CPU flash kernel takes only 4-D inputs
+      outs.push_back(at::scaled_dot_product_attention(one(0), one(1), one(2)).select(0, 0));
+    }
+    if (outs.empty()) return torch::empty({tokens, hidden}, qkv.options());  // every row fully padded
+    return at::cat(outs, 1).transpose(0, 1).reshape({tokens, hidden});  // (heads, tokens, hd) -> (tokens, H)
+  }
+  const int64_t batch = qkv.size(0), seqlen = qkv.size(1);
+  const auto qkv_split = qkv.view({batch, seqlen, 3, heads, head_dim}).unbind(2);
+  auto one = [&](int j) { return qkv_split[j].transpose(1, 2); };  // (batch, heads, seqlen, head_dim)
+  std::optional<torch::Tensor> additive;
+  if (attention_mask.has_value()) {  // finfo.min where masked, as Hugging Face adds: a fully masked row attends uniformly
+    const torch::Tensor& mask = *attention_mask;  // -> (batch, 1, 1 or seqlen, seqlen), as ops._broadcast_mask
+    const torch::Tensor keep = (mask.dim() == 2 ? mask.unsqueeze(1).unsqueeze(1) : mask.unsqueeze(1)).to(at::kBool);
+    additive = torch::zeros(keep.sizes(), qkv.options())
+                   .masked_fill(keep.logical_not(), std::numeric_limits<float>::lowest());
+  }
+  const torch::Tensor out = at::scaled_dot_product_attention(one(0), one(1), one(2), additive);
+  return out.transpose(1, 2).reshape({batch, seqlen, hidden});
+}
+
+}  // namespace
+
+torch::Tensor inference_layer(const torch::Tensor& x, const std::vector<py::tuple>& linears,
+                              const std::vector<torch::Tensor>& norms, double attn_eps, double ffn_eps,
+                              int64_t heads,
+                              const std::optional<torch::Tensor>& attention_mask,
+                              const std::optional<torch::Tensor>& cu_seqlens) {
+  TORCH_CHECK_VALUE(linears.size() == 4 && norms.size() == 4,
+                    "inference_layer: 4 Linear specs (qkv, attn_out, ffn_in, ffn_out) and 4 LayerNorm tensors "
+                    "(attn_norm weight and bias, ffn_norm weight and bias)");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat, "inference_layer: fp32 CPU input, got ",
+                    x.scalar_type(), " on ", x.device());
+  const std::vector<int64_t> hidden{x.size(-1)};
+  const torch::Tensor a = linear(linears[1], attention(linear(linears[0], x, false), heads, attention_mask, cu_seqlens), false);
+  const torch::Tensor y = at::layer_norm(a + x, hidden, norms[0], norms[1], attn_eps);
+  const torch::Tensor f = linear(linears[3], linear(linears[2], y, true), false);
+  return at::layer_norm(f + y, hidden, norms[2], norms[3], ffn_eps);
+}
+
+}  // namespace roberta_fast

@@ -1,0 +1,174 @@
+"""The C++ CPU inference layer (csrc/inference_layer.cpp) against its reference, RobertaLayer's Python
+path (`cpu_inference_layer = False`): the same ops on the same tensors, so every output and hidden
+state must be equal bit for bit, for every packed kernel (rf.quantize's int8 on oneDNN and fbgemm,
+its fp16 weights, rf.prepack's fp32) on awkward inputs: padded rows of 62, 1 and 5 tokens (unpadded:
+per-sequence attention), the same batch padded (a dense key mask), packed segments (cu_seqlens), one
+unmasked row and a one-token request. And where the C++ layer cannot do what the Python path does
+(hooks, attention probabilities, training, export), the Python path must run instead.
+"""
+import types
+
+import pytest
+import torch
+
+import roberta_fast as rf
+import roberta_fast.model as model_module
+from roberta_fast.model import RobertaLayer
+
+from test_quantize import DROPIN, TINY, awkward_inputs, has_engine, model_of
+
+PACKINGS = {
+    "int8-onednn": lambda m: rf.quantize(m, engine="onednn"),
+    "int8-fbgemm": lambda m: rf.quantize(m, engine="fbgemm"),
+    "fp16": lambda m: rf.quantize(m, dtype=torch.float16),
+    "prepack": rf.prepack,
+}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many layer calls ran as the C++ op (model.py's _ext, wrapped to count them)."""
+    ext = model_module._ext.load()
+    counted = []
+
+    def inference_layer(*args):
+        counted.append(1)
+        return ext.inference_layer(*args)
+
+    fake = types.SimpleNamespace(inference_layer=inference_layer)
+    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(load=lambda: fake))
+    return counted
+
+
+def both_paths(model, *args, **kwargs):
+    """(C++ layer's outputs, Python path's outputs), each the flat tensors of the output and every
+    hidden state, under inference_mode."""
+    results = []
+    layers = [layer for layer in model.modules() if isinstance(layer, RobertaLayer)]
+    for fused in (True, False):
+        for layer in layers:
+            layer.cpu_inference_layer = fused
+        with torch.inference_mode():
+            out = model(*args, output_hidden_states=True, **kwargs)
+        results.append([t for t in out.to_tuple() if isinstance(t, torch.Tensor)] + list(out.hidden_states))
+    for layer in layers:
+        del layer.cpu_inference_layer  # the class's default again
+    return results
+
+
+def skip_without(packing):
+    engine = packing.partition("-")[2]
+    if engine and not has_engine(engine):
+        pytest.skip(f"this torch build has no {engine} quantized engine")
+
+
+def assert_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w), (g - w).abs().max()
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_the_cpp_layer_equals_the_python_path_bit_for_bit(packing, calls):
+    skip_without(packing)
+    model = PACKINGS[packing](model_of("RobertaModel"))
+    layers = TINY["num_hidden_layers"]
+    ids, mask = awkward_inputs("RobertaModel")
+    # unpadded (per-sequence attention), then the same batch padded (a dense key mask)
+    for unpad in (True, False):
+        model.unpad = unpad
+        calls.clear()
+        got, want = both_paths(model, ids, attention_mask=mask)
+        assert len(calls) == layers  # the first pass ran every layer in C++, the reference none
+        assert_equal(got, want)
+    model.unpad = True
+    bounds = [0, 7, 8, 30, 62, 124, 150, 186]  # packed rows of 62: segments end at every row's end
+    segments = torch.tensor(bounds, dtype=torch.int32)
+    positions = torch.cat([torch.arange(e - s) + 2 for s, e in zip(bounds, bounds[1:])]).view(ids.shape)
+    cases = [((ids,), {"cu_seqlens": segments, "position_ids": positions}), ((ids[:1],), {}), ((ids[1:2, :1],), {"attention_mask": mask[1:2, :1]})]
+    for args, kwargs in cases:
+        calls.clear()
+        got, want = both_paths(model, *args, **kwargs)
+        assert len(calls) == layers
+        assert_equal(got, want)
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_every_dropin_class_runs_the_cpp_layer_to_the_python_paths_outputs(cls, calls):
+    model = rf.quantize(model_of(cls))
+    ids, mask = awkward_inputs(cls)
+    got, want = both_paths(model, ids, attention_mask=mask)
+    assert len(calls) == TINY["num_hidden_layers"]
+    assert_equal(got, want)
+
+
+def test_the_auto_engine_picks_its_library_per_call_in_the_cpp_layer_too(monkeypatch, calls):
+    if not has_engine("auto"):
+        pytest.skip("needs torch's fbgemm engine and oneDNN's int8 ops")
+    model = rf.quantize(model_of("RobertaModel"), engine="auto")
+    ids, mask = awkward_inputs("RobertaModel")
+    real = int(mask.sum())
+    for switch in (real + 1, real):  # fbgemm, then oneDNN (the two differ: test_quantize tells them apart)
+        monkeypatch.setattr(rf.quantization, "AUTO_FBGEMM_BELOW_TOKENS", switch)
+        got, want = both_paths(model, ids, attention_mask=mask)
+        assert_equal(got, want)
+    assert len(calls) == 2 * TINY["num_hidden_layers"]
+
+
+def test_hooks_attention_probabilities_and_plain_layers_take_the_python_path(calls):
+    model = rf.quantize(model_of("RobertaModel"))
+    ids, mask = awkward_inputs("RobertaModel")
+    seen = []
+    handle = model.layers[0].ffn_in.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    got, want = both_paths(model, ids, attention_mask=mask)
+    assert_equal(got, want)
+    assert len(seen) == 2 and len(calls) == TINY["num_hidden_layers"] - 1  # layer 0 in Python, both times
+    handle.remove()
+
+    handle = model.layers[1].attn_out.register_forward_pre_hook(lambda module, args: seen.append("attn_out"))
+    calls.clear()
+    with torch.inference_mode():
+        model(ids, attention_mask=mask)
+    assert seen[-1] == "attn_out" and len(calls) == TINY["num_hidden_layers"] - 1
+    handle.remove()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    calls.clear()
+    with torch.inference_mode():
+        model(ids, attention_mask=mask)
+    assert not calls  # a global hook is called for every submodule
+    handle.remove()
+
+    calls.clear()
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+    assert not calls and len(out.attentions) == TINY["num_hidden_layers"]
+
+    plain = model_of("RobertaModel")  # nn.Linear layers: nothing packed, nothing for the C++ layer
+    plain.layers[1].ffn_in.register_forward_hook(lambda module, args, out: seen.append("plain ffn_in"))
+    with torch.inference_mode():
+        plain(ids, attention_mask=mask)
+    assert not calls and seen[-1] == "plain ffn_in"  # the FFN's first Linear is called as a module when hooked
+
+
+def test_what_the_python_path_refuses_is_still_refused(calls):
+    model = rf.quantize(model_of("RobertaModel"))
+    ids, mask = awkward_inputs("RobertaModel")
+    model.train()
+    with pytest.raises(RuntimeError, match="is for inference: call model.eval"):
+        model(ids, attention_mask=mask)
+    model.eval()
+    with torch.no_grad():
+        model.layers[0].attn_norm.weight[0] = float("nan")  # the FFN's input holds NaN: no int8 scale covers it
+    with torch.inference_mode(), pytest.raises(ValueError, match="non-finite activation"):
+        model(ids, attention_mask=mask)
+    assert len(calls) == 1  # refused in the C++ layer, with the Python path's message
+
+
+def test_export_traces_the_python_path(calls):
+    model = rf.quantize(model_of("RobertaModel"))
+    model.unpad = False  # export traces the padded path
+    ids, mask = awkward_inputs("RobertaModel")
+    program = torch.export.export(model, (ids,), {"attention_mask": mask})
+    assert not calls
+    assert any("int8_linear" in str(node.target) for node in program.graph.nodes)
