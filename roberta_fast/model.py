@@ -419,12 +419,13 @@ class RobertaLayer(nn.Module):
 
     def _inference_specs(self, x, backend: str, output_attentions: bool, x_cast, cast_dtype) -> list | None:
         """The four Linear layers' kernel specs when this call can run as the C++ inference layer:
-        CPU inference in fp32 on packed Linear layers (their inference_spec), nothing exported,
-        traced or compiled, no hook to call, neither attention probabilities nor autocast copies
-        asked for; else None, and the Python path runs (the same ops, or its clear errors)."""
+        CPU inference in fp32 on packed Linear layers (their inference_spec), no autocast, nothing
+        exported, traced or compiled, no hook to call, no attention probabilities asked for; else
+        None, and the Python path runs (the same ops, or its clear errors)."""
         if (not self.cpu_inference_layer or self.training or backend != "reference" or output_attentions
                 or x_cast is not None or cast_dtype is not None or x.dtype != torch.float32 or x.device.type != "cpu"
-                or (x.requires_grad and torch.is_grad_enabled()) or _tracing() or torch.compiler.is_exporting()):
+                or (x.requires_grad and torch.is_grad_enabled()) or torch.is_autocast_enabled("cpu") or _tracing()
+                or torch.compiler.is_exporting()):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
         if any(map(_has_hooks, linears)):  # (the norms are not called as modules on either path)

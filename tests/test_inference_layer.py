@@ -163,6 +163,11 @@ def test_what_the_python_path_refuses_is_still_refused(calls):
     with torch.inference_mode(), pytest.raises(ValueError, match="non-finite activation"):
         model(ids, attention_mask=mask)
     assert len(calls) == 1  # refused in the C++ layer, with the Python path's message
+    calls.clear()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError,
+                                                                                       match="take fp32 inputs"):
+        model(ids, attention_mask=mask)  # the attention's bf16 output reaches attn_out: refused, in Python
+    assert not calls
 
 
 def test_export_traces_the_python_path(calls):
