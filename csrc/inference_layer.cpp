@@ -58,7 +58,7 @@ torch::Tensor linear(const py::tuple& spec, const torch::Tensor& x, bool gelu) {
   const std::string kind = py::cast<std::string>(spec[0]);
   const std::string post_op = gelu ? "gelu" : "none";
   const std::string algorithm = gelu ? "none" : "";  // oneDNN's GELU algorithms: "none" (erf) or "tanh"
-  if (kind == "linear_dynamic" || kind == "linear_dynamic_fp16") {  // what the two ops run, without their dispatch
+  if (kind == "linear_dynamic" || kind == "linear_dynamic_fp16") {  // what those two ops run
     const bool int8 = kind == "linear_dynamic";
     if (int8) check_activations_finite(x);  // fbgemm would quantize a NaN to plausible values
     torch::Tensor out = packed_params(spec[1])->apply_dynamic(x, int8 && py::cast<bool>(spec[2]));
@@ -72,8 +72,10 @@ torch::Tensor linear(const py::tuple& spec, const torch::Tensor& x, bool gelu) {
       return x.new_empty(shape);
     }
     const auto [xq, scale, zero_point] = quantize_activations(x, py::cast<int64_t>(spec[5]));
+    // fp32 out: output scale 1, zero point 0
     return call_boxed("onednn::qlinear_pointwise",
-                      {xq, scale, zero_point, py::cast<torch::Tensor>(spec[1]), w_scale, py::cast<torch::Tensor>(spec[3]), optional_tensor(spec[4]), 1.0, int64_t{0},
+                      {xq, scale, zero_point, py::cast<torch::Tensor>(spec[1]), w_scale,
+                       py::cast<torch::Tensor>(spec[3]), optional_tensor(spec[4]), 1.0, int64_t{0},
                        c10::ScalarType::Float, post_op, c10::List<std::optional<at::Scalar>>(), algorithm});
   }
   if (kind == "linear_pointwise") {
@@ -85,10 +87,12 @@ torch::Tensor linear(const py::tuple& spec, const torch::Tensor& x, bool gelu) {
 }
 
 // Softmax attention, as ops.attention (dense) and ops.attention_varlen_sdpa (packed) compute it
-// in inference. qkv: (batch, seqlen, 3H) with attention_mask, bool (batch, seqlen) over keys or
-// (batch, seqlen, seqlen) over (query, key) pairs, true = attend, or none; or (tokens, 3H) with cu_seqlens, sequence i being tokens
-// cu_seqlens[i]:cu_seqlens[i + 1]. Returns (batch, seqlen, H) or (tokens, H).
-torch::Tensor attention(const torch::Tensor& qkv, int64_t heads, const std::optional<torch::Tensor>& attention_mask,
+// in inference. qkv: (batch, seqlen, 3H) with attention_mask (bool (batch, seqlen) over keys or
+// (batch, seqlen, seqlen) over (query, key) pairs, true = attend) or none; or (tokens, 3H) with
+// cu_seqlens, sequence i being tokens cu_seqlens[i]:cu_seqlens[i + 1]. Returns (batch, seqlen, H)
+// or (tokens, H).
+torch::Tensor attention(const torch::Tensor& qkv, int64_t heads,
+                        const std::optional<torch::Tensor>& attention_mask,
                         const std::optional<torch::Tensor>& cu_seqlens) {
   const int64_t hidden = qkv.size(-1) / 3, head_dim = hidden / heads;
   if (cu_seqlens.has_value()) {
@@ -110,9 +114,11 @@ torch::Tensor attention(const torch::Tensor& qkv, int64_t heads, const std::opti
   const auto qkv_split = qkv.view({batch, seqlen, 3, heads, head_dim}).unbind(2);
   auto one = [&](int j) { return qkv_split[j].transpose(1, 2); };  // (batch, heads, seqlen, head_dim)
   std::optional<torch::Tensor> additive;
-  if (attention_mask.has_value()) {  // finfo.min where masked, as Hugging Face adds: a fully masked row attends uniformly
-    const torch::Tensor& mask = *attention_mask;  // -> (batch, 1, 1 or seqlen, seqlen), as ops._broadcast_mask
-    const torch::Tensor keep = (mask.dim() == 2 ? mask.unsqueeze(1).unsqueeze(1) : mask.unsqueeze(1)).to(at::kBool);
+  if (attention_mask.has_value()) {
+    // finfo.min added where masked, as Hugging Face adds it: a fully masked row attends uniformly
+    const torch::Tensor& mask = *attention_mask;
+    const torch::Tensor keep =  // (batch, 1, 1 or seqlen, seqlen), as ops._broadcast_mask
+        (mask.dim() == 2 ? mask.unsqueeze(1).unsqueeze(1) : mask.unsqueeze(1)).to(at::kBool);
     additive = torch::zeros(keep.sizes(), qkv.options())
                    .masked_fill(keep.logical_not(), std::numeric_limits<float>::lowest());
   }
@@ -124,16 +130,16 @@ torch::Tensor attention(const torch::Tensor& qkv, int64_t heads, const std::opti
 
 torch::Tensor inference_layer(const torch::Tensor& x, const std::vector<py::tuple>& linears,
                               const std::vector<torch::Tensor>& norms, double attn_eps, double ffn_eps,
-                              int64_t heads,
-                              const std::optional<torch::Tensor>& attention_mask,
+                              int64_t heads, const std::optional<torch::Tensor>& attention_mask,
                               const std::optional<torch::Tensor>& cu_seqlens) {
   TORCH_CHECK_VALUE(linears.size() == 4 && norms.size() == 4,
                     "inference_layer: 4 Linear specs (qkv, attn_out, ffn_in, ffn_out) and 4 LayerNorm tensors "
                     "(attn_norm weight and bias, ffn_norm weight and bias)");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat, "inference_layer: fp32 CPU input, got ",
-                    x.scalar_type(), " on ", x.device());
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat,
+                    "inference_layer: fp32 CPU input, got ", x.scalar_type(), " on ", x.device());
   const std::vector<int64_t> hidden{x.size(-1)};
-  const torch::Tensor a = linear(linears[1], attention(linear(linears[0], x, false), heads, attention_mask, cu_seqlens), false);
+  const torch::Tensor attended = attention(linear(linears[0], x, false), heads, attention_mask, cu_seqlens);
+  const torch::Tensor a = linear(linears[1], attended, false);
   const torch::Tensor y = at::layer_norm(a + x, hidden, norms[0], norms[1], attn_eps);
   const torch::Tensor f = linear(linears[3], linear(linears[2], y, true), false);
   return at::layer_norm(f + y, hidden, norms[2], norms[3], ffn_eps);

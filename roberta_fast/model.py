@@ -416,7 +416,6 @@ class RobertaLayer(nn.Module):
         x, x_cast = out if cast_dtype is not None else (out, None)
         return x, x_cast, probs
 
-
     def _inference_specs(self, x, backend: str, output_attentions: bool, x_cast, cast_dtype) -> list | None:
         """The four Linear layers' kernel specs when this call can run as the C++ inference layer:
         CPU inference in fp32 on packed Linear layers (their inference_spec), no autocast, nothing
@@ -433,8 +432,6 @@ class RobertaLayer(nn.Module):
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
         specs = [linear.inference_spec(tokens) if hasattr(linear, "inference_spec") else None for linear in linears]
         return None if None in specs else specs  # None: a plain nn.Linear, an adapter, a layer in training
-
-
 
 
 class _PreTrained(nn.Module):
