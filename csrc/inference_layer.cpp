@@ -39,52 +39,79 @@ std::optional<torch::Tensor> optional_tensor(const py::handle& h) {
   return py::cast<torch::Tensor>(h);
 }
 
-// The packed weight held by a torch.ScriptObject (what quantized.linear_prepack{,_fp16} return).
-c10::intrusive_ptr<LinearPackedParamsBase> packed_params(const py::handle& h) {
-  return c10::IValue(py::cast<torch::jit::Object>(h)._ivalue()).toCustomClass<LinearPackedParamsBase>();
-}
+// One Linear layer's kernel, read from its spec while the GIL is held (the layer runs without it).
+struct LinearKernel {
+  enum Kind { kLinearDynamic, kLinearDynamicFp16, kQlinearPointwise, kLinearPointwise } kind;
+  c10::intrusive_ptr<LinearPackedParamsBase> params;  // linear_dynamic{,_fp16}: fbgemm's packed weight
+  bool reduce_range = false;                           // linear_dynamic: 7-bit activations
+  torch::Tensor packed, w_scale, w_zero_points;        // oneDNN's packed weight (and int8 scales)
+  std::optional<torch::Tensor> bias;                   // the oneDNN ops take it apart from the weight
+  int64_t qmax = 0;                                    // qlinear_pointwise: activations in [0, qmax]
 
-// An op called through the dispatcher on a stack of IValues (boxed), as torch.ops calls it from
-// Python, so no C++ signature of a private op is assumed here.
-torch::Tensor call_boxed(const char* name, std::vector<c10::IValue> stack) {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-  op.callBoxed(&stack);
-  return stack.at(0).toTensor();
-}
-
-// One Linear layer's output for x, with erf GELU applied when `gelu` (in the kernel's epilogue
-// where it has one, else in place on the fresh output: ops.gelu_fresh).
-torch::Tensor linear(const py::tuple& spec, const torch::Tensor& x, bool gelu) {
-  const std::string kind = py::cast<std::string>(spec[0]);
-  const std::string post_op = gelu ? "gelu" : "none";
-  const std::string algorithm = gelu ? "none" : "";  // oneDNN's GELU algorithms: "none" (erf) or "tanh"
-  if (kind == "linear_dynamic" || kind == "linear_dynamic_fp16") {  // what those two ops run
-    const bool int8 = kind == "linear_dynamic";
-    if (int8) check_activations_finite(x);  // fbgemm would quantize a NaN to plausible values
-    torch::Tensor out = packed_params(spec[1])->apply_dynamic(x, int8 && py::cast<bool>(spec[2]));
-    return gelu ? at::gelu_(out) : out;  // no epilogue: in place on the fresh output (ops.gelu_fresh)
-  }
-  if (kind == "qlinear_pointwise") {
-    const torch::Tensor w_scale = py::cast<torch::Tensor>(spec[2]);
-    if (x.numel() == 0) {  // no tokens: nothing to scale by
-      std::vector<int64_t> shape = x.sizes().vec();
-      shape.back() = w_scale.numel();
-      return x.new_empty(shape);
+  explicit LinearKernel(const py::tuple& spec) {
+    const std::string name = py::cast<std::string>(spec[0]);
+    if (name == "linear_dynamic" || name == "linear_dynamic_fp16") {
+      const bool int8 = name == "linear_dynamic";
+      kind = int8 ? kLinearDynamic : kLinearDynamicFp16;
+      // the packed weight held by a torch.ScriptObject (what quantized.linear_prepack{,_fp16} return)
+      params = c10::IValue(py::cast<torch::jit::Object>(spec[1])._ivalue()).toCustomClass<LinearPackedParamsBase>();
+      reduce_range = int8 && py::cast<bool>(spec[2]);
+    } else if (name == "qlinear_pointwise") {
+      kind = kQlinearPointwise;
+      packed = py::cast<torch::Tensor>(spec[1]);
+      w_scale = py::cast<torch::Tensor>(spec[2]);
+      w_zero_points = py::cast<torch::Tensor>(spec[3]);
+      bias = optional_tensor(spec[4]);
+      qmax = py::cast<int64_t>(spec[5]);
+    } else if (name == "linear_pointwise") {
+      kind = kLinearPointwise;
+      packed = py::cast<torch::Tensor>(spec[1]);
+      bias = optional_tensor(spec[2]);
+    } else {
+      TORCH_CHECK_VALUE(false, "inference_layer: unknown Linear kernel '", name, "'");
     }
-    const auto [xq, scale, zero_point] = quantize_activations(x, py::cast<int64_t>(spec[5]));
-    // fp32 out: output scale 1, zero point 0
-    return call_boxed("onednn::qlinear_pointwise",
-                      {xq, scale, zero_point, py::cast<torch::Tensor>(spec[1]), w_scale,
-                       py::cast<torch::Tensor>(spec[3]), optional_tensor(spec[4]), 1.0, int64_t{0},
-                       c10::ScalarType::Float, post_op, c10::List<std::optional<at::Scalar>>(), algorithm});
   }
-  if (kind == "linear_pointwise") {
-    return call_boxed("mkldnn::_linear_pointwise",
-                      {x, py::cast<torch::Tensor>(spec[1]), optional_tensor(spec[2]), post_op,
-                       c10::List<std::optional<at::Scalar>>(), algorithm});
+
+  // The layer's output for x, with erf GELU applied when `gelu` (in the kernel's epilogue where it
+  // has one, else in place on the fresh output: ops.gelu_fresh).
+  torch::Tensor operator()(const torch::Tensor& x, bool gelu) const {
+    const std::string post_op = gelu ? "gelu" : "none";
+    const std::string algorithm = gelu ? "none" : "";  // oneDNN's GELU algorithms: "none" (erf) or "tanh"
+    switch (kind) {
+      case kLinearDynamic:
+      case kLinearDynamicFp16: {  // what those two ops run
+        if (kind == kLinearDynamic) check_activations_finite(x);  // fbgemm would quantize a NaN to plausible values
+        torch::Tensor out = params->apply_dynamic(x, reduce_range);
+        return gelu ? at::gelu_(out) : out;
+      }
+      case kQlinearPointwise: {
+        if (x.numel() == 0) {  // no tokens: nothing to scale by
+          std::vector<int64_t> shape = x.sizes().vec();
+          shape.back() = w_scale.numel();
+          return x.new_empty(shape);
+        }
+        const auto [xq, scale, zero_point] = quantize_activations(x, qmax);
+        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+        // fp32 out: output scale 1, zero point 0
+        return call_boxed(op, {xq, scale, zero_point, packed, w_scale, w_zero_points, bias, 1.0, int64_t{0},
+                               c10::ScalarType::Float, post_op, c10::List<std::optional<at::Scalar>>(), algorithm});
+      }
+      case kLinearPointwise: {
+        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+        return call_boxed(op, {x, packed, bias, post_op, c10::List<std::optional<at::Scalar>>(), algorithm});
+      }
+    }
+    TORCH_CHECK(false, "inference_layer: unreachable");
   }
-  TORCH_CHECK_VALUE(false, "inference_layer: unknown Linear kernel '", kind, "'");
-}
+
+ private:
+  // An op called through the dispatcher on a stack of IValues (boxed), as torch.ops calls it from
+  // Python, so no C++ signature of a private op is assumed here.
+  static torch::Tensor call_boxed(const c10::OperatorHandle& op, std::vector<c10::IValue> stack) {
+    op.callBoxed(&stack);
+    return stack.at(0).toTensor();
+  }
+};
 
 // Softmax attention, as ops.attention (dense) and ops.attention_varlen_sdpa (packed) compute it
 // in inference. qkv: (batch, seqlen, 3H) with attention_mask (bool (batch, seqlen) over keys or
@@ -137,11 +164,13 @@ torch::Tensor inference_layer(const torch::Tensor& x, const std::vector<py::tupl
                     "(attn_norm weight and bias, ffn_norm weight and bias)");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat,
                     "inference_layer: fp32 CPU input, got ", x.scalar_type(), " on ", x.device());
+  const LinearKernel qkv(linears[0]), attn_out(linears[1]), ffn_in(linears[2]), ffn_out(linears[3]);
+  // The ops release the GIL in Python's bindings; so does this layer, for threads serving requests beside it.
+  py::gil_scoped_release no_gil;
   const std::vector<int64_t> hidden{x.size(-1)};
-  const torch::Tensor attended = attention(linear(linears[0], x, false), heads, attention_mask, cu_seqlens);
-  const torch::Tensor a = linear(linears[1], attended, false);
+  const torch::Tensor a = attn_out(attention(qkv(x, false), heads, attention_mask, cu_seqlens), false);
   const torch::Tensor y = at::layer_norm(a + x, hidden, norms[0], norms[1], attn_eps);
-  const torch::Tensor f = linear(linears[3], linear(linears[2], y, true), false);
+  const torch::Tensor f = ffn_out(ffn_in(y, true), false);
   return at::layer_norm(f + y, hidden, norms[2], norms[3], ffn_eps);
 }
 
