@@ -1,5 +1,5 @@
-// One post-LN encoder layer for CPU inference on packed weights (rf.quantize, rf.prepack), in one
-// call from Python instead of ~30. Its reference is RobertaLayer.forward's own Python path
+// One post-LN encoder layer for fp32 CPU inference (plain, or on rf.quantize's and rf.prepack's
+// packed weights), in one call from Python instead of ~30. Its reference is RobertaLayer.forward's own Python path
 // (roberta_fast/model.py): the same ATen ops and kernels on the same tensors in the same order,
 // so the two agree bit for bit (tests/test_inference_layer.py). Why: on a short request the
 // arithmetic is small and the Python around each op is not. At roberta-base's depth and heads but
@@ -15,6 +15,7 @@
 //   ("qlinear_pointwise", packed, w_scale, w_zero_points, bias, qmax)
 //                                             quantize_activations, then onednn::qlinear_pointwise
 //   ("linear_pointwise", packed, bias)        mkldnn::_linear_pointwise (rf.prepack's fp32)
+// and a plain nn.Linear as ("linear", weight, bias): F.linear.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -41,11 +42,11 @@ std::optional<torch::Tensor> optional_tensor(const py::handle& h) {
 
 // One Linear layer's kernel, read from its spec while the GIL is held (the layer runs without it).
 struct LinearKernel {
-  enum Kind { kLinearDynamic, kLinearDynamicFp16, kQlinearPointwise, kLinearPointwise } kind;
+  enum Kind { kLinearDynamic, kLinearDynamicFp16, kQlinearPointwise, kLinearPointwise, kLinear } kind;
   c10::intrusive_ptr<LinearPackedParamsBase> params;  // linear_dynamic{,_fp16}: fbgemm's packed weight
   bool reduce_range = false;                           // linear_dynamic: 7-bit activations
-  torch::Tensor packed, w_scale, w_zero_points;        // oneDNN's packed weight (and int8 scales)
-  std::optional<torch::Tensor> bias;                   // the oneDNN ops take it apart from the weight
+  torch::Tensor packed, w_scale, w_zero_points;        // oneDNN's packed weight (and int8 scales), or a plain one
+  std::optional<torch::Tensor> bias;                   // all but fbgemm take it apart from the weight
   int64_t qmax = 0;                                    // qlinear_pointwise: activations in [0, qmax]
 
   explicit LinearKernel(const py::tuple& spec) {
@@ -63,8 +64,8 @@ struct LinearKernel {
       w_zero_points = py::cast<torch::Tensor>(spec[3]);
       bias = optional_tensor(spec[4]);
       qmax = py::cast<int64_t>(spec[5]);
-    } else if (name == "linear_pointwise") {
-      kind = kLinearPointwise;
+    } else if (name == "linear_pointwise" || name == "linear") {
+      kind = name == "linear" ? kLinear : kLinearPointwise;
       packed = py::cast<torch::Tensor>(spec[1]);
       bias = optional_tensor(spec[2]);
     } else {
@@ -99,6 +100,10 @@ struct LinearKernel {
       case kLinearPointwise: {
         static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
         return call_boxed(op, {x, packed, bias, post_op, c10::List<std::optional<at::Scalar>>(), algorithm});
+      }
+      case kLinear: {  // ops.linear_gelu's reference: GELU in place on the fresh output
+        torch::Tensor out = at::linear(x, packed, bias);
+        return gelu ? at::gelu_(out) : out;
       }
     }
     TORCH_CHECK(false, "inference_layer: unreachable");

@@ -338,6 +338,15 @@ def _linear_gelu(linear: nn.Module, x, backend: str):
     return F.gelu(linear(x))
 
 
+def _inference_spec(linear: nn.Module, tokens: int) -> tuple | None:
+    """What the C++ inference layer runs for `linear` on `tokens` rows: a packed layer's kernel
+    (rf.quantize, rf.prepack: its inference_spec), F.linear for a plain nn.Linear, None for
+    anything else (an adapter layer runs its own forward)."""
+    if type(linear) is nn.Linear:
+        return ("linear", linear.weight, linear.bias)
+    return linear.inference_spec(tokens) if hasattr(linear, "inference_spec") else None
+
+
 def _has_hooks(module: nn.Module) -> bool:
     """Whether calling `module` would call forward (pre-)hooks: its own or the global ones
     (nn.modules.module.register_module_forward_hook); where it would, the layer calls it as a module."""
@@ -351,9 +360,9 @@ _GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),  # tor
 class RobertaLayer(nn.Module):
     """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x)).
 
-    In CPU inference on packed Linear layers (rf.quantize, rf.prepack) the layer runs as one C++
-    op (csrc/inference_layer.cpp): the same ops as the Python path below, bit for bit, without
-    the Python between them (most of a short request's time; docs/inference.md).
+    In fp32 CPU inference (plain, rf.prepack or rf.quantize) the layer runs as one C++ op
+    (csrc/inference_layer.cpp): the same ops as the Python path below, bit for bit, without the
+    Python between them (on a short int8 request, about a fifth of its time; docs/inference.md).
     """
 
     cpu_inference_layer = True  # False: always the Python path (the C++ layer's reference: tests, profiling)
@@ -418,20 +427,21 @@ class RobertaLayer(nn.Module):
 
     def _inference_specs(self, x, backend: str, output_attentions: bool, x_cast, cast_dtype) -> list | None:
         """The four Linear layers' kernel specs when this call can run as the C++ inference layer:
-        CPU inference in fp32 on packed Linear layers (their inference_spec), no autocast, nothing
-        exported, traced or compiled, no hook to call, no attention probabilities asked for; else
-        None, and the Python path runs (the same ops, or its clear errors)."""
+        CPU inference in fp32 (plain or packed Linear layers) under torch.no_grad or inference_mode,
+        no autocast, nothing exported, traced or compiled, no hook to call, no attention
+        probabilities asked for; else None, and the Python path runs (the same ops, or its clear
+        errors; autograd records only there)."""
         if (not self.cpu_inference_layer or self.training or backend != "reference" or output_attentions
                 or x_cast is not None or cast_dtype is not None or x.dtype != torch.float32 or x.device.type != "cpu"
-                or (x.requires_grad and torch.is_grad_enabled()) or torch.is_autocast_enabled("cpu") or _tracing()
+                or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or _tracing()
                 or torch.compiler.is_exporting()):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
         if any(map(_has_hooks, linears)):  # (the norms are not called as modules on either path)
             return None
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
-        specs = [linear.inference_spec(tokens) if hasattr(linear, "inference_spec") else None for linear in linears]
-        return None if None in specs else specs  # None: a plain nn.Linear, an adapter, a layer in training
+        specs = [_inference_spec(linear, tokens) for linear in linears]
+        return None if None in specs else specs  # None: an adapter, or a packed layer in training
 
 
 class _PreTrained(nn.Module):

@@ -7,10 +7,13 @@ gives them). With gradients recorded, uniform lengths, or output_attentions, the
 runs padded as before. Batches of more than cpu_group_tokens tokens run in groups of rows. torch.compile on this path (no recompile per batch shape) is
 checked by benchmarks/bench_inference.py's rf-compile contender: compiling takes ~35 s here.
 """
+import types
+
 import pytest
 import torch
 
 import roberta_fast as rf
+import roberta_fast.model as model_module
 from roberta_fast import ops
 
 transformers = pytest.importorskip("transformers")
@@ -47,10 +50,20 @@ def batch(pattern, seed=0):
 
 @pytest.fixture
 def sdpa_calls(monkeypatch):
-    """How many layers ran the unpadded CPU attention."""
+    """How many layers ran the unpadded CPU attention: in Python (ops.attention_varlen_sdpa), or in
+    the C++ inference layer (csrc/inference_layer.cpp) given cu_seqlens."""
     calls = []
     original = ops.attention_varlen_sdpa
     monkeypatch.setattr(ops, "attention_varlen_sdpa", lambda *a: calls.append(1) or original(*a))
+    ext = model_module._ext.load()
+
+    def inference_layer(*args):
+        if args[-1] is not None:  # cu_seqlens
+            calls.append(1)
+        return ext.inference_layer(*args)
+
+    fake = types.SimpleNamespace(inference_layer=inference_layer)
+    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(load=lambda: fake))
     return calls
 
 

@@ -1,10 +1,10 @@
 """The C++ CPU inference layer (csrc/inference_layer.cpp) against its reference, RobertaLayer's Python
 path (`cpu_inference_layer = False`): the same ops on the same tensors, so every output and hidden
-state must be equal bit for bit, for every packed kernel (rf.quantize's int8 on oneDNN and fbgemm,
-its fp16 weights, rf.prepack's fp32) on awkward inputs: padded rows of 62, 1 and 5 tokens (unpadded:
+state must be equal bit for bit, for plain nn.Linear layers and every packed kernel (rf.quantize's
+int8 on oneDNN and fbgemm, its fp16 weights, rf.prepack's fp32) on awkward inputs: padded rows of 62, 1 and 5 tokens (unpadded:
 per-sequence attention), the same batch padded (a dense key mask), packed segments (cu_seqlens), one
 unmasked row and a one-token request. And where the C++ layer cannot do what the Python path does
-(hooks, attention probabilities, training, export), the Python path must run instead.
+(hooks, attention probabilities, gradients, training, export), the Python path must run instead.
 """
 import types
 
@@ -18,6 +18,7 @@ from roberta_fast.model import RobertaLayer
 from test_quantize import DROPIN, TINY, awkward_inputs, has_engine, model_of
 
 PACKINGS = {
+    "plain": lambda m: m,  # nn.Linear layers: F.linear
     "int8-onednn": lambda m: rf.quantize(m, engine="onednn"),
     "int8-fbgemm": lambda m: rf.quantize(m, engine="fbgemm"),
     "fp16": lambda m: rf.quantize(m, dtype=torch.float16),
@@ -115,7 +116,7 @@ def test_the_auto_engine_picks_its_library_per_call_in_the_cpp_layer_too(monkeyp
     assert len(calls) == 2 * TINY["num_hidden_layers"]
 
 
-def test_hooks_attention_probabilities_and_plain_layers_take_the_python_path(calls):
+def test_hooks_attention_probabilities_and_gradients_take_the_python_path(calls):
     model = rf.quantize(model_of("RobertaModel"))
     ids, mask = awkward_inputs("RobertaModel")
     seen = []
@@ -144,11 +145,16 @@ def test_hooks_attention_probabilities_and_plain_layers_take_the_python_path(cal
         out = model(ids, attention_mask=mask, output_attentions=True)
     assert not calls and len(out.attentions) == TINY["num_hidden_layers"]
 
-    plain = model_of("RobertaModel")  # nn.Linear layers: nothing packed, nothing for the C++ layer
+    plain = model_of("RobertaModel")
     plain.layers[1].ffn_in.register_forward_hook(lambda module, args, out: seen.append("plain ffn_in"))
     with torch.inference_mode():
         plain(ids, attention_mask=mask)
-    assert not calls and seen[-1] == "plain ffn_in"  # the FFN's first Linear is called as a module when hooked
+    # the FFN's first Linear is called as a module when hooked (it ran its fused GELU without hooks before)
+    assert len(calls) == 1 and seen[-1] == "plain ffn_in"
+
+    calls.clear()
+    plain(ids, attention_mask=mask)  # gradients recorded: autograd sees the Python path's ops
+    assert not calls
 
 
 def test_what_the_python_path_refuses_is_still_refused(calls):
