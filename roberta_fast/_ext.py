@@ -17,3 +17,13 @@ def load():
             "(a torch upgrade after building also requires this rebuild)."
         ) from err
     return _C
+
+
+@lru_cache(maxsize=None)
+def optional(name: str):
+    """The compiled op `name`, or None where the extension is missing or was built before the op
+    existed (a checkout updated without the rebuild): for callers whose Python path computes the same."""
+    try:
+        return getattr(load(), name, None)
+    except ImportError:
+        return None

@@ -394,8 +394,8 @@ class RobertaLayer(nn.Module):
         if specs is not None:
             mask, cu_seqlens = (attention_mask, None) if packed is None else (None, packed[0])
             norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
-            x = _ext.load().inference_layer(x, specs, norms, self.attn_norm.eps, self.ffn_norm.eps, self.num_heads,
-                                            mask, cu_seqlens)
+            x = _ext.optional("inference_layer")(x, specs, norms, self.attn_norm.eps, self.ffn_norm.eps,
+                                                 self.num_heads, mask, cu_seqlens)
             return x, None, None
 
         hidden = x.shape[-1]
@@ -429,12 +429,12 @@ class RobertaLayer(nn.Module):
         """The four Linear layers' kernel specs when this call can run as the C++ inference layer:
         CPU inference in fp32 (plain or packed Linear layers) under torch.no_grad or inference_mode,
         no autocast, nothing exported, traced or compiled, no hook to call, no attention
-        probabilities asked for; else None, and the Python path runs (the same ops, or its clear
-        errors; autograd records only there)."""
+        probabilities asked for, the extension built with the op; else None, and the Python path
+        runs (the same ops, or its clear errors; autograd records only there)."""
         if (not self.cpu_inference_layer or self.training or backend != "reference" or output_attentions
                 or x_cast is not None or cast_dtype is not None or x.dtype != torch.float32 or x.device.type != "cpu"
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or _tracing()
-                or torch.compiler.is_exporting()):
+                or torch.compiler.is_exporting() or _ext.optional("inference_layer") is None):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
         if any(map(_has_hooks, linears)):  # (the norms are not called as modules on either path)

@@ -55,15 +55,14 @@ def sdpa_calls(monkeypatch):
     calls = []
     original = ops.attention_varlen_sdpa
     monkeypatch.setattr(ops, "attention_varlen_sdpa", lambda *a: calls.append(1) or original(*a))
-    ext = model_module._ext.load()
+    layer = model_module._ext.optional("inference_layer")
 
     def inference_layer(*args):
         if args[-1] is not None:  # cu_seqlens
             calls.append(1)
-        return ext.inference_layer(*args)
+        return layer(*args)
 
-    fake = types.SimpleNamespace(inference_layer=inference_layer)
-    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(load=lambda: fake))
+    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(optional=lambda name: inference_layer))
     return calls
 
 

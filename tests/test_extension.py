@@ -21,7 +21,7 @@ def test_version_and_build_facts():
 def test_ops_are_exposed():
     C = _ext.load()
     for name in ("adam_step", "grad_sumsq", "mask_tokens", "philox4x32", "quantize_activations",
-                 "check_activations_finite"):
+                 "check_activations_finite", "inference_layer"):
         assert callable(getattr(C, name)) and getattr(C, name).__doc__
 
 

@@ -29,15 +29,14 @@ PACKINGS = {
 @pytest.fixture
 def calls(monkeypatch):
     """How many layer calls ran as the C++ op (model.py's _ext, wrapped to count them)."""
-    ext = model_module._ext.load()
+    layer = model_module._ext.optional("inference_layer")
     counted = []
 
     def inference_layer(*args):
         counted.append(1)
-        return ext.inference_layer(*args)
+        return layer(*args)
 
-    fake = types.SimpleNamespace(inference_layer=inference_layer)
-    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(load=lambda: fake))
+    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(optional=lambda name: inference_layer))
     return counted
 
 
@@ -183,3 +182,21 @@ def test_export_traces_the_python_path(calls):
     program = torch.export.export(model, (ids,), {"attention_mask": mask})
     assert not calls
     assert any("int8_linear" in str(node.target) for node in program.graph.nodes)
+
+
+def test_without_the_compiled_op_the_python_path_runs(monkeypatch):
+    """An extension built before the op (a checkout updated without the rebuild), or none at all:
+    the same outputs from the Python path, not an AttributeError."""
+    from roberta_fast import _ext
+    model = model_of("RobertaModel")
+    ids, mask = awkward_inputs("RobertaModel")
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask).last_hidden_state
+    stale = types.SimpleNamespace()  # a _C without inference_layer
+    monkeypatch.setattr(_ext, "load", lambda: stale)
+    _ext.optional.cache_clear()
+    try:
+        with torch.inference_mode():
+            assert torch.equal(model(ids, attention_mask=mask).last_hidden_state, want)
+    finally:
+        _ext.optional.cache_clear()  # before monkeypatch restores load: the real op again
