@@ -1,10 +1,11 @@
 """The C++ CPU inference layer (csrc/inference_layer.cpp) against its reference, RobertaLayer's Python
 path (`cpu_inference_layer = False`): the same ops on the same tensors, so every output and hidden
 state must be equal bit for bit, for plain nn.Linear layers and every packed kernel (rf.quantize's
-int8 on oneDNN and fbgemm, its fp16 weights, rf.prepack's fp32) on awkward inputs: padded rows of 62, 1 and 5 tokens (unpadded:
-per-sequence attention), the same batch padded (a dense key mask), packed segments (cu_seqlens), one
-unmasked row and a one-token request. And where the C++ layer cannot do what the Python path does
-(hooks, attention probabilities, gradients, training, export), the Python path must run instead.
+int8 on oneDNN and fbgemm, its fp16 weights, rf.prepack's fp32) on awkward inputs: padded rows of
+62, 1 and 5 tokens (unpadded: per-sequence attention), the same batch padded (a dense key mask),
+packed segments (cu_seqlens), one unmasked row and a one-token request. And where the C++ layer
+cannot do what the Python path does (hooks, attention probabilities, gradients, training, export,
+an extension built without the op), the Python path must run instead.
 """
 import types
 
