@@ -86,7 +86,9 @@ def test_the_cpp_layer_equals_the_python_path_bit_for_bit(packing, calls):
     bounds = [0, 7, 8, 30, 62, 124, 150, 186]  # packed rows of 62: segments end at every row's end
     segments = torch.tensor(bounds, dtype=torch.int32)
     positions = torch.cat([torch.arange(e - s) + 2 for s, e in zip(bounds, bounds[1:])]).view(ids.shape)
-    cases = [((ids,), {"cu_seqlens": segments, "position_ids": positions}), ((ids[:1],), {}), ((ids[1:2, :1],), {"attention_mask": mask[1:2, :1]})]
+    cases = [((ids,), {"cu_seqlens": segments, "position_ids": positions}),  # packed segments
+             ((ids[:1],), {}),  # one unmasked row
+             ((ids[1:2, :1],), {"attention_mask": mask[1:2, :1]})]  # a one-token request
     for args, kwargs in cases:
         calls.clear()
         got, want = both_paths(model, *args, **kwargs)
