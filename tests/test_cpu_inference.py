@@ -7,14 +7,13 @@ gives them). With gradients recorded, uniform lengths, or output_attentions, the
 runs padded as before. Batches of more than cpu_group_tokens tokens run in groups of rows. torch.compile on this path (no recompile per batch shape) is
 checked by benchmarks/bench_inference.py's rf-compile contender: compiling takes ~35 s here.
 """
-import types
-
 import pytest
 import torch
 
 import roberta_fast as rf
-import roberta_fast.model as model_module
 from roberta_fast import ops
+
+from test_inference_layer import count_layer_calls
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,15 +54,7 @@ def sdpa_calls(monkeypatch):
     calls = []
     original = ops.attention_varlen_sdpa
     monkeypatch.setattr(ops, "attention_varlen_sdpa", lambda *a: calls.append(1) or original(*a))
-    layer = model_module._ext.optional("inference_layer")
-
-    def inference_layer(*args):
-        if args[-1] is not None:  # cu_seqlens
-            calls.append(1)
-        return layer(*args)
-
-    monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(optional=lambda name: inference_layer))
-    return calls
+    return count_layer_calls(monkeypatch, calls, unpadded_only=True)
 
 
 def max_rel(a, b):

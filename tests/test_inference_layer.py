@@ -27,18 +27,24 @@ PACKINGS = {
 }
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """How many layer calls ran as the C++ op (model.py's _ext, wrapped to count them)."""
+def count_layer_calls(monkeypatch, counted: list, unpadded_only: bool = False) -> list:
+    """Append to `counted` at each layer call that runs as the C++ op (model.py's _ext, wrapped);
+    unpadded_only: only the calls given cu_seqlens (the per-sequence attention)."""
     layer = model_module._ext.optional("inference_layer")
-    counted = []
 
     def inference_layer(*args):
-        counted.append(1)
+        if not unpadded_only or args[-1] is not None:  # args[-1]: cu_seqlens
+            counted.append(1)
         return layer(*args)
 
     monkeypatch.setattr(model_module, "_ext", types.SimpleNamespace(optional=lambda name: inference_layer))
     return counted
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many layer calls ran as the C++ op."""
+    return count_layer_calls(monkeypatch, [])
 
 
 def both_paths(model, *args, **kwargs):
