@@ -201,11 +201,15 @@ def test_without_the_compiled_op_the_python_path_runs(monkeypatch):
     ids, mask = awkward_inputs("RobertaModel")
     with torch.inference_mode():
         want = model(ids, attention_mask=mask).last_hidden_state
+    def missing():
+        raise ImportError("roberta_fast._C could not be imported")
+
     stale = types.SimpleNamespace()  # a _C without inference_layer
-    monkeypatch.setattr(_ext, "load", lambda: stale)
-    _ext.optional.cache_clear()
     try:
-        with torch.inference_mode():
-            assert torch.equal(model(ids, attention_mask=mask).last_hidden_state, want)
+        for load in (lambda: stale, missing):
+            monkeypatch.setattr(_ext, "load", load)
+            _ext.optional.cache_clear()
+            with torch.inference_mode():
+                assert torch.equal(model(ids, attention_mask=mask).last_hidden_state, want)
     finally:
         _ext.optional.cache_clear()  # before monkeypatch restores load: the real op again
