@@ -362,7 +362,7 @@ class RobertaLayer(nn.Module):
 
     In fp32 CPU inference (plain, rf.prepack or rf.quantize) the layer runs as one C++ op
     (csrc/inference_layer.cpp): the same ops as the Python path below, bit for bit, without the
-    Python between them (on a short int8 request, about a fifth of its time; docs/inference.md).
+    Python between them (on a short int8 request, up to a fifth of its time; docs/inference.md).
     """
 
     cpu_inference_layer = True  # False: always the Python path (the C++ layer's reference: tests, profiling)
