@@ -7,6 +7,8 @@ packed segments (cu_seqlens), one unmasked row and a one-token request. And wher
 cannot do what the Python path does (hooks, attention probabilities, gradients, training, export,
 an extension built without the op), the Python path must run instead.
 """
+import threading
+import time
 import types
 
 import pytest
@@ -213,3 +215,43 @@ def test_without_the_compiled_op_the_python_path_runs(monkeypatch):
                 assert torch.equal(model(ids, attention_mask=mask).last_hidden_state, want)
     finally:
         _ext.optional.cache_clear()  # before monkeypatch restores load: the real op again
+
+
+def longest_gap_during(call, attempts: int = 3) -> float:
+    """The longest time another Python thread went without running while `call` ran, as a fraction
+    of the call's time (the smallest of `attempts` tries). That thread wakes every millisecond, so
+    the fraction is small where `call` lets go of the GIL and near 1 where it holds it throughout."""
+    fractions = []
+    for _ in range(attempts):
+        stamps, done = [], threading.Event()
+
+        def tick():
+            while not done.is_set():
+                stamps.append(time.perf_counter())
+                time.sleep(0.001)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(0.01)
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+        done.set()
+        ticker.join()
+        inside = [start] + [t for t in stamps if start < t < end] + [end]
+        fractions.append(max(b - a for a, b in zip(inside, inside[1:])) / (end - start))
+    return min(fractions)
+
+
+def test_the_cpp_layer_lets_other_python_threads_run(calls):
+    """A server's other Python threads (tokenizing, another request) run while a layer computes:
+    the C++ op releases the GIL, as each ATen op of the Python path does."""
+    torch.manual_seed(0)
+    config = rf.RobertaConfig(vocab_size=97, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                              max_position_embeddings=64)
+    layer = RobertaLayer(config).eval()
+    x = torch.randn(1, 2048, 256)  # ~70 ms on one layer of a 2-core CPU, 70 of the other thread's ticks
+    with torch.inference_mode():
+        gap = longest_gap_during(lambda: layer(x))
+    assert len(calls) == 3
+    assert gap < 0.5, f"the other thread stood still for {gap:.0%} of the layer's call"
