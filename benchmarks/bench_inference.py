@@ -82,6 +82,11 @@ from roberta_fast.quantization import default_activation_bits, default_engine, o
 INT8_CONTENDERS = ("rf-int8", "rf-int8-7bit", "rf-int8-whole", "rf-int8-fbgemm", "rf-int8-auto",
                    "rf-int8-onnxruntime", "onnxruntime-int8", "onnxruntime-int8-7bit", "hf-int8")
 
+# every contender `contenders` can build, for `--only` (a misspelt name is refused, not silently left out)
+CONTENDERS = ("hf-sdpa", "hf-eager", "hf-compile", "hf-patched", "rf-fused", "rf-reference", "rf-unpadded",
+              "rf-padded", "rf-unpadded-whole", "rf-compile", "onnxruntime", "rf-prepacked", "rf-fp16-weights",
+              *INT8_CONTENDERS)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -450,7 +455,7 @@ def evaluate_targets(results, device, weights=(), off_target=None):
     return out
 
 
-def main():
+def parser():
     p = bc.parser(__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile contenders")
@@ -467,7 +472,15 @@ def main():
     p.add_argument("--note", default=None, help="a sentence kept in the record (e.g. what else ran on the machine)")
     p.add_argument("--head", choices=sorted(HEAD_CLASSES), default="encoder",
                    help="encoder (RobertaModel, the default) or mlm (RobertaForMaskedLM, logits at every position)")
+    return p
+
+
+def main():
+    p = parser()
     args = p.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(CONTENDERS)) if args.only else []
+    if unknown:
+        p.error(f"--only: no contender named {', '.join(unknown)}; the contenders are {', '.join(CONTENDERS)}")
     device = torch.device(args.device) if args.device else bc.default_device()
     quick = args.quick
     if quick:

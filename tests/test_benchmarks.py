@@ -195,6 +195,7 @@ def test_inference_benchmark_runs_every_cpu_contender_on_the_same_weights(runs):
     int8 += ["rf-int8-onnxruntime"] if "onnxruntime" in expected else []
     for name in int8:  # int8: within quantization error of fp32
         assert rows[name]["status"] == "ok" and rows[name]["max_abs_diff_vs_hf_fp32"] <= 0.05, rows[name]
+    assert set(rows) <= set(_load_benchmark("bench_inference").CONTENDERS)  # what --only accepts
     record = json.loads((out / "inference.json").read_text())
     weights = {w["engine"]: w for w in record["config"]["int8_linear_weights"]}
     assert set(weights) == {record["config"]["rf_int8_engine"], "fbgemm", "auto"}
@@ -257,6 +258,42 @@ def test_ratios_and_targets():
     assert targets["mfu"]["status"] == ("met" if 0.5 >= T.TARGETS["mfu"] else "missed")
     on_cpu = T.evaluate_targets(rows, torch.device("cpu"))
     assert on_cpu and all(t["status"] == "not evaluated" for t in on_cpu)
+
+
+def test_inference_benchmark_refuses_a_contender_it_does_not_have(monkeypatch, capsys):
+    """--only with a misspelt name stops before anything is built, naming it, instead of leaving
+    that contender out of the record."""
+    bench = _load_benchmark("bench_inference")
+    monkeypatch.setattr(sys, "argv", ["bench_inference.py", "--device", "cpu", "--only", "rf-int8,rf-int9"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert "no contender named rf-int9;" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="cpu_session.sh is a bash script")
+def test_cpu_session_script_runs_the_inference_benchmark_with_flags_it_takes():
+    """benchmarks/cpu_session.sh (the CPU record in one command), rehearsed: every command it would
+    run parses with bench_inference.py's own parser, names only contenders it has and writes its own
+    record under benchmarks/results/; an unknown stage is refused."""
+    import shlex
+    bench = _load_benchmark("bench_inference")
+    env = {**os.environ, "CPU_SESSION_DRY": "1"}
+    script = str(BENCH / "cpu_session.sh")
+    dry = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True)
+    commands = [shlex.split(line) for line in dry.stdout.splitlines()]
+    assert len(commands) == 6  # batches: fixed, uniform; latency: 8, 16, 32 tokens; mlm
+    records = []
+    for command in commands:
+        assert command[:2] == ["python", "benchmarks/bench_inference.py"], command
+        args = bench.parser().parse_args(command[2:])
+        assert args.device == "cpu" and args.only and set(args.only.split(",")) <= set(bench.CONTENDERS), command
+        assert args.json.startswith("benchmarks/results/inference-cpu-"), command
+        records.append(args.json)
+    assert len(set(records)) == len(records)
+    wrong = subprocess.run(["bash", script, "batches", "latencies"], env=env, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "no stage latencies" in wrong.stderr
+    assert not wrong.stdout  # refused before the first stage runs
 
 
 def test_inference_speed_targets_are_not_measured_off_their_shapes():
