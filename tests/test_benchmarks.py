@@ -7,6 +7,7 @@ Performance itself is never asserted: the benchmarks measure it, on a GPU.
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -276,7 +277,6 @@ def test_cpu_session_script_runs_the_inference_benchmark_with_flags_it_takes():
     """benchmarks/cpu_session.sh (the CPU record in one command), rehearsed: every command it would
     run parses with bench_inference.py's own parser, names only contenders it has and writes its own
     record under benchmarks/results/; an unknown stage is refused."""
-    import shlex
     bench = _load_benchmark("bench_inference")
     env = {**os.environ, "CPU_SESSION_DRY": "1"}
     script = str(BENCH / "cpu_session.sh")
