@@ -255,3 +255,41 @@ def test_the_cpp_layer_lets_other_python_threads_run(calls):
         gap = longest_gap_during(lambda: layer(x))
     assert len(calls) == 3
     assert gap < 0.5, f"the other thread stood still for {gap:.0%} of the layer's call"
+
+
+@pytest.mark.parametrize("packing", ["plain", "int8-onednn", "int8-fbgemm", "int8-auto"])
+def test_requests_served_from_threads_side_by_side_get_their_own_outputs(packing, calls):
+    """Serving threads share one model while each layer runs without the GIL: every request's output
+    is the one it gets alone, bit for bit (no state shared between calls: the activations' scales,
+    auto's library choice, oneDNN's and fbgemm's buffers)."""
+    if packing == "int8-auto":
+        if not has_engine("auto"):
+            pytest.skip("needs torch's fbgemm engine and oneDNN's int8 ops")
+        model = rf.quantize(model_of("RobertaModel"), engine="auto")
+    else:
+        skip_without(packing)
+        model = PACKINGS[packing](model_of("RobertaModel"))
+    g = torch.Generator().manual_seed(1)
+    requests = [torch.randint(3, TINY["vocab_size"], (1, int(n)), generator=g)
+                for n in torch.randint(1, 40, (24,), generator=g)]  # 1 to 39 tokens: auto uses both libraries
+    with torch.inference_mode():
+        alone = [model(ids).last_hidden_state for ids in requests]
+    served, differing = [], []
+
+    def serve(first):  # three threads, each a third of the requests, five times over
+        with torch.inference_mode():
+            for _ in range(5):
+                for i in range(first, len(requests), 3):
+                    out = model(requests[i]).last_hidden_state
+                    served.append(i)
+                    if not torch.equal(out, alone[i]):
+                        differing.append(i)
+
+    threads = [threading.Thread(target=serve, args=(first,)) for first in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(served) == sorted(list(range(len(requests))) * 5)
+    assert len(calls) == TINY["num_hidden_layers"] * len(requests) * 6  # the C++ layer: alone, then in threads
+    assert not differing, f"requests {sorted(set(differing))} differ from their outputs alone"
