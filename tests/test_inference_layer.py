@@ -262,13 +262,9 @@ def test_requests_served_from_threads_side_by_side_get_their_own_outputs(packing
     """Serving threads share one model while each layer runs without the GIL: every request's output
     is the one it gets alone, bit for bit (no state shared between calls: the activations' scales,
     auto's library choice, oneDNN's and fbgemm's buffers)."""
-    if packing == "int8-auto":
-        if not has_engine("auto"):
-            pytest.skip("needs torch's fbgemm engine and oneDNN's int8 ops")
-        model = rf.quantize(model_of("RobertaModel"), engine="auto")
-    else:
-        skip_without(packing)
-        model = PACKINGS[packing](model_of("RobertaModel"))
+    skip_without(packing)
+    packings = {**PACKINGS, "int8-auto": lambda m: rf.quantize(m, engine="auto")}
+    model = packings[packing](model_of("RobertaModel"))
     g = torch.Generator().manual_seed(1)
     requests = [torch.randint(3, TINY["vocab_size"], (1, int(n)), generator=g)
                 for n in torch.randint(1, 40, (24,), generator=g)]  # 1 to 39 tokens: auto uses both libraries
