@@ -3,7 +3,8 @@ path (`cpu_inference_layer = False`): the same ops on the same tensors, so every
 state must be equal bit for bit, for plain nn.Linear layers and every packed kernel (rf.quantize's
 int8 on oneDNN and fbgemm, its fp16 weights, rf.prepack's fp32) on awkward inputs: padded rows of
 62, 1 and 5 tokens (unpadded: per-sequence attention), the same batch padded (a dense key mask),
-packed segments (cu_seqlens), one unmasked row and a one-token request. And where the C++ layer
+packed segments (cu_seqlens), one unmasked row and a one-token request; every drop-in class also with
+a 512-token row (roberta-base's longest). And where the C++ layer
 cannot do what the Python path does (hooks, attention probabilities, gradients, training, export,
 an extension built without the op), the Python path must run instead.
 """
@@ -18,7 +19,7 @@ import roberta_fast as rf
 import roberta_fast.model as model_module
 from roberta_fast.model import RobertaLayer
 
-from test_quantize import DROPIN, TINY, awkward_inputs, has_engine, model_of
+from test_quantize import DROPIN, LONGEST, LONGEST_BASE, TINY, awkward_inputs, has_engine, model_of
 
 PACKINGS = {
     "plain": lambda m: m,  # nn.Linear layers: F.linear
@@ -104,12 +105,17 @@ def test_the_cpp_layer_equals_the_python_path_bit_for_bit(packing, calls):
         assert_equal(got, want)
 
 
+@pytest.mark.parametrize("longest", [LONGEST, LONGEST_BASE])
 @pytest.mark.parametrize("cls", DROPIN)
-def test_every_dropin_class_runs_the_cpp_layer_to_the_python_paths_outputs(cls, calls):
-    model = rf.quantize(model_of(cls))
-    ids, mask = awkward_inputs(cls)
+def test_every_dropin_class_runs_the_cpp_layer_to_the_python_paths_outputs(cls, longest, calls):
+    model = rf.quantize(model_of(cls, longest=longest))
+    ids, mask = awkward_inputs(cls, longest=longest)
     got, want = both_paths(model, ids, attention_mask=mask)
-    assert len(calls) == TINY["num_hidden_layers"]
+    encoder = model.roberta if hasattr(model, "roberta") else model
+    rows = ids.view(-1, longest)  # multiple choice: (questions * choices, longest)
+    with torch.inference_mode():  # (rows run in groups past cpu_group_tokens in inference only)
+        groups = encoder._row_groups(rows, mask.view(-1, longest), None) or [rows]
+    assert len(calls) == TINY["num_hidden_layers"] * len(groups)
     assert_equal(got, want)
 
 

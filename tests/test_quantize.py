@@ -5,7 +5,8 @@ must be at most 2x the error of PyTorch's own dynamic quantization
 (torch.ao.quantization.quantize_dynamic of the same four Linear layers per block and of the MLM
 decoder, per-tensor weights) plus 1e-3; and the eager int8 kernels must compute what their plain-aten description
 (`int8_linear_ref`, what export traces) computes, to 1e-4. Shapes: a padded batch holding a
-one-token row and a row as long as the model's positions allow (a tiny config: 62 tokens).
+one-token row and a row as long as the model's positions allow (a tiny config: 62 tokens; the
+tolerance tests also with roberta-base's positions, a 512-token row).
 fp16 weights (dtype=torch.float16) must compute F.linear on the fp16-rounded weights: the model
 equals the fp32 model with those weights rounded, to fp32 summation order (1e-5).
 """
@@ -29,22 +30,24 @@ DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassificatio
 TINY = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
             max_position_embeddings=64, type_vocab_size=1)
 LONGEST = TINY["max_position_embeddings"] - 2  # the model's limit (positions start at pad + 1)
+LONGEST_BASE = 512  # roberta-base's limit (514 positions)
 
 
-def model_of(cls, seed=0):
+def model_of(cls, seed=0, longest=LONGEST):
+    """A tiny `cls` whose positions allow rows of `longest` tokens."""
     torch.manual_seed(seed)
-    return getattr(rf, cls)(rf.RobertaConfig(**TINY)).eval()
+    return getattr(rf, cls)(rf.RobertaConfig(**{**TINY, "max_position_embeddings": longest + 2})).eval()
 
 
-def awkward_inputs(cls, seed=0):
-    """Rows of LONGEST, 1 and 5 real tokens, right-padded (multiple choice: 2 questions x 3 choices)."""
+def awkward_inputs(cls, seed=0, longest=LONGEST):
+    """Rows of `longest`, 1 and 5 real tokens, right-padded (multiple choice: 2 questions x 3 choices)."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([LONGEST, 1, 5, 9, LONGEST, 2] if cls == "RobertaForMultipleChoice" else [LONGEST, 1, 5])
-    ids = torch.randint(3, TINY["vocab_size"], (len(lengths), LONGEST), generator=g)
-    mask = (torch.arange(LONGEST)[None] < lengths[:, None]).long()
+    lengths = torch.tensor([longest, 1, 5, 9, longest, 2] if cls == "RobertaForMultipleChoice" else [longest, 1, 5])
+    ids = torch.randint(3, TINY["vocab_size"], (len(lengths), longest), generator=g)
+    mask = (torch.arange(longest)[None] < lengths[:, None]).long()
     ids[mask == 0] = 1
     if cls == "RobertaForMultipleChoice":
-        ids, mask = ids.view(2, 3, LONGEST), mask.view(2, 3, LONGEST)
+        ids, mask = ids.view(2, 3, longest), mask.view(2, 3, longest)
     return ids, mask
 
 
@@ -84,10 +87,11 @@ def torch_dynamic(model):
     return peer
 
 
+@pytest.mark.parametrize("longest", [LONGEST, LONGEST_BASE])
 @pytest.mark.parametrize("cls", DROPIN)
-def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls):
-    fp32 = model_of(cls)
-    ids, mask = awkward_inputs(cls)
+def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls, longest):
+    fp32 = model_of(cls, longest=longest)
+    ids, mask = awkward_inputs(cls, longest=longest)
     want = outputs(fp32, ids, mask)
     peer = outputs(torch_dynamic(fp32), ids, mask)
     int8 = rf.quantize(copy.deepcopy(fp32))
@@ -99,8 +103,8 @@ def test_int8_outputs_are_within_twice_pytorchs_dynamic_quantization_error(cls):
         assert err <= 2 * peer_err + 1e-3, (err, peer_err)
     assert (got[0] - want[0]).abs().max() > 0  # it did quantize (hidden_states[0], the embeddings, is not)
     # the unpadded path is kept: padded positions stay zero, as in the fp32 model
-    hidden = got[-1].reshape(-1, LONGEST, TINY["hidden_size"])
-    assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
+    hidden = got[-1].reshape(-1, longest, TINY["hidden_size"])
+    assert hidden[mask.reshape(-1, longest) == 0].abs().max() == 0
 
 
 class RoundedDecoder(torch.nn.Module):
@@ -122,10 +126,11 @@ def fp16_rounded(model):
     return rounded
 
 
+@pytest.mark.parametrize("longest", [LONGEST, LONGEST_BASE])
 @pytest.mark.parametrize("cls", DROPIN)
-def test_fp16_weight_models_compute_the_fp32_model_on_fp16_rounded_weights(cls):
-    fp32 = model_of(cls)
-    ids, mask = awkward_inputs(cls)
+def test_fp16_weight_models_compute_the_fp32_model_on_fp16_rounded_weights(cls, longest):
+    fp32 = model_of(cls, longest=longest)
+    ids, mask = awkward_inputs(cls, longest=longest)
     fp16 = rf.quantize(copy.deepcopy(fp32), dtype=torch.float16)
     assert sum(isinstance(m, Fp16WeightLinear) for m in fp16.modules()) == 4 * TINY["num_hidden_layers"]
     got, want, exact = outputs(fp16, ids, mask), outputs(fp16_rounded(fp32), ids, mask), outputs(fp32, ids, mask)
@@ -133,8 +138,8 @@ def test_fp16_weight_models_compute_the_fp32_model_on_fp16_rounded_weights(cls):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert 0 < (got[-1] - exact[-1]).abs().max() < 1e-2  # it did round the weights, and no more than that
-    hidden = got[-1].reshape(-1, LONGEST, TINY["hidden_size"])  # the unpadded path is kept
-    assert hidden[mask.reshape(-1, LONGEST) == 0].abs().max() == 0
+    hidden = got[-1].reshape(-1, longest, TINY["hidden_size"])  # the unpadded path is kept
+    assert hidden[mask.reshape(-1, longest) == 0].abs().max() == 0
 
 
 def test_the_fp16_weight_kernel_computes_linear_on_the_rounded_weights():
