@@ -11,7 +11,9 @@ token classification, question answering or multiple-choice task.
 which has no header row, by column number: --text-field 3 --label-field 1) or JSONL rows
 holding a text, optionally a second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa
 does) and a label (any strings or integers; sorted, they become class ids and the config's
-id2label); validation loss, accuracy and macro-F1. The other tasks' formats and metrics are
+id2label); validation loss, accuracy and macro-F1. Numeric labels that are not all integers
+(GLUE's STS-B scores), or --problem-type regression, train a regression instead: one output,
+MSE loss, Pearson (the best epoch's) and Spearman correlation. The other tasks' formats and metrics are
 described in tasks.py: CoNLL or JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa),
 RACE-style JSONL (choice); every task also reads Parquet / Arrow files and datasets
 save_to_disk directories in the Hub's layouts.
@@ -54,7 +56,7 @@ from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_chec
 from .metrics import MetricsLogger
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
-from .tasks import TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
+from .tasks import PROBLEM_TYPES, TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
 from .train_config import COMMAND_LINE_ONLY
 from .trainer import (Optimizer, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
@@ -77,7 +79,8 @@ class FinetuneConfig:
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
     text_field: str = "text"  # classify: column / JSON field holding the text (column numbers from 0 read a .csv/.tsv without header: CoLA's text 3, label 1)
     pair_field: str | None = None  # classify: column / field of a second text (GLUE: sentence2, hypothesis) (default: none)
-    label_field: str = "label"  # classify: column / field holding the label (any strings or integers)
+    label_field: str = "label"  # classify: column / field holding the label (any strings or integers; scores for a regression)
+    problem_type: str = "auto"  # classify: auto (a regression when every label is a number and some are not integers, as GLUE's STS-B) | single_label_classification | regression
     max_len: int | None = None  # tokens per sequence with the special ones (default: the model's limit, <= 512; qa <= 384)
     doc_stride: int | None = None  # qa: tokens shared by consecutive windows (default: --max-len // 3, run_qa's 128 of 384)
     max_answer_len: int = 30  # qa: longest predicted answer, in tokens
@@ -127,9 +130,15 @@ class Finetuner:
                 raise ValueError(f"--{name} is required")
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
+        if cfg.problem_type not in PROBLEM_TYPES or (cfg.problem_type != "auto" and cfg.task != "classify"):
+            raise ValueError(f"--problem-type {cfg.problem_type!r}: give one of {', '.join(PROBLEM_TYPES)}, "
+                             "with --task classify only")
         if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
                 or not (cfg.lr is None or cfg.lr > 0) or cfg.keep_checkpoints < 1):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4, lr > 0 and keep_checkpoints >= 1")
+        if cfg.n_best < 1 or cfg.max_answer_len < 1:
+            raise ValueError(f"need --n-best >= 1 and --max-answer-len >= 1 (got {cfg.n_best} and "
+                             f"{cfg.max_answer_len}): with none, every predicted answer would be empty")
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device, 0)
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -195,8 +204,10 @@ class Finetuner:
             raise ValueError(f"the checkpoint in {self.out} is of --task {task}, this run is --task "
                              f"{self.cfg.task}: use another --out")
         if state["labels"] != self.names:
-            raise ValueError(f"the checkpoint in {self.out} was trained on labels {state['labels']}, "
-                             f"this data has {self.names}: use another --out")
+            def labels(names):
+                return names or "scores (a regression)"
+            raise ValueError(f"the checkpoint in {self.out} was trained on labels {labels(state['labels'])}, "
+                             f"this data has {labels(self.names)}: use another --out")
         if state["step"] > self.schedule.total_steps:
             raise ValueError(f"the checkpoint in {self.out} is at step {state['step']}, past this run's "
                              f"{self.schedule.total_steps} steps: use another --out")
@@ -318,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            choices = list(TASKS) if f.name == "task" else None
+            choices = {"task": list(TASKS), "problem_type": list(PROBLEM_TYPES)}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, required=required, choices=choices,
                                 metavar=kind.__name__.upper(), help=text)
     return parser

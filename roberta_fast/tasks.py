@@ -4,7 +4,9 @@ their file formats, encoding, batches and metrics. The training loop is finetune
 - classify: CSV, GLUE .tsv (tab-separated, no quoting, as GLUE's loaders read it) or JSONL rows of
   a text, an optional pair text (GLUE: sentence1/sentence2, question/sentence, premise/hypothesis)
   and a label, named by column or, for a file without a header row (CoLA), by column number;
-  accuracy, macro-F1.
+  accuracy, macro-F1. Numeric labels that are not all integers (GLUE's STS-B scores) are a
+  regression, as run_glue decides from the label column's type (or --problem-type): one output,
+  MSE loss, Pearson and Spearman correlation.
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
   column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
@@ -51,6 +53,7 @@ from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, Rober
                     RobertaForTokenClassification)
 
 IGNORE = -100  # label of the tokens the loss skips
+PROBLEM_TYPES = ("auto", "single_label_classification", "regression")  # classify's --problem-type
 
 
 # ------------------------------------------------------------------ shared helpers
@@ -99,8 +102,11 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True):
                 yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
 
 
-def hold_out(train: list, seed: int) -> tuple[list, list]:
+def hold_out(train: list, seed: int, path) -> tuple[list, list]:
     """(train, valid): a deterministic 10% of the examples held out, for runs without --valid."""
+    if len(train) < 2:
+        raise ValueError(f"{path} holds {len(train)} example: too few to hold 10% out for validation and "
+                         "train on the rest; add examples, or pass --valid")
     held = set(np.random.default_rng(seed).permutation(len(train))[: max(1, len(train) // 10)].tolist())
     return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
 
@@ -120,6 +126,61 @@ def label_names(labels) -> list[str]:
     if all(n.lstrip("-").isdigit() for n in names):
         return sorted(names, key=int)
     return sorted(names)
+
+
+def check_known_labels(names, valid_labels, what: str, valid_path, train_path) -> None:
+    """Refuse --valid labels that --train never has: the head would get an output never trained (and a
+    misspelt label would count as a wrong answer), as run_glue takes its label list from the training data."""
+    unseen = collections.Counter(label for label in valid_labels if label not in set(names))
+    if unseen:
+        listed = ", ".join(f"{label!r} ({n}x)" for label, n in sorted(unseen.items()))
+        raise ValueError(f"{valid_path} has {what} that {train_path} never has: {listed}; the training "
+                         f"data's are {names}. Fix the spelling, or add training examples of them")
+
+
+def number(label: str) -> float | None:
+    """The label as a finite float, else None."""
+    try:
+        value = float(label)
+    except ValueError:
+        return None
+    return value if np.isfinite(value) else None
+
+
+def is_regression(labels, problem_type: str, path) -> bool:
+    """Whether classify's labels are scores to regress: --problem-type regression, or (auto) every label
+    is a number and some are not integers ("3.800", as GLUE's STS-B; run_glue decides from the label
+    column's type, which is float then). Integer labels stay classes; --problem-type says otherwise."""
+    if problem_type == "single_label_classification":
+        return False
+    numbers = [number(label) for label in labels]
+    if problem_type == "regression":
+        bad = next((label for label, x in zip(labels, numbers) if x is None), None)
+        if bad is not None:
+            raise ValueError(f"{path}: label {bad!r} is not a finite number; --problem-type regression needs a "
+                             "numeric score on every row")
+        return True
+    return all(x is not None for x in numbers) and not all(label.lstrip("-").isdigit() for label in labels)
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson's r; 0 when either side is constant (undefined there, and never the best epoch's)."""
+    x, y = x - x.mean(), y - y.mean()
+    scale = np.sqrt((x * x).sum() * (y * y).sum())
+    return float((x * y).sum() / scale) if scale > 0 else 0.0
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """0-based ranks, tied values sharing their mean rank (as scipy.stats.rankdata's default)."""
+    ranks = np.empty(len(x))
+    ranks[np.argsort(x, kind="stable")] = np.arange(len(x))
+    _, tie_group, tie_count = np.unique(x, return_inverse=True, return_counts=True)
+    return (np.bincount(tie_group, weights=ranks) / tie_count)[tie_group]
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rank correlation: Pearson's r of the average ranks."""
+    return pearson(average_ranks(x), average_ranks(y))
 
 
 class Task:
@@ -214,27 +275,42 @@ def accuracy_and_macro_f1(predictions: np.ndarray, labels: np.ndarray, num_class
 
 
 class ClassifyTask(Task):
-    name, model_class, best_metric = "classify", RobertaForSequenceClassification, "accuracy"
+    """Sequence classification, or regression on numeric scores (is_regression: names is then [])."""
+
+    name, model_class = "classify", RobertaForSequenceClassification
 
     def __init__(self, cfg):
         train = read_examples(cfg.train, cfg)
         valid = read_examples(cfg.valid, cfg) if cfg.valid else None
+        self.regression = is_regression([e[2] for e in train + (valid or [])], cfg.problem_type,
+                                        cfg.train if valid is None else f"{cfg.train} or {cfg.valid}")
         if valid is None:
-            train, valid = hold_out(train, cfg.seed)
+            train, valid = hold_out(train, cfg.seed, cfg.train)
+        elif not self.regression:
+            check_known_labels(label_names([e[2] for e in train]), [e[2] for e in valid], "labels",
+                               cfg.valid, cfg.train)
         self.train, self.valid = train, valid
-        self.names = label_names([e[2] for e in train + valid])
+        self.names = [] if self.regression else label_names([e[2] for e in train + valid])
+        self.best_metric = "pearson" if self.regression else "accuracy"
 
     def model_kwargs(self):
-        return {"num_labels": len(self.names)}
+        return {"num_labels": 1 if self.regression else len(self.names)}
+
+    def config_extra(self):
+        return {"problem_type": "regression"} if self.regression else super().config_extra()
 
     def describe(self):
+        if self.regression:
+            scores = [float(e[2]) for e in self.train]
+            return f"regression on scores from {min(scores):g} to {max(scores):g} (MSE; Pearson, Spearman)"
         return f"{len(self.names)} classes {self.names}"
 
     def encode(self, tokenizer, max_len):
         index = {name: i for i, name in enumerate(self.names)}
+        label = float if self.regression else index.__getitem__
         self.train_ids, self.valid_ids = (encode(tokenizer, data, max_len) for data in (self.train, self.valid))
-        self.train_labels = [index[e[2]] for e in self.train]
-        self.valid_labels = [index[e[2]] for e in self.valid]
+        self.train_labels = [label(e[2]) for e in self.train]
+        self.valid_labels = [label(e[2]) for e in self.valid]
 
     def __len__(self):
         return len(self.train_ids)
@@ -245,19 +321,30 @@ class ClassifyTask(Task):
             chosen = order[start:start + batch_size]
             x = pad([ids[i] for i in chosen], pad_id)
             yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
-                   "labels": torch.tensor([labels[i] for i in chosen])}
+                   "labels": torch.tensor([labels[i] for i in chosen],
+                                          dtype=torch.float32 if self.regression else torch.long)}
 
     def evaluate(self, run, batch_size, pad_id):
-        losses, predictions = [], []
+        losses, outputs = [], []
         for batch in self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False):
             out = run(batch)
             losses.append(float(out.loss) * len(batch["labels"]))
-            predictions.append(out.logits.argmax(-1).cpu().numpy())
-        accuracy, f1 = accuracy_and_macro_f1(np.concatenate(predictions), np.asarray(self.valid_labels),
-                                             len(self.names))
-        return {"loss": sum(losses) / len(self.valid_ids), "accuracy": accuracy, "f1": f1}
+            logits = out.logits.float().cpu()
+            outputs.append((logits[:, 0] if self.regression else logits.argmax(-1)).numpy())
+        outputs, labels = np.concatenate(outputs), np.asarray(self.valid_labels)
+        loss = sum(losses) / len(self.valid_ids)
+        if self.regression:
+            return {"loss": loss, "pearson": pearson(outputs, labels), "spearman": spearman(outputs, labels)}
+        accuracy, f1 = accuracy_and_macro_f1(outputs, labels, len(self.names))
+        return {"loss": loss, "accuracy": accuracy, "f1": f1}
 
     def baseline_warning(self, best):
+        if self.regression:  # the trivial answer: the training scores' mean, for every example
+            constant = float(np.mean((np.asarray(self.valid_labels) - np.mean(self.train_labels)) ** 2))
+            if best["loss"] >= constant:
+                return (f"no epoch beat always predicting the training scores' mean (MSE {constant:.4f}): "
+                        "the model has not learned the task")
+            return None
         majority = max(np.bincount(self.valid_labels)) / len(self.valid_labels)
         if best["accuracy"] <= majority:
             return (f"no epoch beat always predicting the most frequent class ({majority:.4f}): "
@@ -376,7 +463,10 @@ class TokenTask(Task):
         train = read_tagged(cfg.train)
         valid = read_tagged(cfg.valid) if cfg.valid else None
         if valid is None:
-            train, valid = hold_out(train, cfg.seed)
+            train, valid = hold_out(train, cfg.seed, cfg.train)
+        else:
+            check_known_labels(label_names([t for _, tags in train for t in tags]),
+                               [t for _, tags in valid for t in tags], "tags", cfg.valid, cfg.train)
         self.train, self.valid = train, valid
         self.names = label_names([t for _, tags in train + valid for t in tags])
         self.chunked = is_chunked(self.names)
@@ -639,7 +729,7 @@ class QATask(Task):
         train, v2_train = read_squad(cfg.train)
         valid, v2_valid = read_squad(cfg.valid) if cfg.valid else (None, False)
         if valid is None:
-            train, valid = hold_out(train, cfg.seed)
+            train, valid = hold_out(train, cfg.seed, cfg.train)
         self.train, self.valid, self.version_2 = train, valid, v2_train or v2_valid
         self.names = []
 
@@ -733,10 +823,10 @@ def read_choices(path) -> list[ChoiceExample]:
                                  f"string article and question (the object has {sorted(row)})")
             if not (isinstance(options, list) and len(options) >= 2 and all(isinstance(o, str) for o in options)):
                 raise ValueError(f"{where}: \"options\" must be a list of at least 2 strings")
+            if examples and len(options) != len(examples[0].options):
+                raise ValueError(f"{where}: question {question!r} has {len(options)} options, the first question "
+                                 f"{len(examples[0].options)}; every question needs the same number")
             examples.append(ChoiceExample(article, question, options, _answer_index(answer, len(options), where)))
-        if examples and len(examples[-1].options) != len(examples[0].options):
-            raise ValueError(f"{where}: {len(examples[-1].options)} options, the first question has "
-                             f"{len(examples[0].options)}; every question needs the same number")
     if not examples:
         raise ValueError(f"{path} holds no questions")
     return examples
@@ -771,7 +861,7 @@ class ChoiceTask(Task):
         train = read_choices(cfg.train)
         valid = read_choices(cfg.valid) if cfg.valid else None
         if valid is None:
-            train, valid = hold_out(train, cfg.seed)
+            train, valid = hold_out(train, cfg.seed, cfg.train)
         if len(valid[0].options) != len(train[0].options):
             raise ValueError(f"{cfg.valid}: {len(valid[0].options)} options per question, {cfg.train} has "
                              f"{len(train[0].options)}; both need the same number")

@@ -212,6 +212,103 @@ def test_bad_input_names_the_problem(task, tmp_path, capsys):
     assert "--max-len 40 exceeds the model's 32 positions; use --max-len 32 or less" in capsys.readouterr().err
 
 
+def test_labels_only_in_valid_a_one_example_file_and_empty_qa_answers_are_refused(task, tmp_path):
+    """Each would train something other than asked, silently: a class the head never trains (a misspelt
+    dev label), no training data left after the hold-out, QA settings under which every answer is empty."""
+    dev = tmp_path / "dev.csv"
+    dev.write_text("sentence,label\nsunny river,pos\ncloud stone,neutral\ncloud,neutral\n")
+    with pytest.raises(ValueError, match=r"dev.csv has labels that .*train.csv never has: 'neutral' \(2x\); "
+                                         r"the training data's are \['neg', 'pos'\]"):
+        Finetuner(config(task, tmp_path / "a", valid=str(dev)), log=lambda *_: None)
+    one = tmp_path / "one.csv"
+    one.write_text("sentence,label\nsunny river,pos\n")
+    with pytest.raises(ValueError, match=r"one.csv holds 1 example: too few to hold 10% out .* pass --valid"):
+        Finetuner(config(task, tmp_path / "b", train=str(one), valid=None), log=lambda *_: None)
+    for bad in (dict(n_best=0), dict(max_answer_len=0)):
+        with pytest.raises(ValueError, match=r"need --n-best >= 1 and --max-answer-len >= 1"):
+            Finetuner(config(task, tmp_path / "c", **bad), log=lambda *_: None)
+    with pytest.raises(ValueError, match=r"--problem-type 'regresion': give one of auto, single_label_classification"):
+        Finetuner(config(task, tmp_path / "d", problem_type="regresion"), log=lambda *_: None)
+
+
+def scores_task(task, tmp_path, scores: dict) -> tuple[str, str]:
+    """The fixture's sentences as a GLUE STS-B-style .tsv pair (train, dev): a score per class word."""
+    paths = []
+    for split, source in (("train", task / "train.csv"), ("dev", task / "valid.jsonl")):
+        rows = (csv.DictReader(open(source, newline="")) if split == "train"
+                else map(json.loads, open(source)))
+        path = tmp_path / f"sts-{split}.tsv"
+        path.write_text("index\tsentence1\tsentence2\tscore\n" + "".join(
+            f"{i}\tcloud\t{r['sentence']}\t{scores[r['label']]}\n" for i, r in enumerate(rows)))
+        paths.append(str(path))
+    return paths
+
+
+def test_numeric_scores_train_a_regression_as_run_glue(task, tmp_path):
+    """GLUE's STS-B: scores such as "4.200" make a regression (run_glue decides so from the label column's
+    type): one output trained on the MSE, Pearson and Spearman per epoch, exported with problem_type
+    "regression" so that transformers computes the same loss and the pipeline returns the raw score."""
+    transformers = pytest.importorskip("transformers")
+    train, dev = scores_task(task, tmp_path, {"pos": "4.200", "neg": "0.800"})
+    cfg = config(task, tmp_path / "run", train=train, valid=dev, text_field="sentence1", pair_field="sentence2",
+                 label_field="score", epochs=6, lr=1e-2)
+    tuner = Finetuner(cfg, log=lambda *_: None)
+    assert tuner.task.regression and tuner.model.num_labels == 1
+    batch = next(tuner.task.batches(np.arange(4), 4, tuner.pad_id))
+    assert batch["labels"].dtype == torch.float32 and batch["labels"].tolist() == pytest.approx(
+        [tuner.task.train_labels[i] for i in range(4)])
+    result = tuner.run()
+    assert set(result["last"]) == {"loss", "pearson", "spearman"}
+    assert result["best"]["pearson"] >= 0.9 and result["best"]["spearman"] >= 0.8, result
+    exported = tmp_path / "run" / "model"
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(exported).eval()
+    assert hf.config.problem_type == "regression" and hf.config.num_labels == 1
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    inputs = hf_tok(["cloud", "cloud"], ["sunny river", "rainy stone"], padding=True, return_tensors="pt")
+    labels = torch.tensor([4.2, 0.8])
+    with torch.no_grad():
+        expected = hf(**inputs, labels=labels)
+        ours = rf.RobertaForSequenceClassification.from_pretrained(exported).eval()(**inputs, labels=labels)
+    torch.testing.assert_close(ours.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.loss, F_mse(expected.logits[:, 0], labels), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(expected.loss, ours.loss, rtol=1e-5, atol=1e-6)
+    score = transformers.pipeline("text-classification", model=str(exported))({"text": "cloud", "text_pair": "sunny"})
+    assert score["score"] == pytest.approx(float(expected.logits[0, 0]), abs=0.5)  # a raw score, not a softmax
+
+
+def F_mse(predictions, targets):
+    return ((predictions - targets) ** 2).mean()
+
+
+def test_integer_labels_stay_classes_unless_problem_type_says_regression(task, tmp_path):
+    from roberta_fast.tasks import ClassifyTask
+
+    train, dev = scores_task(task, tmp_path, {"pos": "4", "neg": "1"})
+    fields = dict(train=train, valid=dev, text_field="sentence1", pair_field="sentence2", label_field="score")
+    assert ClassifyTask(config(task, tmp_path, **fields)).names == ["1", "4"]
+    assert ClassifyTask(config(task, tmp_path, problem_type="regression", **fields)).regression
+    train, dev = scores_task(task, tmp_path, {"pos": "4.5", "neg": "1.5"})
+    fields.update(train=train, valid=dev)
+    assert ClassifyTask(config(task, tmp_path, problem_type="single_label_classification", **fields)).names == [
+        "1.5", "4.5"]
+    with pytest.raises(ValueError, match=r"train.csv: label 'pos' is not a finite number; --problem-type "
+                                         r"regression needs a numeric score on every row"):
+        ClassifyTask(config(task, tmp_path, problem_type="regression", valid=None))
+
+
+def test_correlations_follow_their_definitions():
+    from roberta_fast.tasks import average_ranks, pearson, spearman
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=50), rng.normal(size=50)
+    assert pearson(x, y) == pytest.approx(np.corrcoef(x, y)[0, 1])
+    assert pearson(x, np.full(50, 3.0)) == 0.0  # undefined: never NaN (the best epoch compares with >)
+    assert average_ranks(np.array([3.0, 1.0, 2.0, 2.0, 5.0])).tolist() == [3.0, 0.0, 1.5, 1.5, 4.0]
+    assert spearman(x, np.exp(x)) == pytest.approx(1.0) and spearman(x, -x ** 3) == pytest.approx(-1.0)
+    ties_x, ties_y = np.array([1.0, 2.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0, 4.0])
+    assert spearman(ties_x, ties_y) == pytest.approx(np.corrcoef([0, 1.5, 1.5, 3], [0, 2, 1, 3])[0, 1])
+
+
 def test_max_len_defaults_to_the_models_limit(task, tmp_path):
     """The model has 34 positions (32 tokens: positions start after the pad id), so a
     default --max-len of 256 would be refused; the default is the model's own limit."""

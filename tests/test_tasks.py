@@ -206,6 +206,20 @@ def test_race_reader_and_encoding(tok, tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:1: answer 'C' is not one of the 2 options; give a letter "
                                          r"'A'..'B'"):
         read_choices(bad)
+    article = {"article": "a", "questions": ["q1", "q2", "q3"], "options": [["x", "y"], ["x", "y", "z"], ["x", "y"]],
+               "answers": ["A", "B", "A"]}  # the middle question, not only an article's last, is checked
+    bad.write_text(json.dumps(article) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: question 'q2' has 3 options, the first question 2; every "
+                                         r"question needs the same number"):
+        read_choices(bad)
+
+
+def test_tags_only_in_the_validation_file_are_refused(model_dir, tmp_path):
+    """A tag --valid has and --train never does would be a head output never trained: refused, named."""
+    dev = tmp_path / "dev.conll"
+    dev.write_text("Peter B-PER\nvisited O\nParis B-PLACE\n")
+    with pytest.raises(ValueError, match=r"dev.conll has tags that .*conll2003_sample.txt never has: 'B-PLACE' \(1x\)"):
+        run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(dev))
 
 
 # ----------------------------------------------------------------------- end to end
