@@ -700,7 +700,9 @@ class RobertaModel(_PreTrained):
         (ops.unpad_impl decides), a padded batch runs unpadded: masked tokens are dropped
         once before the embeddings, the layers run on the packed tokens with
         variable-length attention, and the outputs are re-padded with zeros at masked
-        positions (set `model.unpad = False` to compute those positions as HF does).
+        positions (set `model.unpad = False` to compute those positions as HF does). A batch
+        with a row whose first token is masked (left padding) runs padded: the pooler and
+        the classification head read position 0, which HF computes from the pad token.
 
         Packed rows (several documents per row, DOC-SENTENCES packing): `cu_seqlens`
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
@@ -738,7 +740,7 @@ class RobertaModel(_PreTrained):
                 or torch.compiler.is_compiling()
                 or ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) != "sdpa"):
             return None
-        if attention_mask is not None and self.unpad:
+        if attention_mask is not None and self.unpad and bool(attention_mask[:, :1].bool().all()):  # (from_mask)
             lengths = attention_mask.bool().sum(dim=1).expand(batch).tolist()
         else:
             lengths = [seqlen] * batch
@@ -777,9 +779,7 @@ class RobertaModel(_PreTrained):
             else:  # the same attention as a dense (batch, seqlen, seqlen) block-diagonal mask
                 attention_mask = _segment_mask(cu_seqlens, *shape)
         elif varlen and self.unpad and attention_mask is not None:
-            packing = _Packing.from_mask(attention_mask)
-            if packing is None:  # every token attended: the kernels need no mask either
-                attention_mask = None
+            packing, attention_mask = _Packing.from_mask(attention_mask)
         if packing is not None:
             input_ids, position_ids, token_type_ids, inputs_embeds = (
                 packing.pack(t) for t in (input_ids, position_ids, token_type_ids, inputs_embeds))
@@ -827,17 +827,24 @@ class _Packing:
 
     @classmethod
     def from_mask(cls, attention_mask):
-        """Keep the attended tokens of each row, each row one sequence; None when none is masked."""
+        """(packing, the mask the layers still need): each row's attended tokens packed as one
+        sequence, no mask; (None, None) when every token is attended; (None, attention_mask) when
+        a row's first token is masked (left padding): the pooler and the classification head read
+        position 0, whose hidden state transformers computes from the pad token, so that batch
+        runs padded, as transformers runs it."""
         keep = attention_mask.bool()
         lengths = keep.sum(dim=1, dtype=torch.int32)
-        total, longest = torch.stack([lengths.sum(), lengths.max()]).tolist()  # the one host sync
+        # the one host sync
+        total, longest, first_kept = torch.stack([lengths.sum(), lengths.max(), keep[:, :1].all()]).tolist()
         if total == keep.numel():
-            return None
+            return None, None
+        if not first_kept:
+            return None, attention_mask
         cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (batch + 1,)
         # the kept positions in order, as nonzero() gives them, without its second sync:
         # a stable sort of "masked" (0 before 1) puts them first
         indices = torch.argsort(keep.flatten().logical_not().to(torch.uint8), stable=True)[:total]
-        return cls(keep.shape, cu_seqlens, longest, indices)  # indices: (total_tokens,) into batch·seqlen
+        return cls(keep.shape, cu_seqlens, longest, indices), None  # indices: (total_tokens,) into batch·seqlen
 
     def pack(self, t):
         """(batch, seqlen, ...) -> (total_tokens, ...); None stays None."""

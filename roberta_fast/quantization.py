@@ -28,7 +28,7 @@ torch._int_mm eagerly, 10-30x slower than fp32 (its fast CPU path needs torch.co
 Numerics: the activations are quantized as fbgemm does on x86, one scale over the whole input
 (so a row's output depends slightly on the other rows of its batch, or of its group of rows past
 1024 tokens (RobertaModel.encode), as with ONNX Runtime's and PyTorch's dynamic quantization;
-unpadded, padding takes no part in the scale), to 8 bits where
+unpadded, padding takes no part in the scale; a left-padded batch runs padded: RobertaModel.encode), to 8 bits where
 the CPU's int8 kernels sum u8·s8 products exactly (VNNI or AMX: `vpdpbusd` adds them into int32)
 and to 7 bits elsewhere (reduce_range: without VNNI the kernels add product pairs into int16,
 `vpmaddubsw`, which 8-bit activations saturate: measured 9% off on oneDNN's AVX2 kernel).

@@ -1,0 +1,47 @@
+"""The drop-in classes under the transformers idioms users write: left-padded batches on the unpadded
+path, config.problem_type / id2label set after loading, from_pretrained and save_pretrained keyword
+arguments, broadcast (1, seqlen) position and token type ids, use_cache. Each against transformers
+itself on a tiny config, or a clear refusal where roberta_fast does not do what transformers would.
+"""
+import json
+
+import pytest
+import torch
+
+import roberta_fast as rf
+
+transformers = pytest.importorskip("transformers")
+
+FIELDS = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=66, type_vocab_size=2)
+
+
+def hf_model(cls, **extra):
+    torch.manual_seed(0)
+    return getattr(transformers, cls)(transformers.RobertaConfig(**{**FIELDS, **extra})).eval()
+
+
+def left_padded(rows=3, seqlen=10, pad=3, seed=0):
+    """(ids, mask): row 0 full, the others left-padded by `pad` with different content."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, FIELDS["vocab_size"], (rows, seqlen), generator=g)
+    ids[:, 0], ids[:, -1] = 0, 2
+    mask = torch.ones_like(ids)
+    ids[1:, :pad], mask[1:, :pad], ids[1:, pad] = 1, 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("cls", ["RobertaForSequenceClassification", "RobertaForMultipleChoice", "RobertaModel"])
+def test_left_padding_on_the_unpadded_path_matches_transformers(cls):
+    """Position 0 (read by the pooler and the classification head) is a pad token under left padding;
+    the CPU's no-grad unpadded path once gave it a zero hidden state, so every left-padded row got
+    the same logits. Such a batch runs padded, as transformers runs it."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    ids, mask = left_padded(rows=4)
+    if cls == "RobertaForMultipleChoice":
+        ids, mask = ids.view(2, 2, -1), mask.view(2, 2, -1)
+    with torch.no_grad():
+        want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
+    key = "pooler_output" if cls == "RobertaModel" else "logits"
+    torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
