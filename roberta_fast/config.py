@@ -17,6 +17,8 @@ from typing import Any
 _PASSTHROUGH_DEFAULTS = {"architectures": None, "tie_word_embeddings": True}
 # The output flags, with the defaults config.json leaves out.
 _OUTPUT_FLAGS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True}
+# transformers' problem_type values: the loss RobertaForSequenceClassification computes.
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 # HF settings that make RoBERTa a causal decoder (with cross-attention): another model.
 DECODER_SETTINGS = ("is_decoder", "add_cross_attention")
 
@@ -118,6 +120,15 @@ class RobertaConfig:
         decoder = decoder_error(self.extra, "the config")
         if decoder:
             errors.append(decoder)
+        if "num_labels" in self.extra:  # a dict's num_labels, as transformers' config takes it
+            num_labels = self.extra.pop("num_labels")
+            if "id2label" not in self.extra:
+                self.num_labels = num_labels
+        if self.problem_type not in (None, *PROBLEM_TYPES):
+            errors.append(f"problem_type must be None or one of {PROBLEM_TYPES}, got {self.problem_type!r}")
+        elif self.problem_type == "single_label_classification" and self.num_labels == 1:
+            errors.append('problem_type="single_label_classification" needs num_labels > 1 (for one output '
+                          'use problem_type="regression")')
         if errors:
             raise ValueError("Invalid RobertaConfig:\n  - " + "\n  - ".join(errors))
 
@@ -138,6 +149,60 @@ class RobertaConfig:
     def use_return_dict(self) -> bool:
         """transformers' older name of return_dict."""
         return self.return_dict
+
+    # transformers' PretrainedConfig label fields, kept in `extra` (so config.json carries them as
+    # transformers writes them): the class names, and which loss the classification head computes.
+    @property
+    def id2label(self) -> dict[int, str]:
+        """Class id -> name; transformers' default is two classes, LABEL_0 and LABEL_1."""
+        labels = self.extra.get("id2label")
+        if labels is None:
+            return {0: "LABEL_0", 1: "LABEL_1"}
+        if not all(isinstance(k, int) for k in labels):  # config.json's keys are strings
+            labels = self.extra["id2label"] = {int(k): v for k, v in labels.items()}
+        return labels
+
+    @id2label.setter
+    def id2label(self, value: dict | None):
+        if value is None:
+            self.extra.pop("id2label", None)
+        else:
+            self.extra["id2label"] = {int(k): v for k, v in value.items()}
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        """Class name -> id: the config's, else id2label's inverse."""
+        labels = self.extra.get("label2id")
+        return {v: k for k, v in self.id2label.items()} if labels is None else labels
+
+    @label2id.setter
+    def label2id(self, value: dict | None):
+        if value is None:
+            self.extra.pop("label2id", None)
+        else:
+            self.extra["label2id"] = value
+
+    @property
+    def num_labels(self) -> int:
+        """len(id2label); setting another count names the classes LABEL_0, LABEL_1, ... (as transformers)."""
+        return len(self.id2label)
+
+    @num_labels.setter
+    def num_labels(self, value: int):
+        if "id2label" not in self.extra or self.num_labels != value:
+            self.id2label = {i: f"LABEL_{i}" for i in range(value)}
+            self.label2id = {f"LABEL_{i}": i for i in range(value)}
+
+    @property
+    def problem_type(self) -> str | None:
+        """The sequence-classification loss (PROBLEM_TYPES); None: inferred from the labels, as transformers."""
+        return self.extra.get("problem_type")
+
+    @problem_type.setter
+    def problem_type(self, value: str | None):
+        if value not in (None, *PROBLEM_TYPES):
+            raise ValueError(f"problem_type must be None or one of {PROBLEM_TYPES}, got {value!r}")
+        self.extra["problem_type"] = value
 
     @property
     def head_dim(self) -> int:

@@ -964,15 +964,13 @@ def _added_embeddings(old, added: int, mean_resizing: bool, std: float):
 
 
 def _num_labels(config: RobertaConfig, num_labels: int | None) -> int:
-    """The argument, else the config's `id2label` (HF config.json), else 2; the config's
-    id2label / label2id are made to match (transformers reads num_labels from them)."""
+    """The argument, else the config's (len(id2label), 2 by default); config.num_labels is made
+    to match, so the config reports the head's size (and names its classes)."""
     if num_labels is None:
-        num_labels = len(config.extra.get("id2label") or {}) or config.extra.get("num_labels", 2)
+        num_labels = config.num_labels
     if num_labels < 1:
         raise ValueError(f"num_labels must be >= 1, got {num_labels}")
-    if len(config.extra.get("id2label") or {}) != num_labels:
-        config.extra["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        config.extra["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    config.num_labels = num_labels
     return num_labels
 
 
@@ -1034,7 +1032,7 @@ class RobertaForSequenceClassification(_PreTrained):
         return self._result(out, return_dict)
 
     def _loss(self, logits, labels):
-        problem = self.config.extra.get("problem_type")
+        problem = self.config.problem_type
         if problem is None:
             if self.num_labels == 1:
                 problem = "regression"

@@ -45,3 +45,26 @@ def test_left_padding_on_the_unpadded_path_matches_transformers(cls):
         want, got = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
     key = "pooler_output" if cls == "RobertaModel" else "logits"
     torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_label_fields_read_and_write_as_in_transformers(tmp_path):
+    """config.num_labels / id2label / label2id / problem_type: transformers' defaults, the head's size,
+    set after loading and honoured by the loss and by save_pretrained."""
+    assert (rf.RobertaConfig(**FIELDS).id2label, rf.RobertaConfig(**FIELDS).problem_type) == (
+        transformers.RobertaConfig().id2label, None)
+    hf = hf_model("RobertaForSequenceClassification", num_labels=3)
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
+    for attr in ("num_labels", "id2label", "label2id", "problem_type"):
+        assert getattr(ours.config, attr) == getattr(hf.config, attr), attr
+    ids, labels = left_padded(rows=2)[0], torch.tensor([[1.0, 0, 1], [0, 1, 0]])
+    names = {0: "neg", 1: "mid", 2: "pos"}
+    for model in (hf, ours):
+        model.config.problem_type = "regression"  # float labels: otherwise multi-label
+        model.config.id2label, model.config.label2id = names, {v: k for k, v in names.items()}
+    torch.testing.assert_close(ours(ids, labels=labels).loss, hf(input_ids=ids, labels=labels).loss)
+    ours.save_pretrained(tmp_path)
+    back = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (back.problem_type, back.id2label, back.label2id) == ("regression", names, hf.config.label2id)
+    assert rf.RobertaForSequenceClassification.from_pretrained(tmp_path).config.id2label == names
+    with pytest.raises(ValueError, match="problem_type"):
+        ours.config.problem_type = "regresion"

@@ -102,7 +102,7 @@ def test_token_classification_from_a_directory_and_its_refusals(tmp_path):
     fields = CONFIGS["hd8"]
     hf_model("RobertaForTokenClassification", fields, num_labels=4).save_pretrained(tmp_path)
     ours = rf.RobertaForTokenClassification.from_pretrained(tmp_path)
-    assert ours.num_labels == 4 and ours.config.extra["id2label"]["3"] == "LABEL_3"
+    assert ours.num_labels == 4 and ours.config.id2label[3] == "LABEL_3"
     inputs = batch(fields)
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\)"):
         ours(**inputs, labels=torch.full(inputs["input_ids"].shape, 4))
