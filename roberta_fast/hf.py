@@ -9,6 +9,9 @@ directory or a Hub name (roberta_fast.hub).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import json
 import os
 import re
@@ -17,7 +20,7 @@ import warnings
 import torch
 
 from . import hub
-from .config import RobertaConfig
+from .config import DECODER_SETTINGS, RobertaConfig
 
 # Native name suffix <-> HF name suffix, per encoder layer ({i} is the layer index).
 _LAYER_RENAMES = {
@@ -104,8 +107,9 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
 
 
 # ------------------------------------------------------------------ checkpoints
-def read_hf_checkpoint(path_or_model, revision: str | None = None) -> tuple[RobertaConfig, dict]:
-    """(config, HF-named state dict) from an HF model directory, a Hub name or a `transformers` model."""
+def read_hf_checkpoint(path_or_model, revision: str | None = None, **download) -> tuple[RobertaConfig, dict]:
+    """(config, HF-named state dict) from an HF model directory, a Hub name or a `transformers` model;
+    `download`: huggingface_hub's options for a Hub name (hub.model_dir)."""
     if isinstance(path_or_model, torch.nn.Module):
         hf_config = getattr(path_or_model, "config", None)
         if hf_config is None or not hasattr(hf_config, "to_dict"):
@@ -118,7 +122,7 @@ def read_hf_checkpoint(path_or_model, revision: str | None = None) -> tuple[Robe
         state = {k: v.detach() for k, v in path_or_model.state_dict().items()}
         return config, state
 
-    path = hub.model_dir(path_or_model, revision)
+    path = hub.model_dir(path_or_model, revision, **download)
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"{path!r} is not a directory: from_pretrained takes an HF model directory (config.json "
@@ -157,10 +161,98 @@ def _load_bin(file: str) -> dict:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
+# transformers' from_pretrained options. Where files come from: passed to huggingface_hub for a Hub name.
+_DOWNLOAD_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "proxies")
+# Options that change nothing here: no code is ever run from a checkpoint (trust_remote_code), .bin files
+# are always read with weights_only=True, safetensors or .bin hold the same weights, and the rest
+# transformers 5 ignores itself.
+_NO_EFFECT_KWARGS = ("trust_remote_code", "weights_only", "use_safetensors", "disable_mmap", "low_cpu_mem_usage",
+                     "_fast_init", "mirror", "from_tf", "from_flax", "offload_state_dict", "_from_auto",
+                     "_from_pipeline", "tqdm_class", "_commit_hash")
+_QUANTIZE = "load the fp32 model and call rf.quantize(model) (int8 or fp16-weight CPU inference)"
+# Options whose effect roberta_fast does not implement: refused unless left at their default.
+_UNSUPPORTED_KWARGS = {
+    "quantization_config": _QUANTIZE, "load_in_8bit": _QUANTIZE, "load_in_4bit": _QUANTIZE,
+    "subfolder": "pass the subfolder's own path (download a Hub repository's subfolder first)",
+    "variant": "pass a directory whose weights are model.safetensors or pytorch_model.bin",
+    "gguf_file": "convert the GGUF file to an HF directory first",
+    "key_mapping": "rename the weights to transformers' RoBERTa names first",
+    "max_memory": "the whole model is loaded on one device (`device=`)",
+    "offload_folder": "the whole model is loaded on one device (`device=`)",
+    "offload_buffers": "the whole model is loaded on one device (`device=`)",
+    "tp_plan": "roberta_fast has no tensor parallelism; wrap the model in DistributedDataParallel to train on several GPUs",
+    "tp_size": "roberta_fast has no tensor parallelism",
+    "distributed_config": "roberta_fast has no tensor parallelism",
+    "device_mesh": "roberta_fast has no tensor parallelism",
+    "adapter_kwargs": "load the model, then the adapter with peft.PeftModel.from_pretrained",
+    "use_kernels": "roberta_fast's own kernels run with backend='fused'",
+    "kernel_config": "roberta_fast's own kernels run with backend='fused'",
+    "fusion_config": "roberta_fast's own kernels run with backend='fused'",
+    "state_dict": "build the model from its config and call load_state_dict",
+}
+# transformers' config attributes a from_pretrained keyword may set, besides RobertaConfig's fields.
+_CONFIG_KWARGS = ("num_labels", "id2label", "label2id", "problem_type", "use_cache", "tie_word_embeddings",
+                  "architectures", *DECODER_SETTINGS)
+
+
+def _loading_options(kwargs: dict) -> dict:
+    """Pop transformers' from_pretrained options from `kwargs`: returns the Hub download ones; drops
+    those with no effect here; refuses, naming the argument, those whose effect is not implemented."""
+    for name in _NO_EFFECT_KWARGS:
+        kwargs.pop(name, None)
+    for name, advice in _UNSUPPORTED_KWARGS.items():
+        value = kwargs.pop(name, None)
+        if value not in (None, False, "", {}):
+            raise ValueError(f"from_pretrained({name}={value!r}) is not supported by roberta_fast: {advice}")
+    attn = kwargs.pop("attn_implementation", None)
+    if attn not in (None, "eager", "sdpa"):
+        raise ValueError(
+            f"from_pretrained(attn_implementation={attn!r}) is not supported: roberta_fast computes the function "
+            "of transformers' 'eager' and 'sdpa' attention with its own kernels (backend='fused' on a GPU); "
+            "leave it out or pass 'eager' or 'sdpa'")
+    return {name: kwargs.pop(name) for name in _DOWNLOAD_KWARGS if name in kwargs}
+
+
+def _single_device(device_map):
+    """transformers' device_map naming one device ("cpu", "cuda:0", 0, a torch.device, {"": device}) ->
+    that device, None for None; a map spreading the model over devices is refused."""
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device_map is None or isinstance(device_map, torch.device):
+        return device_map
+    try:
+        device = torch.device(device_map) if isinstance(device_map, (str, int)) else None
+    except RuntimeError:
+        device = None
+    if device is None or device.type in ("meta", "disk"):
+        raise ValueError(
+            f"from_pretrained(device_map={device_map!r}) is not supported: roberta_fast loads the whole model on "
+            "one device; pass device='cuda' (or device_map='cuda:0', 'cpu'), or call .to(device) after loading")
+    return device
+
+
+def _updated_config(config, kwargs: dict) -> RobertaConfig:
+    """A copy of `config` (a RobertaConfig, a transformers config or a path) with the keywords of `kwargs`
+    that name config attributes popped and applied, checked as a config.json's (num_labels renames the
+    classes LABEL_0, ... when it changes their count)."""
+    if not isinstance(config, RobertaConfig):
+        config = (RobertaConfig.from_dict(config.to_dict()) if hasattr(config, "to_dict")
+                  else RobertaConfig.from_pretrained(config))
+    fields = {f.name for f in dataclasses.fields(RobertaConfig)} - {"extra"}
+    updates = {k: kwargs.pop(k) for k in list(kwargs) if k in fields | set(_CONFIG_KWARGS) | set(config.extra)}
+    num_labels = updates.pop("num_labels", None)
+    config = dataclasses.replace(config, **{k: v for k, v in updates.items() if k in fields},
+                                 extra=copy.deepcopy({**config.extra, **{k: v for k, v in updates.items()
+                                                                          if k not in fields}}))
+    if num_labels is not None:
+        config.num_labels = num_labels
+    return config
+
+
 def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtype | None = None,
                     device: str | torch.device | None = None, revision: str | None = None,
                     output_loading_info: bool = False, torch_dtype: torch.dtype | None = None,
-                    ignore_mismatched_sizes: bool = False, **model_kwargs):
+                    ignore_mismatched_sizes: bool = False, config=None, device_map=None, **kwargs):
     """Build `cls` (RobertaModel or RobertaForMaskedLM) from an HF checkpoint: a directory,
     a Hub name (`revision` picks a branch, tag or commit) or a `transformers` model.
 
@@ -172,12 +264,28 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     does (native key names); torch_dtype is transformers' older name of dtype.
     ignore_mismatched_sizes=True initialises (and reports) the weights whose shape differs from
     the model's, as transformers does (a head loaded with another num_labels); without it they are refused.
+
+    As transformers' from_pretrained: `config=` replaces the checkpoint's config; keywords naming
+    config attributes (problem_type, id2label, num_labels, classifier_dropout, output_hidden_states,
+    hidden_dropout_prob, ...) set them on it; the Hub options (cache_dir, local_files_only, token, ...)
+    go to huggingface_hub; device_map may name one device. Options with no effect here are accepted
+    (trust_remote_code, low_cpu_mem_usage, ...), those whose effect is not implemented are refused
+    (ValueError), and any other keyword must be an argument of `cls` (TypeError otherwise).
     """
     dtype = dtype if dtype is not None else torch_dtype
     if isinstance(dtype, str):  # transformers' spellings: "float16", "torch.float16"; "auto" keeps fp32
         dtype = None if dtype == "auto" else getattr(torch, dtype.removeprefix("torch."))
-    config, hf_state = read_hf_checkpoint(path_or_model, revision)
-    model = cls(config, backend=backend, **model_kwargs)
+    download = _loading_options(kwargs)
+    map_device = _single_device(device_map)
+    device = device if device is not None else map_device
+    checkpoint_config, hf_state = read_hf_checkpoint(path_or_model, revision, **download)
+    config = _updated_config(checkpoint_config if config is None else config, kwargs)
+    arguments = set(inspect.signature(cls.__init__).parameters) - {"self", "config", "backend"}
+    unknown = sorted(set(kwargs) - arguments)
+    if unknown:
+        raise TypeError(f"{cls.__name__}.from_pretrained got unexpected keyword arguments {unknown}: neither "
+                        f"transformers' loading options, config attributes, nor arguments of {cls.__name__}")
+    model = cls(config, backend=backend, **kwargs)
     if any(p.is_meta for p in model.parameters()):
         raise RuntimeError("You are using `from_pretrained` with a meta device context manager (torch.device('meta')): "
                            "the weights would not be loaded; call from_pretrained outside it")

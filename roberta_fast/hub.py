@@ -22,9 +22,10 @@ _MODEL_FILES = (  # tried in order: the first set that yields weights wins
 _TOKENIZER_FILES = (["tokenizer.json", "vocab.json", "merges.txt"],)
 
 
-def model_dir(name_or_path, revision: str | None = None) -> str:
-    """A local directory with config.json and weights: `name_or_path` itself, or its Hub download."""
-    return _local_dir(name_or_path, revision, _MODEL_FILES, ("*.safetensors", "*.bin"))
+def model_dir(name_or_path, revision: str | None = None, **download) -> str:
+    """A local directory with config.json and weights: `name_or_path` itself, or its Hub download
+    (`download`: snapshot_download's cache_dir, force_download, local_files_only, token, proxies)."""
+    return _local_dir(name_or_path, revision, _MODEL_FILES, ("*.safetensors", "*.bin"), download)
 
 
 def config_dir(name_or_path, revision: str | None = None) -> str:
@@ -41,7 +42,7 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.fullmatch(name)) and ".." not in name
 
 
-def _local_dir(name_or_path, revision, file_sets, wanted) -> str:
+def _local_dir(name_or_path, revision, file_sets, wanted, download=None) -> str:
     path = os.fspath(name_or_path)
     if os.path.exists(path) or not is_repo_id(path):
         return path  # the caller reports what is missing in a local path
@@ -53,7 +54,7 @@ def _local_dir(name_or_path, revision, file_sets, wanted) -> str:
             "huggingface_hub (`pip install huggingface_hub`)") from None
     try:
         for patterns in file_sets:
-            local = snapshot_download(path, revision=revision, allow_patterns=patterns)
+            local = snapshot_download(path, revision=revision, allow_patterns=patterns, **(download or {}))
             if any(glob.glob(os.path.join(local, pattern)) for pattern in wanted):
                 return local
     except Exception as err:  # offline, unknown repository, revision or gated model: say which

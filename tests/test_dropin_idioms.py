@@ -68,3 +68,29 @@ def test_label_fields_read_and_write_as_in_transformers(tmp_path):
     assert rf.RobertaForSequenceClassification.from_pretrained(tmp_path).config.id2label == names
     with pytest.raises(ValueError, match="problem_type"):
         ours.config.problem_type = "regresion"
+
+
+def test_from_pretrained_keywords_as_in_transformers(tmp_path):
+    """Config-attribute keywords set the loaded config, config= replaces it, options with no effect here
+    are accepted; options whose effect is not implemented, and unknown keywords, are refused by name."""
+    hf_model("RobertaForSequenceClassification", num_labels=3).save_pretrained(tmp_path)
+    updates = dict(problem_type="multi_label_classification", classifier_dropout=0.3, hidden_dropout_prob=0.2,
+                   id2label={0: "a", 1: "b", 2: "c"}, output_hidden_states=True)
+    cls, ours = transformers.RobertaForSequenceClassification, rf.RobertaForSequenceClassification
+    want, got = cls.from_pretrained(tmp_path, **updates).config, ours.from_pretrained(tmp_path, **updates).config
+    for attr in [*updates, "num_labels", "label2id"]:
+        assert getattr(got, attr) == getattr(want, attr), attr
+    with pytest.warns(UserWarning, match="newly initialised"):
+        resized = ours.from_pretrained(tmp_path, num_labels=5, ignore_mismatched_sizes=True)
+    assert resized.classifier.out_proj.out_features == resized.config.num_labels == 5
+    model = ours.from_pretrained(tmp_path, config=want, local_files_only=True, trust_remote_code=True,
+                                 low_cpu_mem_usage=True, device_map="cpu", attn_implementation="sdpa")
+    assert model.config.classifier_dropout == 0.3 and "hidden_states" in model(left_padded()[0])
+    for bad in (dict(device_map="auto"), dict(attn_implementation="flash_attention_2"),
+                dict(quantization_config={"load_in_8bit": True}), dict(subfolder="sub")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ours.from_pretrained(tmp_path, **bad)
+    with pytest.raises(TypeError, match="colour"):
+        ours.from_pretrained(tmp_path, colour="red")
+    with pytest.raises(ValueError, match="problem_type"):
+        ours.from_pretrained(tmp_path, problem_type="regresion")
