@@ -357,25 +357,69 @@ def _align_prefix(state: dict, prefix: str) -> dict:
 
 
 def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | None = None,
-                    architecture: str | None = None):
-    """Write config.json and model.safetensors in HF's layout, each file atomically.
+                    architecture: str | None = None, state_dict: dict | None = None,
+                    max_shard_size: int | str = "50GB"):
+    """Write config.json and the weights in HF's layout, each file atomically: model.safetensors, or
+    past max_shard_size (bytes, or transformers' "5GB" / "500MiB") shards model-00001-of-0000N.safetensors
+    with transformers' model.safetensors.index.json; weight files of an earlier save that this one
+    does not replace are removed, so the directory holds one set.
 
     exclude_prefix: parameters left out (a head transformers does not know, saved apart);
-    architecture: the class name config.json gives (default: the model's)."""
+    architecture: the class name config.json gives (default: the model's);
+    state_dict: saved instead of the model's own (native names, converted as the model's are)."""
     from safetensors.torch import save_file
 
-    from .files import atomic_path
+    from .files import atomic_path, write_text_atomic
     from .quantization import refuse_quantized
 
     refuse_quantized(model, "save_pretrained")
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     prefix = "roberta." if hasattr(model, "roberta") else ""
-    state = model.state_dict()
+    state = model.state_dict() if state_dict is None else state_dict
     if exclude_prefix:
         state = {k: v for k, v in state.items() if not k.startswith(exclude_prefix)}
     hf_state = native_to_hf(state, prefix)
     hf_state = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
-    with atomic_path(os.path.join(directory, "model.safetensors")) as tmp:  # (save_file alone writes 0600)
-        save_file(hf_state, tmp, metadata={"format": "pt"})
+    shards = _shards(hf_state, _size_in_bytes(max_shard_size))
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for name, shard in zip(names, shards):
+        with atomic_path(os.path.join(directory, name)) as tmp:  # (save_file alone writes 0600)
+            save_file(shard, tmp, metadata={"format": "pt"})
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if len(shards) > 1:
+        weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
+        total = sum(t.numel() * t.element_size() for t in hf_state.values())
+        write_text_atomic(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2, sort_keys=True) + "\n")
+    for stale in os.listdir(directory):  # an earlier save's weights, which loaders would read first
+        if (stale not in names and (re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale)
+                                    or stale == "model.safetensors" or (stale == os.path.basename(index)
+                                                                        and len(shards) == 1))):
+            os.remove(os.path.join(directory, stale))
     model.config.save_pretrained(directory, architectures=[architecture or type(model).__name__])
+
+
+def _size_in_bytes(size: int | str) -> int:
+    """transformers' max_shard_size: bytes, or "5GB" (10**9), "5GiB" (2**30), MB / MiB / KB / KiB."""
+    if isinstance(size, int):
+        return size
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+    match = re.fullmatch(r"(\d+)\s*([GMK]I?B)", str(size).strip(), re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"max_shard_size={size!r}: give a number of bytes or a size such as '5GB' or '500MiB'")
+    return int(match.group(1)) * units[match.group(2).upper()]
+
+
+def _shards(state: dict, max_bytes: int) -> list[dict]:
+    """`state` split in order into shards of at most max_bytes (a larger tensor alone), as transformers splits."""
+    shards, size = [{}], 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards

@@ -657,11 +657,35 @@ class _PreTrained(nn.Module):
 
         return load_pretrained(cls, path_or_model, backend=backend, **kwargs)
 
-    def save_pretrained(self, directory: str | os.PathLike):
-        """Write config.json + model.safetensors that `transformers` loads with no missing keys."""
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
+                        state_dict: dict | None = None, max_shard_size: int | str = "50GB",
+                        safe_serialization: bool = True, push_to_hub: bool = False, variant: str | None = None,
+                        save_original_format: bool = True, **kwargs):
+        """Write config.json + model.safetensors that `transformers` loads with no missing keys.
+
+        transformers' arguments: is_main_process=False writes nothing (the other ranks of a
+        distributed run); state_dict (this model's names) is saved instead of the model's own;
+        past max_shard_size the weights are sharded with transformers' index (hf.save_pretrained).
+        Only safetensors in transformers' names are written, and nothing is pushed to the Hub:
+        the arguments asking otherwise are refused. Hub-only ones (token, commit_message) and
+        save_peft_format (a PEFT model's) change nothing here."""
         from .hf import save_pretrained
 
-        save_pretrained(self, directory)
+        refused = {"safe_serialization=False": not safe_serialization, "push_to_hub=True": push_to_hub,
+                   f"variant={variant!r}": variant is not None,
+                   "save_original_format=False": not save_original_format,
+                   "distributed_checkpoint=True": kwargs.pop("distributed_checkpoint", False)}
+        for name in ("token", "commit_message", "save_peft_format"):
+            kwargs.pop(name, None)
+        if kwargs:
+            raise TypeError(f"save_pretrained got unexpected keyword arguments {sorted(kwargs)}")
+        asked = [name for name, on in refused.items() if on]
+        if asked:
+            raise ValueError(f"save_pretrained({', '.join(asked)}) is not supported: roberta_fast writes "
+                             "model.safetensors (sharded past max_shard_size) in transformers' names, locally; "
+                             "push the directory with huggingface_hub's upload_folder")
+        if is_main_process:
+            save_pretrained(self, save_directory, state_dict=state_dict, max_shard_size=max_shard_size)
 
 
 class RobertaModel(_PreTrained):

@@ -94,3 +94,29 @@ def test_from_pretrained_keywords_as_in_transformers(tmp_path):
         ours.from_pretrained(tmp_path, colour="red")
     with pytest.raises(ValueError, match="problem_type"):
         ours.from_pretrained(tmp_path, problem_type="regresion")
+
+
+def test_save_pretrained_keywords_as_in_transformers(tmp_path):
+    """is_main_process=False writes nothing, state_dict= is what is saved, max_shard_size shards with
+    transformers' index (and a later unsharded save removes the shards); what is not written is refused."""
+    hf = hf_model("RobertaForSequenceClassification", num_labels=3)
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
+    ids = left_padded()[0]
+    ours.save_pretrained(tmp_path / "none", is_main_process=False)
+    assert not (tmp_path / "none").exists()
+    state = {k: v + 0.01 for k, v in ours.state_dict().items()}
+    ours.save_pretrained(tmp_path / "d", state_dict=state, max_shard_size="20KB", safe_serialization=True)
+    index = json.loads((tmp_path / "d" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (tmp_path / "d" / "model.safetensors").exists()
+    ours.load_state_dict(state)
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "d").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, ours(ids).logits)
+        torch.testing.assert_close(type(ours).from_pretrained(tmp_path / "d")(ids).logits, ours(ids).logits)
+    ours.save_pretrained(tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    for bad in (dict(safe_serialization=False), dict(push_to_hub=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ours.save_pretrained(tmp_path / "e", **bad)
+    with pytest.raises(TypeError, match="colour"):
+        ours.save_pretrained(tmp_path / "e", colour="red")
