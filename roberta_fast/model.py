@@ -171,9 +171,11 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
             continue
         if not isinstance(extra, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(extra).__name__}")
-        if tuple(extra.shape) != (batch, seqlen):
+        one_row = name in _BROADCAST_ROWS and tuple(extra.shape) == (1, seqlen)  # broadcast, as in transformers
+        if tuple(extra.shape) != (batch, seqlen) and not one_row:
+            also = f" (or {(1, seqlen)}, one row for every sequence)" if name in _BROADCAST_ROWS else ""
             raise ValueError(
-                f"{name} must have the shape of input_ids {(batch, seqlen)}, got {tuple(extra.shape)}"
+                f"{name} must have the shape of input_ids {(batch, seqlen)}{also}, got {tuple(extra.shape)}"
             )
         if extra.device != input_ids.device:
             raise ValueError(f"{name} is on {extra.device} but input_ids is on {input_ids.device}")
@@ -208,6 +210,14 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
                 f"{name} holds values in [{low}, {high}] but must lie in [0, {limit}){ignored} "
                 f"({field}={limit}); check that the tokenizer matches the model"
             )
+
+
+_BROADCAST_ROWS = ("token_type_ids", "position_ids")  # inputs that may be one (1, seqlen) row for the batch
+
+
+def _batch_rows(t, batch: int):
+    """A (1, seqlen) row of _BROADCAST_ROWS expanded to the batch, as transformers' embeddings broadcast it."""
+    return t.expand(batch, -1) if t is not None and t.shape[0] == 1 else t
 
 
 def _check_inputs_embeds(config: RobertaConfig, inputs_embeds):
@@ -740,7 +750,9 @@ class RobertaModel(_PreTrained):
         are above glibc's 32 MB mmap ceiling, so each is mapped afresh and page-faulted in at
         every call; groups of 1024 tokens reuse heap memory (docs/inference.md).
         """
-        groups = self._row_groups(input_ids if inputs_embeds is None else inputs_embeds, attention_mask, cu_seqlens)
+        shaped = input_ids if inputs_embeds is None else inputs_embeds
+        token_type_ids, position_ids = (_batch_rows(t, shaped.shape[0]) for t in (token_type_ids, position_ids))
+        groups = self._row_groups(shaped, attention_mask, cu_seqlens)
         if groups is None:
             return self._encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
                                 output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
@@ -1192,8 +1204,8 @@ class RobertaForMultipleChoice(_PreTrained):
         batch, num_choices, seqlen = shaped.shape[:3]
 
         def flat(t):  # (batch, num_choices, seqlen, ...) -> (batch·num_choices, seqlen, ...)
-            if t is None:
-                return None
+            if t is None or (isinstance(t, torch.Tensor) and tuple(t.shape) == (1, seqlen)):
+                return t  # (1, seqlen): one row for every sequence, as transformers broadcasts it
             if not isinstance(t, torch.Tensor) or tuple(t.shape[:3]) != (batch, num_choices, seqlen)[:t.dim()]:
                 raise ValueError(f"every input must have the shape of input_ids {(batch, num_choices, seqlen)}, "
                                  f"got {tuple(getattr(t, 'shape', ())) or type(t).__name__}")

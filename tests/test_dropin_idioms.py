@@ -120,3 +120,18 @@ def test_save_pretrained_keywords_as_in_transformers(tmp_path):
             ours.save_pretrained(tmp_path / "e", **bad)
     with pytest.raises(TypeError, match="colour"):
         ours.save_pretrained(tmp_path / "e", colour="red")
+
+
+@pytest.mark.parametrize("cls", ["RobertaForSequenceClassification", "RobertaForMultipleChoice"])
+def test_one_row_of_position_and_token_type_ids_is_broadcast_as_in_transformers(cls):
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    ids, mask = left_padded(rows=4, pad=0)
+    mask[1, 7:] = 0  # right padding: the unpadded path packs the broadcast rows too
+    if cls == "RobertaForMultipleChoice":
+        ids, mask = ids.view(2, 2, -1), mask.view(2, 2, -1)
+    rows = dict(position_ids=torch.arange(2, 12)[None], token_type_ids=(torch.arange(10)[None] >= 5).long())
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            want = hf(input_ids=ids, attention_mask=mask, **rows).logits
+            torch.testing.assert_close(ours(ids, attention_mask=mask, **rows).logits, want)
