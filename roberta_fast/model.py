@@ -454,6 +454,10 @@ class RobertaLayer(nn.Module):
         return None if None in specs else specs  # None: an adapter, or a packed layer in training
 
 
+# transformers' forward inputs that only a decoder reads (transformers 5 names the cache `cache`)
+_DECODER_INPUTS = ("past_key_values", "cache", "encoder_hidden_states", "encoder_attention_mask")
+
+
 class _PreTrained(nn.Module):
     """Weight init (as HF's), backend choice, input checks, HF load/save and the model methods
     transformers users call (embeddings, resizing, num_parameters, gradient checkpointing),
@@ -516,6 +520,19 @@ class _PreTrained(nn.Module):
         if return_dict is None:
             return_dict = self.config.return_dict
         return out if return_dict and not torch.jit.is_tracing() else out.to_tuple()
+
+    def _decoder_inputs(self, kwargs: dict):
+        """forward's other keywords: transformers' decoder inputs. use_cache is ignored, as transformers'
+        encoder ignores it; a cache or encoder states (cross-attention), which only a decoder reads, are
+        refused when given; any other keyword is a TypeError, as for any function."""
+        others = {k: v for k, v in kwargs.items() if k != "use_cache"}
+        given = [k for k in _DECODER_INPUTS if others.pop(k, None) is not None]
+        if given:
+            raise ValueError(f"{type(self).__name__} got {', '.join(given)}: a decoder's inputs (a cache, or "
+                             "cross-attention to an encoder's states); roberta_fast computes only RoBERTa's "
+                             "bidirectional encoder, which takes none of them")
+        if others:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword arguments {sorted(others)}")
 
     def _checked_mask(self, input_ids, inputs_embeds, attention_mask, token_type_ids=None, position_ids=None,
                       cu_seqlens=None, labels=None):
@@ -715,7 +732,8 @@ class RobertaModel(_PreTrained):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None):
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None, **kwargs):
+        self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
                                             cu_seqlens)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
@@ -937,7 +955,7 @@ class RobertaForMaskedLM(_PreTrained):
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
                 output_attentions: bool | None = None, masked_only: bool = False, loss_reduction: str = "mean",
-                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None):
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None, **kwargs):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
@@ -948,6 +966,7 @@ class RobertaForMaskedLM(_PreTrained):
         several documents per row attending only within themselves (RobertaModel.encode).
         inputs_embeds (batch, seqlen, hidden) replaces input_ids, as in transformers.
         """
+        self._decoder_inputs(kwargs)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         shaped = input_ids if input_ids is not None else inputs_embeds
@@ -1058,7 +1077,8 @@ class RobertaForSequenceClassification(_PreTrained):
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, return_dict: bool | None = None):
+                output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs):
+        self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
@@ -1106,8 +1126,9 @@ class RobertaForTokenClassification(_PreTrained):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, return_dict: bool | None = None):
+                output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs):
         """Logits (batch, seqlen, num_labels); labels (batch, seqlen) give the loss."""
+        self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
@@ -1144,8 +1165,9 @@ class RobertaForQuestionAnswering(_PreTrained):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, return_dict: bool | None = None):
+                output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs):
         """start_logits, end_logits (batch, seqlen); start/end_positions (batch,) give the loss."""
+        self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
@@ -1193,7 +1215,8 @@ class RobertaForMultipleChoice(_PreTrained):
 
     def forward(self, input_ids=None, token_type_ids=None, attention_mask=None, labels=None, position_ids=None,
                 inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None):
+                return_dict: bool | None = None, **kwargs):
+        self._decoder_inputs(kwargs)
         shaped = input_ids if input_ids is not None else inputs_embeds
         dims = 3 if input_ids is not None else 4
         if not isinstance(shaped, torch.Tensor) or shaped.dim() != dims:

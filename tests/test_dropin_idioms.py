@@ -135,3 +135,18 @@ def test_one_row_of_position_and_token_type_ids_is_broadcast_as_in_transformers(
         with torch.set_grad_enabled(grad):
             want = hf(input_ids=ids, attention_mask=mask, **rows).logits
             torch.testing.assert_close(ours(ids, attention_mask=mask, **rows).logits, want)
+
+
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
+                                 "RobertaForTokenClassification", "RobertaForQuestionAnswering"])
+def test_use_cache_is_ignored_and_decoder_inputs_refused(cls):
+    """transformers' encoder ignores use_cache; a cache or encoder states would make it a decoder."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+    ids = left_padded()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, use_cache=True)[0], hf(input_ids=ids, use_cache=True)[0])
+        with pytest.raises(ValueError, match="encoder_hidden_states"):
+            ours(ids, encoder_hidden_states=torch.zeros(3, 10, 32))
+        with pytest.raises(TypeError, match="colour"):
+            ours(ids, colour="red")
