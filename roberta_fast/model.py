@@ -1150,9 +1150,11 @@ class RobertaForQuestionAnswering(_PreTrained):
 
     The loss is HF's: the mean of the start and end cross-entropies, positions clamped to
     [0, seqlen] and seqlen ignored (an answer outside this window of a long context).
-    Run unpadded (fused backend), padded positions' logits are the qa_outputs bias (a
-    zero hidden state), not HF's values from the pad tokens; the loss's softmax spans
-    them either way, so set `model.roberta.unpad = False` to reproduce HF's loss on padded batches.
+    Run unpadded (the fused backend, and the CPU under torch.no_grad / torch.inference_mode:
+    ops.unpad_impl; not a left-padded batch, RobertaModel.encode), padded positions' logits are
+    the qa_outputs bias (a zero hidden state), not HF's values from the pad tokens. The loss's
+    softmax spans them, so the loss differs from HF's there; set `model.roberta.unpad = False`
+    to reproduce HF's loss (and logits) on padded batches.
     """
 
     def __init__(self, config: RobertaConfig, backend: str = "auto"):

@@ -150,3 +150,19 @@ def test_use_cache_is_ignored_and_decoder_inputs_refused(cls):
             ours(ids, encoder_hidden_states=torch.zeros(3, 10, 32))
         with pytest.raises(TypeError, match="colour"):
             ours(ids, colour="red")
+
+
+def test_question_answering_loss_unpadded_on_the_cpu_is_as_documented():
+    """The docstring's claim: under no_grad on the CPU a right-padded batch runs unpadded, padded positions'
+    logits are the qa_outputs bias and the loss differs from transformers'; unpad = False gives transformers'."""
+    hf = hf_model("RobertaForQuestionAnswering")
+    ours = rf.RobertaForQuestionAnswering.from_pretrained(hf, backend="reference")
+    ids, mask = left_padded(rows=2, pad=0)
+    mask[1, 6:] = 0
+    positions = dict(start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 4]))
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, **positions)
+        got = ours(ids, attention_mask=mask, **positions)
+        assert (got.start_logits[1, 6:] == ours.qa_outputs.bias[0]).all() and not torch.isclose(got.loss, want.loss)
+        ours.roberta.unpad = False
+        torch.testing.assert_close(ours(ids, attention_mask=mask, **positions).loss, want.loss)
