@@ -5,6 +5,7 @@
     ds.sample(i)            # numpy dict: input_ids, attention_mask[, word_starts, position_ids, cu_seqlens]
     ds.manifest             # vocab_size, tokenizer_hash, bos/pad/eos/unk/mask_id, counts, ...
     ds.tokenizer_path       # the tokenizer directory the ids belong to
+    dataset_tokenizer(path) # its RobertaTokenizer, checked against the manifest's tokenizer_hash
     check_dataset(path, vocab_size=cfg.vocab_size, tokenizer=tok)  # ValueError on mismatch
     loader = BatchLoader(ds, batch_size=16, seed=0, rank=r, world_size=w)
     for batch in loader: ...  # {"input_ids", "attention_mask"[, "word_starts"]}: (B, S) tensors
@@ -69,6 +70,8 @@ import numpy as np
 import torch
 
 FORMAT, VERSION = "roberta_fast.tokens", 1
+# what training reads of a manifest: one missing is a damaged manifest, not a KeyError
+MANIFEST_KEYS = ("vocab_size", "tokenizer_hash", "bos_id", "pad_id", "eos_id", "unk_id", "mask_id", "dtype", "splits")
 REPAIR = ("rerun the `python -m roberta_fast.preprocess` command that made it (same inputs and --out): it "
           "checks the finished shards and redoes the damaged ones")
 
@@ -84,13 +87,42 @@ def load_manifest(path: str | Path) -> dict:
             "`python -m roberta_fast.preprocess --tokenizer TOKDIR --out DIR INPUT...` "
             "(an interrupted run resumes when rerun)"
         )
-    manifest = json.loads(file.read_text())
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as err:  # truncated or overwritten (UnicodeDecodeError included)
+        raise _damaged(file, f"is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict):
+        raise _damaged(file, f"holds a {type(manifest).__name__}, not a manifest")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(
             f"{str(file)!r} is format {manifest.get('format')!r} version {manifest.get('version')!r}; "
             f"this roberta_fast reads {FORMAT!r} version {VERSION}: rerun roberta_fast.preprocess"
         )
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise _damaged(file, f"lacks {', '.join(missing)}")
     return manifest
+
+
+def dataset_tokenizer(path: str | Path, manifest: dict | None = None):
+    """The RobertaTokenizer a dataset's ids belong to (its tokenizer/ folder), checked against the
+    manifest's tokenizer_hash, so that a model trained on the ids is never exported with another
+    tokenizer. ValueError naming the folder and the fix if it is missing, unreadable or another one."""
+    from .tokenizer import RobertaTokenizer
+
+    path = Path(path)
+    manifest = manifest if manifest is not None else load_manifest(path)
+    directory = path / manifest.get("tokenizer_path", "tokenizer")
+    if not directory.is_dir():  # checked first: a relative path would otherwise be tried as a Hub name
+        raise _damaged(directory, "is missing (the tokenizer the dataset's ids belong to)")
+    try:
+        tokenizer = RobertaTokenizer.from_pretrained(directory)
+    except ValueError as err:
+        raise _damaged(directory, f"cannot be loaded ({err})") from None
+    if tokenizer.tokenizer_hash != manifest["tokenizer_hash"]:
+        raise _damaged(directory, f"holds tokenizer {tokenizer.tokenizer_hash[:12]}, not the tokenizer "
+                                  f"{manifest['tokenizer_hash'][:12]} the dataset was made with")
+    return tokenizer
 
 
 def check_dataset(dataset, *, vocab_size: int | None = None, tokenizer=None) -> dict:

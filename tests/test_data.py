@@ -12,7 +12,7 @@ import torch
 
 from roberta_fast import RobertaTokenizer
 from roberta_fast.corpus import iter_documents
-from roberta_fast.data import BatchLoader, PretrainingDataset, check_dataset, permute
+from roberta_fast.data import BatchLoader, PretrainingDataset, check_dataset, dataset_tokenizer, permute
 from roberta_fast.preprocess import preprocess
 
 S = 37  # seq_len: prime, shorter than many documents
@@ -232,6 +232,40 @@ def test_damaged_dataset_is_refused(built, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ValueError, match="damaged"):
         PretrainingDataset(copy)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing key"])
+def test_a_damaged_manifest_is_named_with_the_fix(built, tmp_path, damage):
+    import shutil
+
+    path, _, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    text = (copy / "manifest.json").read_text()
+    if damage == "truncated":
+        (copy / "manifest.json").write_text(text[:300])
+    else:
+        manifest = json.loads(text)
+        del manifest["mask_id"]
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    what = "is not valid JSON" if damage == "truncated" else "lacks mask_id"
+    with pytest.raises(ValueError, match=rf"manifest.json' {what}.*damaged; rerun .*roberta_fast.preprocess"):
+        PretrainingDataset(copy, seq_len=S)
+
+
+def test_dataset_tokenizer_is_the_one_the_ids_belong_to(built, tmp_path):
+    import shutil
+
+    path, tok, _ = built
+    assert dataset_tokenizer(path).tokenizer_hash == tok.tokenizer_hash
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    shutil.rmtree(copy / "tokenizer")
+    with pytest.raises(ValueError, match=r"tokenizer' is missing .*rerun .*roberta_fast.preprocess"):
+        dataset_tokenizer(copy)
+    RobertaTokenizer.train_from_iterator(["other text entirely"] * 3, vocab_size=300).save(copy / "tokenizer")
+    with pytest.raises(ValueError, match=rf"holds tokenizer \w+, not the tokenizer {tok.tokenizer_hash[:12]}"):
+        dataset_tokenizer(copy)
 
 
 def test_bad_arguments(built):
