@@ -9,7 +9,9 @@ and `rf.RobertaForMaskedLM.from_pretrained` load; one of `python -m roberta_fast
 becomes its sequence classifier. The checkpoint is read with weights_only=True (nothing
 in it can run code), the model is rebuilt from the config the checkpoint records, and
 the tokenizer is the run's: the dataset's for pretraining (as recorded in the checkpoint's
-training config), the fine-tuned model's for fine-tuning; --tokenizer names another.
+training config), the fine-tuned model's for fine-tuning; --tokenizer names another. A
+tokenizer the model was not trained with is refused: a pretraining checkpoint records the
+hash of its dataset's tokenizer (older ones, and fine-tuning's: the vocabulary size is compared).
 """
 from __future__ import annotations
 
@@ -24,26 +26,46 @@ from .sbo import RobertaForSpanBERT
 from .trainer import export_pretrained
 
 
-def run_tokenizer(state: dict) -> str:
-    """Where the run that wrote `state` took its tokenizer from (ValueError naming --tokenizer if gone)."""
+def run_tokenizer(state: dict):
+    """The tokenizer of the run that wrote `state`: the starting model's directory (or its --tokenizer)
+    for fine-tuning; for pretraining the dataset's, checked against its manifest (ValueError naming
+    --tokenizer if it is gone or damaged)."""
     cfg = state["config"]
-    if "labels" in state:  # fine-tuning: the starting model's directory, or its --tokenizer
+    if "labels" in state:
         return cfg.get("tokenizer") or cfg["model"]
-    from .data import load_manifest
+    from .data import dataset_tokenizer
 
-    if cfg.get("data"):
-        data = Path(cfg["data"])
-        try:
-            manifest = load_manifest(data)
-        except ValueError as err:
-            raise ValueError(f"the run's dataset is not readable here ({err}); pass --tokenizer, the "
-                             "tokenizer directory the dataset was made with") from None
-    else:  # the embedded demonstration corpus (cached; rebuilt the same way if it is not)
+    if not cfg.get("data"):  # the embedded demonstration corpus (cached; rebuilt the same way if it is not)
         from .corpus import default_dataset
 
-        data = default_dataset()
-        manifest = load_manifest(data)
-    return str(data / manifest.get("tokenizer_path", "tokenizer"))
+        return dataset_tokenizer(default_dataset())
+    try:
+        return dataset_tokenizer(cfg["data"])
+    except ValueError as err:
+        raise ValueError(f"the run's dataset is not readable here ({err}); pass --tokenizer, the "
+                         "tokenizer directory the dataset was made with") from None
+
+
+def check_tokenizer(state: dict, model, tokenizer, source: str):
+    """`tokenizer` (a RobertaTokenizer, directory or Hub name) loaded, or ValueError if the checkpoint's
+    model was not trained on its ids: the export would pair the model with another tokenizer.
+    Pretraining checkpoints record the tokenizer's hash; older ones and fine-tuning's are checked
+    by size (a fine-tuned model's vocabulary may be padded beyond its tokenizer's)."""
+    from .tokenizer import RobertaTokenizer
+
+    if not isinstance(tokenizer, RobertaTokenizer):
+        tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
+    fix = "pass --tokenizer with the tokenizer the run's dataset was made with"
+    trained = state.get("tokenizer_hash")
+    if trained is not None and tokenizer.tokenizer_hash != trained:
+        raise ValueError(f"{source} is tokenizer {tokenizer.tokenizer_hash[:12]}, but the checkpoint was trained on "
+                         f"ids of tokenizer {trained[:12]}: the export would pair the model with a tokenizer it was "
+                         f"not trained with; {fix}")
+    vocab, ids = model.config.vocab_size, tokenizer.vocab_size
+    if ids > vocab or ("labels" not in state and ids != vocab):
+        raise ValueError(f"{source} has {ids} ids, but the checkpoint's model has vocab_size {vocab}: it was not "
+                         f"trained with that tokenizer; {fix}")
+    return tokenizer
 
 
 def model_from_checkpoint(state: dict):
@@ -76,7 +98,10 @@ def export_checkpoint(checkpoint, out, tokenizer=None, trust: bool = False) -> d
     state = load_checkpoint(checkpoint, trust=trust)
     if "model" not in state or "config" not in state:
         raise ValueError(f"{str(checkpoint)!r} is not a checkpoint of roberta_fast.train or roberta_fast.finetune")
-    export_pretrained(model_from_checkpoint(state), tokenizer or run_tokenizer(state), out)
+    model = model_from_checkpoint(state)
+    source = f"--tokenizer {tokenizer!r}" if tokenizer else \
+        f"the tokenizer of the run's {'model' if 'labels' in state else 'dataset'}"
+    export_pretrained(model, check_tokenizer(state, model, tokenizer or run_tokenizer(state), source), out)
     if "labels" in state:  # a fine-tuning task's own touches (token: the tokenizer's prefix space)
         from .tasks import TASKS
 

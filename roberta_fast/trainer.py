@@ -224,7 +224,7 @@ class Trainer:
     """Everything of one training run; `run()` trains, `train_step()` does one optimizer step."""
 
     def __init__(self, cfg: TrainConfig, log=print):
-        from .data import BatchLoader, PretrainingDataset, check_dataset, verify_checksums
+        from .data import BatchLoader, PretrainingDataset, check_dataset, dataset_tokenizer, verify_checksums
 
         self.cfg = cfg.validate()
         self.dist = Dist()
@@ -247,6 +247,7 @@ class Trainer:
         if cfg.data_checksums and self.dist.local_rank == 0:  # once per machine; sizes: checked on opening
             verify_checksums(data_path, log=self.print)
         manifest = self.manifest = self.train_data.manifest
+        self.tokenizer = dataset_tokenizer(data_path, manifest)  # for the export: checked before training
         self.model_config = self._model_config(manifest)
         check_dataset(manifest, vocab_size=self.model_config.vocab_size)
         self.special_ids = sorted({manifest[k] for k in ("bos_id", "pad_id", "eos_id", "unk_id", "mask_id")})
@@ -489,6 +490,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "config": self.cfg.to_dict(),
             "model_config": self.model_config.to_dict(),
+            "tokenizer_hash": self.manifest["tokenizer_hash"],  # the ids' tokenizer: export and resume check it
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -706,7 +708,7 @@ class Trainer:
     def export(self, directory: Path) -> Path:
         """Save the model and tokenizer in Hugging Face format (atomically replacing `directory`)."""
         try:
-            export_pretrained(self.model, self.train_data.tokenizer_path, directory)
+            export_pretrained(self.model, self.tokenizer, directory)
         except DiskSpaceError as err:  # the checkpoint of this step was saved just before
             raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports it "
                                  "without training again") from None

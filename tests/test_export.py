@@ -88,6 +88,45 @@ def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
     assert main(argv) == 0 and (tmp_path / "o" / "tokenizer.json").is_file()
 
 
+def test_a_tokenizer_the_model_was_not_trained_with_is_refused(stopped_run, tmp_path, capsys):
+    """The export never pairs the model with another tokenizer: one given by --tokenizer, the run's
+    dataset remade with another tokenizer, or its tokenizer/ replaced. A checkpoint that records no
+    tokenizer (an older roberta_fast's) is checked by its vocabulary size."""
+    import shutil
+
+    run, data, _ = stopped_run
+    state = torch.load(run / "checkpoints" / "step_00000003.pt", weights_only=True)
+    trained = state["tokenizer_hash"]
+    assert trained == rf.RobertaTokenizer.from_pretrained(data / "tokenizer").tokenizer_hash
+    other = tmp_path / "other"
+    with warnings.catch_warnings():  # fewer ids than asked: as well
+        warnings.simplefilter("ignore")
+        rf.RobertaTokenizer.train_from_iterator(["other text entirely"] * 3, vocab_size=300).save(other)
+
+    def export(state, *argv):
+        atomic_torch_save(state, tmp_path / "step_00000003.pt")
+        assert main([str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o"), *argv]) == 2
+        return capsys.readouterr().err
+
+    err = export(state, "--tokenizer", str(other))
+    assert f"--tokenizer {str(other)!r} is tokenizer" in err and f"trained on ids of tokenizer {trained[:12]}" in err
+    remade = {**state, "tokenizer_hash": "0" * 64}  # the dataset now holds another tokenizer's ids
+    err = export(remade)
+    assert f"the tokenizer of the run's dataset is tokenizer {trained[:12]}, but the checkpoint was trained on " \
+           "ids of tokenizer 000000000000: the export would pair the model with a tokenizer it was not " \
+           "trained with; pass --tokenizer" in err
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    shutil.rmtree(copy / "tokenizer")
+    shutil.copytree(other, copy / "tokenizer")
+    err = export({**state, "config": {**state["config"], "data": str(copy)}})
+    assert "the run's dataset is not readable here" in err and "holds tokenizer" in err
+    old = {k: v for k, v in state.items() if k != "tokenizer_hash"}
+    err = export(old, "--tokenizer", str(other))
+    assert f"ids, but the checkpoint's model has vocab_size {state['model_config']['vocab_size']}" in err
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------ export for serving
 DROPIN = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
           "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]

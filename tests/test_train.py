@@ -512,3 +512,45 @@ def test_activation_checkpointing_trains_as_without(dataset, tmp_path):
     assert train_losses(tmp_path / "ckpt") == train_losses(tmp_path / "plain")
     for (name, a), b in zip(checkpointed.model.named_parameters(), plain.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ------------------------------------------------------------------ the tokenizer the ids belong to
+def _model_dir(dataset, out, tokenizer=None):
+    """A 1-layer hidden-32 model of the dataset's vocabulary, exported with `tokenizer` (default: the
+    dataset's own) as --init-from reads it."""
+    import roberta_fast as rf
+    from roberta_fast.data import load_manifest
+    from roberta_fast.trainer import export_pretrained
+
+    config = rf.RobertaConfig.preset("tiny", vocab_size=load_manifest(dataset)["vocab_size"], hidden_size=32,
+                                     num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    return export_pretrained(rf.RobertaForMaskedLM(config), tokenizer or os.path.join(dataset, "tokenizer"), out)
+
+
+def _same_size_other_tokenizer(dataset, out):
+    """The dataset's tokenizer with two ids swapped: as many ids, other meanings."""
+    from roberta_fast.tokenizer import RobertaTokenizer
+
+    spec = json.loads(open(os.path.join(dataset, "tokenizer", "tokenizer.json"), encoding="utf-8").read())
+    vocab = spec["model"]["vocab"]
+    a, b = (token for token, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    out.mkdir()
+    (out / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return RobertaTokenizer.from_pretrained(out)
+
+
+def test_a_dataset_without_its_tokenizer_fails_before_training(dataset, tmp_path, capsys):
+    """The export needs the dataset's tokenizer: missing or replaced, the run stops at start (exit 2)."""
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(dataset, copy)
+    shutil.rmtree(copy / "tokenizer")
+    argv = small_argv(str(copy)) + ["--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert "tokenizer' is missing" in capsys.readouterr().err
+    _same_size_other_tokenizer(dataset, copy / "tokenizer")
+    assert main(argv) == 2
+    assert "not the tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
