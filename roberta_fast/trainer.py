@@ -502,6 +502,16 @@ class Trainer:
             raise ValueError("the checkpoint's model differs from this config in "
                              + ", ".join(f"{k} ({saved.get(k)} vs {mine.get(k)})" for k in diff)
                              + "; resume with the same model settings or a new --out")
+        saved_objective = "mlm+sbo" if any(k.startswith("sbo.") for k in state["model"]) else "mlm"
+        if saved_objective != self.cfg.objective:
+            raise ValueError(f"the checkpoint was trained with --objective {saved_objective}, this run asks for "
+                             f"--objective {self.cfg.objective}; resume with --objective {saved_objective}, or use a "
+                             "new --out (with --init-from the run's export to go on under another objective)")
+        saved_tokenizer, tokenizer = state.get("tokenizer_hash"), self.manifest["tokenizer_hash"]
+        if saved_tokenizer is not None and saved_tokenizer != tokenizer:
+            raise ValueError(f"the checkpoint was trained on ids of tokenizer {saved_tokenizer[:12]}, but the dataset "
+                             f"{self.train_data.path} holds ids of tokenizer {tokenizer[:12]}; resume with the run's "
+                             "dataset, or use a new --out")
         if int(state["step"]) > self.cfg.max_steps:
             raise ValueError(f"the checkpoint is at step {state['step']}, past --max-steps {self.cfg.max_steps}; "
                              "resume with a larger --max-steps or use a new --out")

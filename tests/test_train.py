@@ -554,3 +554,27 @@ def test_a_dataset_without_its_tokenizer_fails_before_training(dataset, tmp_path
     assert main(argv) == 2
     assert "not the tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("before, after", [("mlm", "mlm+sbo"), ("mlm+sbo", "mlm")])
+def test_resume_refuses_another_objective(dataset, tmp_path, capsys, before, after):
+    span = ["--masking", "span"]
+    trainer = Trainer(load_config(small_argv(dataset) + span + ["--objective", before, "--out", str(tmp_path)]))
+    trainer.save_checkpoint()
+    trainer.close()
+    assert main(small_argv(dataset) + span + ["--objective", after, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: the checkpoint was trained with --objective {before}, this run asks for --objective {after}; " \
+           f"resume with --objective {before}, or use a new --out" in err and err.count("\n") == 1
+
+
+def test_resume_refuses_data_of_another_tokenizer(dataset, tmp_path):
+    trainer = Trainer(small_config(dataset, tmp_path))
+    try:
+        state = trainer.state_dict()
+        assert state["tokenizer_hash"] == trainer.manifest["tokenizer_hash"]
+        state["tokenizer_hash"] = "0" * 64
+        with pytest.raises(ValueError, match="trained on ids of tokenizer 000000000000, but the dataset"):
+            trainer.load_state_dict(state)
+    finally:
+        trainer.close()
