@@ -27,6 +27,7 @@ validation MLM loss 9.00 -> 6.51. Not yet measured on a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from . import ops
 from .checkpoint import CheckpointManager, DiskSpaceError, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
-from .hub import model_dir
+from .hub import model_dir, tokenizer_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
 from .sbo import RobertaForSpanBERT
@@ -55,6 +56,7 @@ from .train_config import TrainConfig
 # the TrainConfig setting behind each LR-schedule field (check_schedule)
 SCHEDULE_SETTINGS = {"total_steps": "--max-steps", "warmup_steps": "--warmup-steps", "peak_lr": "--lr",
                      "min_lr": "--min-lr"}
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")  # TrainConfig's
 EVAL_MASK_SEED = 0xE7A1  # validation masks are fixed, and the same for every run and world size
 
 
@@ -300,7 +302,8 @@ class Trainer:
     def _init_model(self, model_class):
         """The --init-from model's weights, or ValueError in one line naming the directory."""
         try:
-            return model_class.from_pretrained(self.init_dir, backend=self.cfg.backend)
+            # model_config: the directory's config with --dropout applied
+            return model_class.from_pretrained(self.init_dir, backend=self.cfg.backend, config=self.model_config)
         except Exception as err:
             raise ValueError(f"--init-from {self.cfg.init_from!r}: cannot load the model from {self.init_dir} "
                              f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
@@ -327,9 +330,18 @@ class Trainer:
             if mc.pad_token_id != manifest["pad_id"]:
                 raise ValueError(f"{cfg.init_from} pads with id {mc.pad_token_id} but the dataset with "
                                  f"{manifest['pad_id']}; preprocess with the model's tokenizer")
+            self._check_init_tokenizer(manifest)
+            # the sizes are the model's: a size flag may only repeat them; the dropout flag applies
+            other = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (the model has {getattr(mc, k)})"
+                     for k in SIZE_FIELDS if getattr(cfg, k) is not None and getattr(cfg, k) != getattr(mc, k)]
+            if other:
+                raise ValueError(f"sizes given contradict the --init-from model {cfg.init_from!r}: {', '.join(other)}; "
+                                 "drop those flags (a model keeps its sizes), or train one of these sizes from "
+                                 "scratch, without --init-from")
+            if cfg.dropout is not None:
+                mc = dataclasses.replace(mc, hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
             return mc
-        overrides = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                   "intermediate_size") if getattr(cfg, k) is not None}
+        overrides = {k: getattr(cfg, k) for k in SIZE_FIELDS if getattr(cfg, k) is not None}
         if cfg.dropout is not None:
             overrides.update(hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
         base = RobertaConfig.preset(cfg.model)
@@ -338,6 +350,32 @@ class Trainer:
         return RobertaConfig.preset(cfg.model, vocab_size=manifest["vocab_size"], pad_token_id=pad,
                                     bos_token_id=manifest["bos_id"], eos_token_id=manifest["eos_id"],
                                     max_position_embeddings=positions, **overrides)
+
+    def _check_init_tokenizer(self, manifest: dict) -> None:
+        """Refuse an --init-from model whose tokenizer is not the one the dataset was made with: a
+        same-sized vocabulary of other tokens would train the model on ids that mean other words to it.
+        A model directory without tokenizer files is refused too, naming the files to add, since
+        then nothing shows which ids its embeddings learned."""
+        from .tokenizer import RobertaTokenizer
+
+        name = self.cfg.init_from
+        try:
+            directory = Path(tokenizer_dir(name))  # a Hub name: its tokenizer files are fetched
+        except FileNotFoundError as err:
+            raise ValueError(f"--init-from: {err}") from None
+        if not ((directory / "tokenizer.json").is_file()
+                or ((directory / "vocab.json").is_file() and (directory / "merges.txt").is_file())):
+            raise ValueError(f"--init-from {name!r} has no tokenizer (tokenizer.json, or vocab.json + merges.txt), "
+                             "so the dataset cannot be checked against the ids the model learned; copy the files "
+                             f"of the tokenizer the model was trained with into {str(directory)!r} and rerun")
+        try:
+            model_hash = RobertaTokenizer.from_pretrained(directory).tokenizer_hash
+        except ValueError as err:
+            raise ValueError(f"--init-from {name!r}: cannot load its tokenizer ({err})") from None
+        if model_hash != manifest["tokenizer_hash"]:
+            raise ValueError(f"the dataset was tokenized with tokenizer {manifest['tokenizer_hash'][:12]}, but "
+                             f"--init-from {name!r} was trained with tokenizer {model_hash[:12]} (its ids mean other "
+                             f"tokens); preprocess the text again with --tokenizer {name}")
 
     def _eval_batches(self) -> list[dict]:
         """The validation set's first samples (at most eval_batches x batch_size, split over ranks)."""
@@ -702,8 +740,9 @@ class Trainer:
         n = sum(p.numel() for p in self.model.parameters())
         return (
             "effective config:\n" + json.dumps(c.to_dict(), indent=1) + "\n"
-            f"model: {c.model} (L={mc.num_hidden_layers} H={mc.hidden_size} A={mc.num_attention_heads} "
-            f"FFN={mc.intermediate_size} vocab={mc.vocab_size}), {n / 1e6:.2f}M parameters, backend "
+            f"model: {f'--init-from {c.init_from}' if c.init_from else c.model} (L={mc.num_hidden_layers} "
+            f"H={mc.hidden_size} A={mc.num_attention_heads} FFN={mc.intermediate_size} vocab={mc.vocab_size} "
+            f"dropout {mc.hidden_dropout_prob}/{mc.attention_probs_dropout_prob}), {n / 1e6:.2f}M parameters, backend "
             f"{self.model.backend} (attention: {self._attention()}), objective "
             + ("MLM + span boundary (SpanBERT)" if self.with_sbo else "MLM") + "\n"
             f"device {self.device} x {self.dist.world_size} process(es), precision {self.precision} "

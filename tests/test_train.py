@@ -540,6 +540,43 @@ def _same_size_other_tokenizer(dataset, out):
     return RobertaTokenizer.from_pretrained(out)
 
 
+def test_init_from_refuses_a_model_of_another_tokenizer(dataset, tmp_path):
+    """A same-sized vocabulary of other tokens is refused (its ids mean other tokens to the model),
+    and so is a model directory with no tokenizer to check; the dataset's own is accepted."""
+    other = _same_size_other_tokenizer(dataset, tmp_path / "other_tok")
+    _model_dir(dataset, tmp_path / "other", tokenizer=other)
+    with pytest.raises(ValueError, match="the dataset was tokenized with tokenizer .* but --init-from .* was trained "
+                                         "with tokenizer .*preprocess the text again with --tokenizer"):
+        Trainer(small_config(dataset, tmp_path / "o1", init_from=str(tmp_path / "other")))
+    bare = _model_dir(dataset, tmp_path / "bare")
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        (bare / name).unlink()
+    with pytest.raises(ValueError, match=r"has no tokenizer \(tokenizer.json, or vocab.json \+ merges.txt\).*copy"):
+        Trainer(small_config(dataset, tmp_path / "o2", init_from=str(bare)))
+    trainer = Trainer(small_config(dataset, tmp_path / "o3", init_from=str(_model_dir(dataset, tmp_path / "own"))))
+    trainer.close()
+
+
+def test_init_from_applies_dropout_and_refuses_other_sizes(dataset, tmp_path):
+    """--dropout applies to the --init-from model (and the printed config says so); a size flag
+    that contradicts the model's is refused rather than silently ignored."""
+    init = str(_model_dir(dataset, tmp_path / "init"))
+    trainer = Trainer(small_config(dataset, tmp_path / "o1", init_from=init, dropout=0.0))
+    try:
+        config = trainer.model.config
+        assert config.hidden_dropout_prob == config.attention_probs_dropout_prob == 0.0
+        assert "dropout 0.0/0.0" in trainer.describe()
+        ids = torch.randint(5, config.vocab_size - 1, (2, 16))
+        trainer.model.train()
+        with torch.no_grad():  # no dropout: training mode is deterministic
+            assert torch.equal(trainer.model(ids).logits, trainer.model(ids).logits)
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match=r"contradict the --init-from model .*--hidden-size 64 \(the model has 32\), "
+                                         r"--num-hidden-layers 3 \(the model has 1\); drop those flags"):
+        Trainer(small_config(dataset, tmp_path / "o2", init_from=init, hidden_size=64, num_hidden_layers=3))
+
+
 def test_a_dataset_without_its_tokenizer_fails_before_training(dataset, tmp_path, capsys):
     """The export needs the dataset's tokenizer: missing or replaced, the run stops at start (exit 2)."""
     import shutil
