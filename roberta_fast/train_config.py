@@ -317,6 +317,9 @@ def _coerce(name: str, value):
             if isinstance(value, bool):
                 raise ValueError(value)
             return float(value)
+        # text: a number is its spelling (YAML reads `out: 2024` as an int); a list, mapping or bool is a mistake
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(value)
         return str(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} expects {'an' if base is int else 'a'} {base.__name__}, got {value!r}") from None

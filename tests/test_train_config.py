@@ -1,6 +1,7 @@
 """TrainConfig: presets, precedence (preset < file < flags), a flag per field, batch
 arithmetic, and one readable error listing every impossible value."""
 import json
+import re
 
 import pytest
 
@@ -53,6 +54,10 @@ def test_values_are_coerced_and_checked():
     assert (cfg.max_steps, cfg.lr, cfg.stop_at, cfg.export) == (5000, 1e-3, None, False)
     with pytest.raises(ValueError, match="max_steps expects an int, got '2.5'"):
         TrainConfig.from_dict({"max_steps": "2.5"})
+    assert TrainConfig.from_dict({"out": 2024}).out == "2024"  # YAML's reading of a directory name
+    for value in (["a"], {"a": 1}, True):  # not text: refused, not str()-ed into a path
+        with pytest.raises(ValueError, match=re.escape(f"out expects a str, got {value!r}")):
+            TrainConfig.from_dict({"out": value})
     with pytest.raises(ValueError, match="unknown training config keys \\['lrate'\\]"):
         TrainConfig.from_dict({"lrate": 1})
     with pytest.raises(ValueError, match="unknown preset"):
