@@ -637,7 +637,8 @@ class Trainer:
                     if self.scaler.bad_in_a_row >= cfg.max_bad_steps:
                         self.save_checkpoint()
                         raise RuntimeError(self._nonfinite_message())
-                    if self.step % cfg.log_every == 0 or self.step == end:
+                    # not at --stop-at: the log interval goes on in the checkpoint, as in a straight run
+                    if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                         log.log(self._train_record(stats))
                     log.advance(self.step)
                     if on_step is not None:

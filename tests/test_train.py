@@ -86,6 +86,15 @@ def test_resume_is_exact(dataset, tmp_path):
     assert resumed.schedule.num_updates == whole.schedule.num_updates == 6
 
 
+def test_stop_at_between_log_lines_logs_as_a_straight_run(dataset, tmp_path):
+    """--stop-at 3 with --log-every 2: no extra line at step 3, and the line of step 4 averages
+    steps 3 and 4 as the straight run's does."""
+    run(small_config(dataset, tmp_path / "whole", log_every=2))
+    run(small_config(dataset, tmp_path / "split", log_every=2, stop_at=3))
+    run(small_config(dataset, tmp_path / "split", log_every=2))
+    assert train_losses(tmp_path / "split") == train_losses(tmp_path / "whole")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tmp_path, monkeypatch, capsys, sig):
     """Scripts and schedulers tell an interrupted run (checkpoint saved) from a finished one
