@@ -310,12 +310,13 @@ def test_keep_k_needs_room_for_k_and_a_full_disk_keeps_the_last_good(tmp_path, m
 
 
 def test_a_bad_init_from_is_one_line_and_exit_2(dataset, tmp_path, capsys):  # noqa: F811
-    from roberta_fast import RobertaConfig, RobertaForMaskedLM
+    from roberta_fast import RobertaConfig, RobertaForMaskedLM, RobertaTokenizer
 
     model_dir = tmp_path / "model"
     cfg = RobertaConfig.preset("tiny", vocab_size=1024, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=64)
     RobertaForMaskedLM(cfg).save_pretrained(model_dir)
+    RobertaTokenizer.from_pretrained(os.path.join(dataset, "tokenizer")).save(model_dir)  # the dataset's: accepted
     for weights in model_dir.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     argv = small_argv(dataset) + ["--out", str(tmp_path / "o"), "--init-from", str(model_dir)]
