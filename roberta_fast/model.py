@@ -467,6 +467,9 @@ class _PreTrained(nn.Module):
     base_model_prefix = "roberta"  # transformers' name of the encoder inside a head model
     _keep_in_fp32_modules, _keep_in_fp32_modules_strict = [], []  # transformers' hooks: nothing kept in fp32
     _keys_to_ignore_on_load_missing = None
+    # transformers.Trainer reads this (else a **kwargs forward) as "the loss takes num_items_in_batch and is
+    # already normalised for gradient accumulation": ours is a mean per call, so the Trainer must divide it
+    accepts_loss_kwargs = False
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)

@@ -67,6 +67,28 @@ def test_transformers_trainer_trains_saves_and_reloads(tmp_path):
         torch.testing.assert_close(reloaded.eval()(**rows).logits, model(**rows).logits)
 
 
+def test_transformers_trainer_accumulates_gradients_as_one_batch(tmp_path):
+    """Two accumulated batches of 4 step as one batch of 8: the Trainer divides our (mean) loss by the
+    accumulation steps, as accepts_loss_kwargs = False tells it to (a **kwargs forward alone would make it
+    pass num_items_in_batch and skip the division, doubling the step)."""
+    rows = batch(rows=8)
+    dataset = [{k: v[i] for k, v in rows.items()} for i in range(8)]
+    stepped = []
+    for per_device, accumulation in ((8, 1), (4, 2)):
+        hf, _ = classifier()
+        model = rf.RobertaForSequenceClassification.from_pretrained(
+            hf, backend="reference", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(accumulation)), max_steps=1, learning_rate=0.5, optim="sgd",
+            lr_scheduler_type="constant", per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation, report_to=[], save_strategy="no", use_cpu=True, seed=0)
+        transformers.Trainer(model=model, args=args, train_dataset=dataset).train()
+        stepped.append(model.classifier.out_proj.weight.detach().clone())
+    before = classifier()[1].classifier.out_proj.weight.detach()
+    assert (stepped[0] - before).abs().max() > 1e-4  # the step moved the weights
+    torch.testing.assert_close(stepped[1], stepped[0], rtol=1e-4, atol=1e-6)
+
+
 def test_lora_on_the_fused_names_trains_merges_and_loads_in_transformers(tmp_path):
     peft = pytest.importorskip("peft", reason="LoRA needs peft: pip install peft")
     _, model = classifier()
