@@ -10,8 +10,9 @@ becomes its sequence classifier. The checkpoint is read with weights_only=True (
 in it can run code), the model is rebuilt from the config the checkpoint records, and
 the tokenizer is the run's: the dataset's for pretraining (as recorded in the checkpoint's
 training config), the fine-tuned model's for fine-tuning; --tokenizer names another. A
-tokenizer the model was not trained with is refused: a pretraining checkpoint records the
-hash of its dataset's tokenizer (older ones, and fine-tuning's: the vocabulary size is compared).
+tokenizer the model was not trained with is refused: a checkpoint records the hash of its
+tokenizer (the dataset's for pretraining, the model's for fine-tuning; in older checkpoints, which
+do not, the vocabulary size is compared).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def run_tokenizer(state: dict):
 def check_tokenizer(state: dict, model, tokenizer, source: str):
     """`tokenizer` (a RobertaTokenizer, directory or Hub name) loaded, or ValueError if the checkpoint's
     model was not trained on its ids: the export would pair the model with another tokenizer.
-    Pretraining checkpoints record the tokenizer's hash; older ones and fine-tuning's are checked
+    Checkpoints record the tokenizer's hash; older ones are checked
     by size (a fine-tuned model's vocabulary may be padded beyond its tokenizer's)."""
     from .tokenizer import RobertaTokenizer
 

@@ -195,6 +195,7 @@ class Finetuner:
                 "step": self.step, "best": self.best, "export_pending": self.export_pending,
                 "rng": rng_state(self.device),
                 "labels": self.names, "task": self.cfg.task,
+                "tokenizer_hash": self.tokenizer.tokenizer_hash,  # roberta_fast.export refuses another tokenizer
                 "config": {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in COMMAND_LINE_ONLY},
                 "model_config": self.model.config.to_dict()}  # python -m roberta_fast.export rebuilds from it
 

@@ -369,6 +369,13 @@ def test_a_checkpoint_exports_as_a_classifier(task, tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(hf(**batch).logits, job.model(batch["input_ids"], batch["attention_mask"]).logits,
                                    rtol=1e-5, atol=1e-6)
+    other = rf.RobertaTokenizer.train_from_iterator(["quite other words entirely"] * 20, vocab_size=300,
+                                                    min_frequency=1)  # fewer ids than the model: a hash tells
+    other.save(tmp_path / "other")
+    capsys.readouterr()
+    assert export([str(tmp_path / "run"), "--out", str(tmp_path / "bad"), "--tokenizer", str(tmp_path / "other")]) == 2
+    assert "but the checkpoint was trained on ids of tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_macro_f1():
