@@ -94,11 +94,24 @@ class Source:
         return self.kind in ("text", "jsonl") and self.codec is None
 
 
+def _is_skippable(word: bytes) -> bool:
+    """A zstd skippable frame's magic (0x184D2A50..5F little-endian): metadata, e.g. pzstd's frame sizes."""
+    return len(word) == 4 and int.from_bytes(word, "little") & 0xFFFFFFF0 == 0x184D2A50
+
+
 def magic(head: bytes) -> str | None:
     """The format a file's first bytes announce (bzip2's "BZh" with its level and block magic,
-    so that text beginning "BZh" stays text), or None."""
+    so that text beginning "BZh" stays text), or None. Leading zstd skippable frames (every
+    pzstd output starts with one) are passed over to the frame after them."""
     if _BZ2.match(head):
         return "bz2"
+    pos = 0
+    while _is_skippable(head[pos:pos + 4]):
+        pos += 8 + int.from_bytes(head[pos + 4:pos + 8], "little")
+        if pos + 4 > len(head):
+            return "zstd" if pos > 0 and len(head) == SNIFF_BYTES else None  # metadata longer than the head read
+        if not _is_skippable(head[pos:pos + 4]):
+            return "zstd" if head[pos:].startswith(b"\x28\xb5\x2f\xfd") else None
     return next((name for prefix, name in MAGIC if head.startswith(prefix)), None)
 
 
@@ -305,34 +318,37 @@ def open_binary(source: Source, offset: int = 0):
         raise
 
 
-def zstd_frame_offsets(path: str) -> list[int]:
+def zstd_frame_offsets(path: str, skippable: bool = False) -> list[int]:
     """Where each frame of a zstd file starts, read from the frame and block headers (RFC 8878;
-    nothing decompressed; skippable frames are not listed); [0] when the framing is not clear."""
+    nothing decompressed); [0] when the framing is not clear. Skippable frames are listed only
+    with `skippable`: units start at regular frames, but `zstandard` counts every frame."""
     key = (path, os.path.getsize(path), os.stat(path).st_mtime_ns)
     if key not in _FRAMES:
         _FRAMES.clear()
         _FRAMES[key] = _scan_zstd_frames(path, key[1])
-    return _FRAMES[key]
+    frames = _FRAMES[key]
+    return [o for o, skip in frames if skippable or not skip] or [0]
 
 
 _FRAMES: dict = {}
 
 
-def _scan_zstd_frames(path: str, size: int) -> list[int]:
+def _scan_zstd_frames(path: str, size: int) -> list[tuple[int, bool]]:
+    """(offset, is skippable) of every frame; [(0, False)] when the framing is not clear."""
     offsets, pos = [], 0
     with open(path, "rb") as f:
         while pos < size:
             f.seek(pos)
             head = f.read(8)
             if len(head) < 8:
-                return [0]
-            word = int.from_bytes(head[:4], "little")
-            if word & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: its size follows
+                return [(0, False)]
+            if _is_skippable(head[:4]):  # its size follows
+                offsets.append((pos, True))
                 pos += 8 + int.from_bytes(head[4:8], "little")
                 continue
-            if word != 0xFD2FB528:
-                return [0]
-            offsets.append(pos)
+            if int.from_bytes(head[:4], "little") != 0xFD2FB528:
+                return [(0, False)]
+            offsets.append((pos, False))
             fhd = head[4]  # frame header descriptor
             single_segment = (fhd >> 5) & 1
             pos += 5 + (not single_segment) + (0, 1, 2, 4)[fhd & 3] + ((1 if single_segment else 0), 2, 4, 8)[fhd >> 6]
@@ -340,27 +356,28 @@ def _scan_zstd_frames(path: str, size: int) -> list[int]:
                 f.seek(pos)
                 block = f.read(3)
                 if len(block) < 3:
-                    return [0]
+                    return [(0, False)]
                 header = int.from_bytes(block, "little")
                 kind = (header >> 1) & 3
                 if kind == 3:
-                    return [0]
+                    return [(0, False)]
                 pos += 3 + (1 if kind == 1 else header >> 3)
                 if header & 1:
                     break
             pos += 4 * ((fhd >> 2) & 1)  # the content checksum
-    return offsets or [0]
+    return offsets or [(0, False)]
 
 
 def _zstd_last_byte(path: str, offset: int) -> bytes:
-    """The last decompressed byte of the frame that ends at `offset` (streamed: nothing else kept)."""
+    """The last decompressed byte of the last regular frame before `offset` (skippable frames
+    between hold no text; streamed: nothing else kept)."""
     frames = [o for o in zstd_frame_offsets(path) if o < offset]
     frame = _need("zstandard").ZstdDecompressor().decompressobj()
     last = b""
     with open(path, "rb") as f:
         f.seek(frames[-1])
         left = offset - frames[-1]
-        while left > 0:
+        while left > 0 and not frame.eof:
             out = frame.decompress(f.read(min(left, 1 << 16)))
             left -= 1 << 16
             last = out[-1:] or last
@@ -368,38 +385,38 @@ def _zstd_last_byte(path: str, offset: int) -> bytes:
 
 
 class _FrameStart:
-    """Compares as the decompressed offset at which frame `n` of a _ZstdFrames stream begins
-    (infinite until it is known: every byte read so far came from earlier frames)."""
+    """Compares as the decompressed offset at which frame `n` (skippable ones counted) of a
+    _ZstdFrames stream begins; infinite when the file ends first. Each comparison decompresses
+    ahead as far as it needs to be exact (a frame may start right where the bytes read end)."""
 
     def __init__(self, frames, n: int):
         self.frames, self.n = frames, n
 
-    def _value(self):
-        starts = self.frames.starts
-        return starts[self.n] if len(starts) > self.n else float("inf")
+    def __le__(self, pos):
+        return self.frames.start_of(self.n, pos) <= pos
 
     def __gt__(self, pos):
-        return self._value() > pos
-
-    def __le__(self, pos):
-        return self._value() <= pos
+        return not self <= pos
 
 
-def _boundary_after(f, at_line_start: bool, kind: str) -> int:
+def _boundary_after(f, at_line_start: bool, kind: str) -> tuple[int, int]:
     """Read `f` on to where the next document starts (JSONL: the next line start; text: past the
-    next whole blank line); return the bytes read. `at_line_start`: the byte before was a newline."""
+    next whole blank line); return (bytes read, where its separator starts: the blank line, or
+    for JSONL the line itself). `at_line_start`: the byte before was a newline."""
     if kind == "jsonl" and at_line_start:
-        return 0
+        return 0, 0
     pos = 0
     while True:
         raw = f.readline(READ_BLOCK)
         if not raw:
-            return pos
+            return pos, pos
         whole = at_line_start and raw.endswith(b"\n")
         at_line_start = raw.endswith(b"\n")
         pos += len(raw)
-        if (kind == "jsonl" and at_line_start) or (kind == "text" and whole and _is_blank(raw)):
-            return pos
+        if kind == "jsonl" and at_line_start:
+            return pos, pos
+        if kind == "text" and whole and _is_blank(raw):
+            return pos, pos - len(raw)
 
 
 def next_boundary(f, x: int, size: int, kind: str, doc_per_file: bool) -> int:
@@ -410,7 +427,7 @@ def next_boundary(f, x: int, size: int, kind: str, doc_per_file: bool) -> int:
         return size
     f.seek(x - 1)
     at_line_start = f.read(1) == b"\n"
-    return min(x + _boundary_after(f, at_line_start, kind), size)
+    return min(x + _boundary_after(f, at_line_start, kind)[0], size)
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -427,23 +444,35 @@ class _ZstdFrames(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def _more(self) -> bool:
+        """Decompress the next compressed chunk onto `out` (False at the end of the file)."""
+        chunk = self.raw.read(1 << 14)  # bounds the output of one call: 16 KiB times the ratio
+        if not chunk:
+            if self.fed and not self.frame.eof:
+                raise EOFError("the file ends inside a zstd frame")
+            return False
+        parts = [self.out[self.at:]]
+        while chunk:
+            if self.frame.eof:  # the next frame (a skippable one too: zstandard gives it no bytes)
+                self.frame, self.fed = self.zstd.ZstdDecompressor().decompressobj(), False
+                self.starts.append(self.produced)
+            self.fed = True
+            parts.append(self.frame.decompress(chunk))
+            self.produced += len(parts[-1])
+            chunk = self.frame.unused_data if self.frame.eof else b""
+        self.out, self.at = b"".join(parts), 0
+        return True
+
+    def start_of(self, n: int, pos: int) -> float:
+        """Where frame n begins if that is at or before decompressed offset `pos`, else inf."""
+        while len(self.starts) <= n and self.produced <= pos and self._more():
+            pass
+        return self.starts[n] if len(self.starts) > n else float("inf")
+
     def readinto(self, b) -> int:
         while self.at == len(self.out):
-            chunk = self.raw.read(1 << 14)  # bounds the output of one call: 16 KiB times the ratio
-            if not chunk:
-                if self.fed and not self.frame.eof:
-                    raise EOFError("the file ends inside a zstd frame")
+            if not self._more():
                 return 0
-            parts = []
-            while chunk:
-                if self.frame.eof:  # the next frame
-                    self.frame, self.fed = self.zstd.ZstdDecompressor().decompressobj(), False
-                    self.starts.append(self.produced)
-                self.fed = True
-                parts.append(self.frame.decompress(chunk))
-                self.produced += len(parts[-1])
-                chunk = self.frame.unused_data if self.frame.eof else b""
-            self.out, self.at = b"".join(parts), 0
         n = min(len(b), len(self.out) - self.at)
         b[:n] = self.out[self.at:self.at + n]
         self.at += n
@@ -600,11 +629,13 @@ class SegmentReader:
                 unit = stream.raw  # to where a document starts after the frame at `end` begins
                 prefix = f"{self.name}@frame{self.start}+byte"
                 self._where = lambda: f"{prefix}{offset[0]}"
-                if self.start:
-                    pos = _boundary_after(stream, _zstd_last_byte(self.source.path, self.start) == b"\n",
-                                          self.source.kind)
-                n = len([o for o in zstd_frame_offsets(self.source.path) if self.start <= o < self.end])
+                n = len([o for o in zstd_frame_offsets(self.source.path, skippable=True) if self.start <= o < self.end])
                 end, exact = _FrameStart(unit, n), False
+                if self.start:
+                    pos, separator = _boundary_after(
+                        stream, _zstd_last_byte(self.source.path, self.start) == b"\n", self.source.kind)
+                    if end <= separator:  # a document longer than these frames: it is the previous run's,
+                        return            # and the next one starts in a later run
             if self.source.kind == "jsonl":
                 yield from self._jsonl(stream, pos, end, offset)
             else:

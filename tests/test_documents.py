@@ -264,3 +264,44 @@ def test_invalid_utf8_in_a_table_is_replaced_and_counted(tok, tmp_path):
     m, _ = run([tmp_path / "bad.parquet"], tok, tmp_path / "out", valid_fraction=0.0)
     assert m["counts"]["invalid_utf8_replaced"] == 1 and m["counts"]["documents"] == 2
     assert [tok.decode(d) for d in shard_docs(tmp_path / "out")] == ["caf\ufffd ok</s>", "good text</s>"]
+
+
+def skippable(payload: bytes) -> bytes:
+    """A zstd skippable frame (metadata zstd readers pass over): magic, little-endian size, payload."""
+    return (0x184D2A50).to_bytes(4, "little") + len(payload).to_bytes(4, "little") + payload
+
+
+def read_in_units(path, room):
+    """Every document of a file read unit by unit, as preprocess splits it with units of about `room` bytes."""
+    (source,), _ = documents.find_sources([path], log=lambda msg: None)
+    units = list(pp._units(source, room, room, False, "text"))
+    docs = [p for start, end, _ in units for p, _, _ in documents.SegmentReader(source, start, end)]
+    return docs, len(units)
+
+
+def test_zstd_runs_read_each_document_once_whatever_the_split(tmp_path):
+    """A document longer than a whole run of frames: the runs starting inside it read nothing (they
+    read the next document again, which the run it starts in reads too)."""
+    long = "\n".join(f"line {i} of the long document" for i in range(300))
+    docs = ["first doc", long, "third doc", "fourth doc"]
+    data = "\n\n".join(docs).encode() + b"\n"
+    c = zstandard.ZstdCompressor()
+    (tmp_path / "d.txt.zst").write_bytes(b"".join(c.compress(data[a:a + 500]) for a in range(0, len(data), 500)))
+    got, units = read_in_units(tmp_path / "d.txt.zst", 1)
+    assert units > 5 and got == docs
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_zstd_skippable_frames_lose_nothing(kind, tmp_path):
+    """Skippable frames (pzstd writes one before every frame) at the start, between frames and at
+    the end: the file is zstd, and each split reads every document once."""
+    data = (txt_bytes(DOCS) + b"\n") if kind == "txt" else jsonl_bytes(DOCS)
+    c = zstandard.ZstdCompressor()
+    frames = [skippable(b"size") + c.compress(data[a:a + 3000]) for a in range(0, len(data), 3000)]
+    frames[5] += skippable(b"metadata in the middle")
+    (tmp_path / f"d.{kind}.zst").write_bytes(b"".join(frames) + skippable(b"seek table"))
+    (tmp_path / f"d.{kind}").write_bytes(data)
+    want, _ = read_in_units(tmp_path / f"d.{kind}", 1 << 30)
+    for room in (1 << 30, 1, 5000):
+        got, _ = read_in_units(tmp_path / f"d.{kind}.zst", room)
+        assert got == want and len(got) == len(DOCS), room
