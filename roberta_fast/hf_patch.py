@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from types import MethodType
-
 import torch
 
 from . import ops
@@ -106,6 +104,46 @@ def _lm_head(self, features, **kwargs):
     return self.decoder(x)
 
 
+class _Patched:
+    """Base of the patched classes: pickles (torch.save, copy.deepcopy) as its original
+    class plus the fused forward, since a class made at run time cannot be found by name."""
+
+    def __reduce_ex__(self, protocol):
+        reduced = list(super().__reduce_ex__(protocol))  # (constructor, args, state, ...)
+        cls = type(self)  # through the class: self._rf_forward would be a bound method
+        reduced[0], reduced[1] = _new_patched, (cls._rf_original, cls._rf_forward)
+        return tuple(reduced)
+
+
+_PATCHED_CLASSES = {}
+
+
+def _patched_class(original, forward):
+    """The subclass of original whose forward is `forward`, made once per pair. The forward
+    lives on the class, not the instance, so DataParallel replicas and copies, which get
+    their own __dict__, compute with their own weights."""
+    key = (original, forward)
+    if key not in _PATCHED_CLASSES:
+        _PATCHED_CLASSES[key] = type(original.__name__, (_Patched, original), {
+            "forward": forward, "_rf_original": original, "_rf_forward": forward,
+            "__qualname__": original.__qualname__, "__doc__": original.__doc__})
+    return _PATCHED_CLASSES[key]
+
+
+def _new_patched(original, forward):
+    """Unpickling: an empty instance of the patched class (pickle then restores its state).
+    Registers the attention too: the model's config names it, in a fresh process as well."""
+    _register()
+    cls = _patched_class(original, forward)
+    return cls.__new__(cls)
+
+
+def _swap_forward(module, forward):
+    """Give module the fused forward by moving it to the patched subclass of its class."""
+    original = getattr(type(module), "_rf_original", type(module))  # patching twice: the same class
+    module.__class__ = _patched_class(original, forward)
+
+
 def _needs_attention_interface() -> str:
     import transformers
 
@@ -141,9 +179,9 @@ def patch(model):
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith(("SelfOutput", "Output")) and hasattr(module, "LayerNorm") and hasattr(module, "dense"):
-            module.forward = MethodType(_dense_dropout_add_norm, module)
+            _swap_forward(module, _dense_dropout_add_norm)
         elif kind.endswith("Intermediate") and gelu:
-            module.forward = MethodType(_dense_gelu, module)
+            _swap_forward(module, _dense_gelu)
         elif kind.endswith("LMHead") and hasattr(module, "layer_norm"):
-            module.forward = MethodType(_lm_head, module)
+            _swap_forward(module, _lm_head)
     return model

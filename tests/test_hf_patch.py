@@ -1,0 +1,77 @@
+"""rf.patch beyond fidelity (tests/test_dropin.py has that): a patched model's copies,
+DataParallel replicas and pickles compute with their own weights; dtypes the kernels
+do not take (float64) run the reference ops."""
+import copy
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import roberta_fast as rf
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+FIELDS = dict(vocab_size=53, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=64, max_position_embeddings=20, type_vocab_size=1)
+
+
+def hf_model(cls="RobertaForMaskedLM"):
+    torch.manual_seed(0)
+    return getattr(transformers, cls)(transformers.RobertaConfig(**FIELDS)).eval()
+
+
+def test_a_data_parallel_replica_computes_with_its_own_weights():
+    """replicate() copies __dict__ shallowly: a forward bound to the instance would keep
+    computing with the original module's weights on every device."""
+    inter = rf.patch(hf_model("RobertaModel")).encoder.layer[0].intermediate
+    replica = inter._replicate_for_data_parallel()
+    replica._modules["dense"] = copy.deepcopy(inter.dense)  # what replicate() installs next
+    with torch.no_grad():
+        replica.dense.weight.zero_()
+        replica.dense.bias.zero_()
+    assert bool((replica(torch.randn(2, FIELDS["hidden_size"])) == 0).all())  # GELU(0)
+
+
+def test_a_deep_copy_computes_with_its_own_weights():
+    model = rf.patch(hf_model())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.roberta.encoder.layer[0].output.parameters():
+            p.add_(1.0)
+    ids = torch.randint(3, 52, (2, 7))
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids=ids).logits, twin(input_ids=ids).logits)
+
+
+def test_a_patched_model_pickles(tmp_path):
+    """torch.save(model) pickles the whole model, the patched classes included, and loads
+    in a fresh process, still patched and giving the same outputs."""
+    model = rf.patch(hf_model())
+    ids = torch.randint(3, 52, (2, 7))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.lm_head) is type(model.lm_head)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+    torch.save({"model": model, "ids": ids, "want": want}, tmp_path / "m.pt")
+    code = ("import torch, roberta_fast\n"
+            f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+            "with torch.no_grad(): got = d['model'](input_ids=d['ids']).logits\n"
+            "assert torch.equal(got, d['want']), (got - d['want']).abs().max()\n"
+            "assert type(d['model'].lm_head).forward.__module__ == 'roberta_fast.hf_patch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def test_patching_twice_keeps_one_patched_class():
+    model = rf.patch(hf_model())
+    cls = type(model.lm_head)
+    rf.patch(model)
+    assert type(model.lm_head) is cls and type(model.lm_head).__mro__[2] is transformers.models.roberta.modeling_roberta.RobertaLMHead
