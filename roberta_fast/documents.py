@@ -650,6 +650,8 @@ class SegmentReader:
             if not raw:
                 break
             pos += len(raw)
+            if offset[0] == 0 and self.start == 0:  # a UTF-8 byte order mark marks the encoding: not text
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             if _is_blank(raw):
                 stats["blank_jsonl_lines"] += 1
                 continue
@@ -676,6 +678,8 @@ class SegmentReader:
             if not raw:
                 break
             pos += len(raw)
+            if offset[0] == 0 and self.start == 0:  # a UTF-8 byte order mark marks the encoding: not text
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             whole_line = at_line_start and raw.endswith(b"\n")
             at_line_start = raw.endswith(b"\n")
             text = dec.decode(raw)

@@ -5,6 +5,7 @@ The text is the embedded corpus (English prose from the Python documentation), w
 tmp_path as plain JSONL and as each other format at test time."""
 import builtins
 import bz2
+import codecs
 import gzip
 import json
 import lzma
@@ -305,3 +306,16 @@ def test_zstd_skippable_frames_lose_nothing(kind, tmp_path):
     for room in (1 << 30, 1, 5000):
         got, _ = read_in_units(tmp_path / f"d.{kind}.zst", room)
         assert got == want and len(got) == len(DOCS), room
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.txt", "d.jsonl.gz", "d.txt.zst"])
+def test_a_utf8_byte_order_mark_is_not_text(name, tmp_path):
+    """A file starting with a BOM (as Windows tools write): the first JSONL record is not bad JSON,
+    and the first text document holds no U+FEFF."""
+    data = codecs.BOM_UTF8 + (b'{"text": "first"}\n{"text": "second"}\n' if ".jsonl" in name else b"first\n\nsecond\n")
+    compress = {".gz": gzip.compress, ".zst": zstandard.ZstdCompressor().compress}.get((tmp_path / name).suffix)
+    (tmp_path / name).write_bytes(compress(data) if compress else data)
+    (source,), _ = documents.find_sources([tmp_path / name], log=lambda msg: None)
+    stats = documents.new_stats()
+    assert [p for p, _, _ in documents.SegmentReader(source, 0, source.size, stats=stats)] == ["first", "second"]
+    assert stats["bad_json_lines"] == 0
