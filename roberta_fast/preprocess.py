@@ -486,9 +486,13 @@ def _shard_files(out: Path, split: str, index: int, info: dict, dtype: str) -> d
 
 
 def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
-    """Create the output tree, or check that an existing one is the same run (resume)."""
+    """Create the output tree, or check that an existing one is the same run (resume). plan.json is
+    written before the folders: a run killed in between leaves a directory its rerun knows as its own."""
     plan_file = out / "plan.json"
-    if out.exists() and any(p.name != "inputs" for p in out.iterdir()):  # inputs/: a datasets.Dataset written out
+    for stale in out.glob(".plan.json.*.tmp"):  # a plan.json write killed half-way
+        stale.unlink()
+    ours = ("inputs", "train", "valid", "chunks", "tokenizer")  # inputs/: a datasets.Dataset written out
+    if out.exists() and any(p.name not in ours or p.name != "inputs" and any(p.iterdir()) for p in out.iterdir()):
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None
         if old != plan:
             if not overwrite:
@@ -501,12 +505,13 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
                 shutil.rmtree(out / sub, ignore_errors=True)
             for name in ("manifest.json", "plan.json"):
                 (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(plan_file, json.dumps(plan, indent=1))
     for sub in ("train", "valid", "chunks", "tokenizer"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    for sub in ("train", "valid"):  # leftovers of an interrupted run
+        (out / sub).mkdir(exist_ok=True)
+    for sub in ("train", "valid", "chunks"):  # leftovers of an interrupted run
         for stale in (out / sub).glob(".*.tmp"):
             stale.unlink()
-    write_text_atomic(plan_file, json.dumps(plan, indent=1))
 
 
 def _execute(tasks: list[dict], tokenizer_file: str, workers: int, progress: bool, total: int) -> None:

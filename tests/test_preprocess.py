@@ -328,3 +328,37 @@ def test_a_damaged_tokenizer_is_named_not_a_traceback(tok, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"error: {tmp_path / 'tok' / 'tokenizer.json'} cannot be read (EOF while parsing" in err
     assert "truncated or damaged" in err and err.count("\n") == 1
+
+
+def test_a_run_killed_before_its_plan_is_written_reruns(tok, tmp_path, monkeypatch):
+    """Killed while creating the output tree (its empty folders, or a half-written plan.json): the
+    rerun takes the directory as its own rather than refusing it as 'not a preprocess output'."""
+    write_corpus(tmp_path, DOCS)
+    out = tmp_path / "out"
+    for sub in ("train", "valid", "chunks", "tokenizer"):  # an older version made these before plan.json
+        (out / sub).mkdir(parents=True)
+    (out / ".plan.json.abc123.tmp").write_text("{")
+    m, _ = run([tmp_path / "in"], tok, out)
+    assert m["counts"]["documents"] == len(DOCS) and not list(out.glob(".*.tmp"))
+
+    mkdir = pp.Path.mkdir
+
+    def killed(self, *args, **kw):
+        if self.name == "train":  # plan.json is written first: killed at the folders
+            raise KeyboardInterrupt
+        return mkdir(self, *args, **kw)
+    monkeypatch.setattr(pp.Path, "mkdir", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run([tmp_path / "in"], tok, tmp_path / "out2")
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "out2").iterdir()] == ["plan.json"]
+    m, _ = run([tmp_path / "in"], tok, tmp_path / "out2")
+    assert m["counts"]["documents"] == len(DOCS)
+
+
+def test_stale_temporary_chunk_markers_are_removed(tok, tmp_path):
+    write_corpus(tmp_path, DOCS)
+    run([tmp_path / "in"], tok, tmp_path / "out")
+    (tmp_path / "out" / "chunks" / ".00000.json.abc123.tmp").write_text("{")
+    run([tmp_path / "in"], tok, tmp_path / "out")
+    assert not list((tmp_path / "out").rglob("*.tmp"))
