@@ -11,7 +11,8 @@ forwards. No parameter is touched; the model keeps working with HF's trainer, sa
 and loading, and gives transformers' outputs at every position, padded ones included.
 
 The kernels run on CUDA tensors (and on CPU ones under TRITON_INTERPRET=1); a patched
-model on the CPU computes with transformers' SDPA and roberta_fast's reference ops.
+model on the CPU, or in float64 (which no kernel takes), computes with transformers' SDPA
+and roberta_fast's reference ops.
 `output_attentions=True` runs transformers' eager attention for that call, with a
 warning (no fused kernel stores the probabilities). `model.set_attn_implementation("sdpa")`
 (or "eager") switches attention back to transformers' own, and ("roberta_fast") to the
@@ -30,9 +31,14 @@ from .model import key_padding_mask
 IMPLEMENTATION = "roberta_fast"
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _fused(tensor) -> bool:
-    """Whether the kernels run on tensor's device: CUDA, or the CPU under Triton's interpreter."""
-    return tensor.is_cuda or (tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether the kernels take tensor: on CUDA, or the CPU under Triton's interpreter, and in
+    a dtype they compute in (a float64 model runs the reference ops, as transformers would)."""
+    on_device = tensor.is_cuda or (tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and tensor.dtype in _KERNEL_DTYPES
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -75,3 +75,19 @@ def test_patching_twice_keeps_one_patched_class():
     cls = type(model.lm_head)
     rf.patch(model)
     assert type(model.lm_head) is cls and type(model.lm_head).__mro__[2] is transformers.models.roberta.modeling_roberta.RobertaLMHead
+
+
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM"])
+def test_a_float64_model_runs_the_reference_ops(cls):
+    """No kernel takes float64: a patched float64 model computes as transformers does
+    (here on the CPU under the interpreter, where the kernels would otherwise run)."""
+    original = hf_model(cls).double()
+    patched = rf.patch(copy.deepcopy(original))
+    ids = torch.randint(3, 52, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, attention_mask=mask)[0] for m in (original, patched))
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
