@@ -729,6 +729,8 @@ class SegmentReader:
 
 def _strings(column) -> list:
     """A string column's values; invalid UTF-8 (which pyarrow refuses to convert) replaced and counted."""
+    if hasattr(column, "dictionary_decode"):  # dictionary-encoded: the strings themselves
+        column = column.dictionary_decode()
     try:
         return column.to_pylist()
     except UnicodeDecodeError:
@@ -751,6 +753,8 @@ def _text_column(schema, field: str, path: str) -> None:
     if field not in schema.names:
         raise ValueError(f"{path} has no column {field!r} (its columns: {schema.names}); pass --text-field")
     kind = schema.field(field).type
+    if pa.types.is_dictionary(kind):  # dictionary-encoded (a pandas Categorical): its values are the text
+        kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
         raise ValueError(f"{path}: column {field!r} holds {kind}, not text; pass --text-field naming a text column")

@@ -319,3 +319,17 @@ def test_a_utf8_byte_order_mark_is_not_text(name, tmp_path):
     stats = documents.new_stats()
     assert [p for p, _, _ in documents.SegmentReader(source, 0, source.size, stats=stats)] == ["first", "second"]
     assert stats["bad_json_lines"] == 0
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_a_dictionary_encoded_text_column_is_text(kind, tmp_path):
+    """A pandas Categorical / pyarrow dictionary<string> column is read as its strings, not refused."""
+    texts = ["a doc", "another doc", "a doc", None, "café"]
+    table = pa.table({"text": pa.array(texts).dictionary_encode()})
+    path = tmp_path / f"t.{kind}"
+    if kind == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    assert list(documents.read_documents([path], log=lambda msg: None)) == ["a doc", "another doc", "a doc", "café"]
