@@ -20,7 +20,9 @@ weight shapes); `--heads` overrides it.
 
 Tokenizer: fairseq's dictionary (dict.txt) lists GPT-2 BPE ids by frequency after
 <s> <pad> </s> <unk>; with GPT-2's encoder.json (token -> GPT-2 id) and vocab.bpe
-(merges), vocab.json maps each token to its fairseq index, as roberta-base's does.
+(merges), vocab.json maps each token to its fairseq index, as roberta-base's does. A
+pruned dict.txt, lacking tokens the merges make, is refused by name: fairseq encodes those
+as <unk>, which a Hugging Face BPE tokenizer cannot express.
 """
 from __future__ import annotations
 
@@ -235,6 +237,25 @@ def fairseq_vocab(dictionary, encoder_json, vocab_size: int) -> dict:
     return vocab
 
 
+def _check_merges(vocab: dict, dictionary, vocab_bpe) -> None:
+    """Refuse a dict.txt lacking tokens that vocab.bpe's merges use or make (a pruned dictionary):
+    fairseq encodes them as <unk>, which a Hugging Face BPE tokenizer cannot express (it needs
+    every merge's parts and result in its vocabulary)."""
+    missing = {}  # (a dict: ordered, no repeats)
+    with open(vocab_bpe, encoding="utf-8") as f:
+        for line in f:
+            pair = line.rstrip("\r\n").split(" ")
+            if line.startswith("#version") or len(pair) != 2:
+                continue
+            missing.update((t, None) for t in (*pair, "".join(pair)) if t not in vocab)
+    if missing:
+        shown = ", ".join(repr(t) for t in list(missing)[:10]) + (", ..." if len(missing) > 10 else "")
+        raise ValueError(
+            f"{dictionary} lacks {len(missing)} tokens that the merges of {vocab_bpe} use or make ({shown}): "
+            "fairseq encodes them as <unk>, which a Hugging Face BPE tokenizer cannot express; pass the "
+            "dict.txt holding every GPT-2 token (as roberta.base's does), or convert without the tokenizer")
+
+
 def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: int, model_max_length: int = 512):
     """vocab.json (fairseq ids) + merges.txt (vocab.bpe), then the full tokenizer files via
     RobertaTokenizer, so the directory loads in roberta_fast and transformers alike;
@@ -242,6 +263,7 @@ def write_tokenizer(dictionary, encoder_json, vocab_bpe, out_dir, vocab_size: in
     from .tokenizer import RobertaTokenizer
 
     vocab = fairseq_vocab(dictionary, encoder_json, vocab_size)
+    _check_merges(vocab, dictionary, vocab_bpe)
     with tempfile.TemporaryDirectory() as staging:
         with open(os.path.join(staging, "vocab.json"), "w", encoding="utf-8") as f:
             json.dump(vocab, f, ensure_ascii=False)

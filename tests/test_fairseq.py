@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import types
 
@@ -174,6 +175,16 @@ def test_tokenizer_from_the_dictionary_and_gpt2_files(tmp_path):
     (tmp_path / "short.txt").write_text("".join(f"{i} 1\n" for i in order[:-1]))
     with pytest.raises(ValueError, match="gives .* ids .* but the checkpoint's embedding has"):
         fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "z", tmp_path / "short.txt", tmp_path / "encoder.json",
+                        tmp_path / "gpt2" / "merges.txt")
+
+    # a pruned dict.txt lacking a token the merges make (a filler token keeps the checkpoint's size):
+    # the error names dict.txt, vocab.bpe and the token, not a temporary merges.txt
+    made = "".join(gpt2.merges()[-1])
+    (tmp_path / "encoder.json").write_text(json.dumps({**encoder, "filler": 99_999}))
+    (tmp_path / "pruned.txt").write_text("".join(f"{i} 1\n" for i in order if i != encoder[made]) + "99999 1\n")
+    with pytest.raises(ValueError, match=re.escape(f"pruned.txt lacks 1 tokens that the merges of "
+                                                   f"{tmp_path / 'gpt2' / 'merges.txt'} use or make ({made!r})")):
+        fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "p", tmp_path / "pruned.txt", tmp_path / "encoder.json",
                         tmp_path / "gpt2" / "merges.txt")
 
 
