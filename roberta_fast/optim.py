@@ -95,9 +95,13 @@ class FusedAdam(torch.optim.Optimizer):
                 if g.dtype not in _FLOAT_TYPES:
                     raise TypeError(f"FusedAdam: gradients must be float32, float16 or bfloat16, "
                                     f"got {g.dtype}")
-                if not p.is_contiguous() or not g.is_contiguous():
-                    raise ValueError("FusedAdam: parameters and gradients must be contiguous; "
-                                     "make the parameter contiguous (p.data = p.data.contiguous())")
+                if not p.is_contiguous():
+                    raise ValueError("FusedAdam: parameters must be contiguous; make the parameter "
+                                     "contiguous (p.data = p.data.contiguous())")
+                if not g.is_contiguous():
+                    raise ValueError("FusedAdam: gradients must be contiguous; a hook or custom "
+                                     "backward gave a non-contiguous .grad: make it contiguous "
+                                     "(p.grad = p.grad.contiguous()) before step()")
                 device = device or p.device
                 if p.device != device or g.device != device:
                     raise ValueError(f"FusedAdam: parameters and gradients are on {device} and "
@@ -127,8 +131,9 @@ class FusedAdam(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
                                                 memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-            if p.dtype != torch.float32 and group["master_weights"] is not False:
-                state["master_param"] = p.detach().float().contiguous()
+        if (p.dtype != torch.float32 and group["master_weights"] is not False
+                and "master_param" not in state):  # also a loaded state without one (an fp32 run's)
+            state["master_param"] = p.detach().float().contiguous()
         return state
 
     # ------------------------------------------------------------------ public
@@ -203,7 +208,10 @@ class FusedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a state_dict() of a FusedAdam over the same parameter groups, moving
         every state tensor to its parameter's device and keeping its dtype (fp32
-        moments and master weights stay fp32, unlike torch.optim.Optimizer's)."""
+        moments and master weights stay fp32, unlike torch.optim.Optimizer's); "step"
+        becomes an fp32 scalar tensor. fp16/bf16 parameters whose saved state has no
+        master weights (an fp32 run resumed in fp16) get them from the parameter at
+        the next step, as a fresh optimizer would."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"FusedAdam.load_state_dict: {len(saved_groups)} parameter groups "
@@ -218,8 +226,10 @@ class FusedAdam(torch.optim.Optimizer):
         for key, values in state_dict["state"].items():
             p = index[key]
             for name, v in values.items():
-                if isinstance(v, torch.Tensor):
-                    if name != "step" and v.numel() != p.numel():
+                if name == "step":  # a number or a float64 tensor (other writers): the fp32 scalar step() takes
+                    v = torch.as_tensor(v).to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+                elif isinstance(v, torch.Tensor):
+                    if v.numel() != p.numel():
                         raise ValueError(f"FusedAdam.load_state_dict: saved {name} has {v.numel()} "
                                          f"elements, its parameter {p.numel()}")
                     v = v.to(device=p.device, copy=True)

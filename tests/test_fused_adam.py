@@ -320,3 +320,49 @@ def test_bad_input(device):
         r.grad = torch.zeros_like(r)
         with pytest.raises(ValueError, match="one device"):
             rf.FusedAdam([q, r]).step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_params_get_masters_when_the_loaded_state_has_none(device, dtype):
+    """An fp32 run's state resumed into fp16/bf16 parameters: without fp32 master weights
+    updates of 1e-5 round away in the parameter and nothing ever changes."""
+    q = torch.nn.Parameter(torch.ones(4, device=device))
+    fp32 = rf.FusedAdam([q], lr=1e-5, weight_decay=0.0)
+    q.grad = torch.ones_like(q)
+    fp32.step()
+    p = torch.nn.Parameter(torch.ones(4, device=device, dtype=dtype))
+    opt = rf.FusedAdam([p], lr=1e-5, weight_decay=0.0)
+    opt.load_state_dict(fp32.state_dict())
+    for _ in range(100):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    master = opt.state[p]["master_param"]
+    assert master.dtype == torch.float32 and (master < 1 - 5e-4).all()
+    assert torch.equal(p, master.to(dtype))
+
+
+@pytest.mark.parametrize("step", [1, 1.0, torch.tensor(1.0, dtype=torch.float64), torch.tensor([1])])
+def test_a_loaded_step_of_another_type_becomes_an_fp32_scalar(device, step):
+    """Older torch and converters store "step" as a number or a float64 tensor."""
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    opt = rf.FusedAdam([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = step
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = rf.FusedAdam([q])
+    opt2.load_state_dict(sd)
+    got = opt2.state[q]["step"]
+    assert got.dtype == torch.float32 and got.shape == () and got.device == p.device
+    for o, param in ((opt, p), (opt2, q)):
+        param.grad = torch.ones_like(param)
+        o.step()
+    assert torch.equal(q, p)
+
+
+def test_a_non_contiguous_gradient_is_named(device):
+    p = torch.nn.Parameter(torch.zeros(3, 4, device=device))
+    p.grad = torch.zeros(4, 3, device=device).t()
+    with pytest.raises(ValueError, match=r"gradients must be contiguous.*p\.grad\.contiguous"):
+        rf.FusedAdam([p]).step()
