@@ -305,17 +305,37 @@ def open_binary(source: Source, offset: int = 0):
             return raw, raw
         if source.codec == "gzip":
             import gzip
-            return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), READ_BLOCK), raw
+            return io.BufferedReader(_Read1(gzip.GzipFile(fileobj=raw, mode="rb")), READ_BLOCK), raw
         if source.codec == "bz2":
             import bz2
-            return io.BufferedReader(bz2.BZ2File(raw), READ_BLOCK), raw
+            return io.BufferedReader(_Read1(bz2.BZ2File(raw)), READ_BLOCK), raw
         if source.codec == "xz":
             import lzma
-            return io.BufferedReader(lzma.LZMAFile(raw), READ_BLOCK), raw
+            return io.BufferedReader(_Read1(lzma.LZMAFile(raw)), READ_BLOCK), raw
         return io.BufferedReader(_ZstdFrames(raw), READ_BLOCK), raw
     except BaseException:
         raw.close()
         raise
+
+
+class _Read1(io.RawIOBase):
+    """A decompressing file read with read1: what it decompressed before a truncation is read
+    (and counted) before the error, not lost in a buffer filled whole."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.f.read1(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def close(self):
+        self.f.close()
+        super().close()
 
 
 def zstd_frame_offsets(path: str, skippable: bool = False) -> list[int]:

@@ -333,3 +333,14 @@ def test_a_dictionary_encoded_text_column_is_text(kind, tmp_path):
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
     assert list(documents.read_documents([path], log=lambda msg: None)) == ["a doc", "another doc", "a doc", "café"]
+
+
+@pytest.mark.parametrize("codec", [gzip, lzma])  # (bzip2 decodes whole 900 kB blocks)
+def test_a_truncated_small_file_counts_the_documents_read(codec, tmp_path):
+    """The error says how far the reading got, even when the whole file fits one read-ahead buffer."""
+    data = codec.compress(b"".join(b"document %d with a few words\n\n" % i for i in range(2000)))
+    path = tmp_path / f"t.txt.{ {gzip: 'gz', bz2: 'bz2', lzma: 'xz'}[codec] }"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    (source,), _ = documents.find_sources([path], log=lambda msg: None)
+    with pytest.raises(documents.DamagedInputError, match=r"after [1-9]\d* documents"):
+        list(documents.SegmentReader(source, 0, source.size))
