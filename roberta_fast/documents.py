@@ -10,8 +10,10 @@ Formats, told apart by their first bytes (magic), then by their extension:
 - text (.txt .text .md .rst): documents separated by blank lines (or one per file);
 - JSONL (.jsonl .ndjson .json.gz ...): one JSON object per line, the text under `text_field`;
 - either compressed: gzip (1f 8b), bzip2 ("BZh"), xz (fd "7zXZ" 00) with the standard library,
-  zstd (28 b5 2f fd, frames read across) with `zstandard`: `.jsonl.gz`, `.txt.zst`, ...;
-- Parquet ("PAR1") with `pyarrow`: the `text_field` column, one document per row;
+  zstd (28 b5 2f fd, frames read across; skippable frames, as pzstd writes, passed over) with
+  `zstandard`: `.jsonl.gz`, `.txt.zst`, ...; a UTF-8 byte order mark at the start is dropped;
+- Parquet ("PAR1") with `pyarrow`: the `text_field` column (plain or dictionary-encoded
+  strings), one document per row;
 - Arrow IPC, file ("ARROW1") or stream format (as `datasets` writes its `.arrow` files,
   memory-mapped), one document per row; a `datasets` `save_to_disk` directory is its
   .arrow files in order; a `datasets.Dataset` object is read from its cache files.
@@ -21,7 +23,8 @@ extra that installs it (`pip install roberta_fast[data]`).
 
 Parallel units: byte ranges cut at document starts (plain files), runs of whole frames (a
 zstd file of several frames: each run reads the documents that start in it, the byte before
-it taken from the previous frame, the last one read on into the next frame), whole files
+it taken from the previous frame, the last one read on into the next frame; a run lying inside
+one long document reads nothing), whole files
 (other compressed files: a stream cannot be entered mid-way; a single large one is read by
 one worker, streaming, in bounded memory), row groups (Parquet: memory holds one row group's
 text column at a time) and record batches (Arrow, memory-mapped).
