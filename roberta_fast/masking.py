@@ -92,6 +92,9 @@ def mask_tokens(input_ids, *, seed=0, step=0, vocab_size=50265, mask_token_id=No
     a = _arguments(input_ids, seed, step, vocab_size, mask_token_id, pad_token_id,
                    special_token_ids, mlm_probability, mask_replace_prob,
                    random_replace_prob, strategy, word_starts, sample_offset)
+    if a["ids"].numel() == 0:  # (0, S) or (B, 0): nothing to mask, whatever the strategy; the
+        # extension would read the empty word_starts (a null data pointer) as a missing one
+        a = {**a, "strategy": STRATEGIES["token"], "word_starts": None}
     result = _ext.load().mask_tokens(
         a["ids"], a["word_starts"], a["seed"] & 0xFFFFFFFF, a["seed"] >> 32, a["step"],
         a["sample_offset"], a["strategy"], a["mlm_probability"], a["mask_replace_prob"],

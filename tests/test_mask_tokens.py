@@ -469,3 +469,14 @@ def test_return_spans_must_be_a_bool():
     ids, _ = batch(2, 8)
     with pytest.raises(TypeError, match="return_spans"):
         rf.mask_tokens(ids, vocab_size=VOCAB, return_spans="yes")
+
+
+@pytest.mark.parametrize("strategy", ["token", "whole_word", "span"])
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0)])
+def test_an_empty_batch_gives_empty_results_with_every_strategy(device, strategy, shape):
+    """An empty word_starts is still given: the extension must not be told it is missing."""
+    ids = torch.zeros(shape, dtype=torch.long, device=device)
+    starts = torch.zeros(shape, dtype=torch.bool, device=device)
+    out, labels, spans = rf.mask_tokens(ids, strategy=strategy, word_starts=starts, return_spans=True)
+    assert out.shape == labels.shape == shape and spans.shape == (*shape, 3)
+    assert out.dtype == labels.dtype == spans.dtype == torch.int64 and out.device == ids.device
