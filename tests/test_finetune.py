@@ -270,14 +270,10 @@ def test_numeric_scores_train_a_regression_as_run_glue(task, tmp_path):
         expected = hf(**inputs, labels=labels)
         ours = rf.RobertaForSequenceClassification.from_pretrained(exported).eval()(**inputs, labels=labels)
     torch.testing.assert_close(ours.logits, expected.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours.loss, F_mse(expected.logits[:, 0], labels), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.loss, ((expected.logits[:, 0] - labels) ** 2).mean(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(expected.loss, ours.loss, rtol=1e-5, atol=1e-6)
     score = transformers.pipeline("text-classification", model=str(exported))({"text": "cloud", "text_pair": "sunny"})
     assert score["score"] == pytest.approx(float(expected.logits[0, 0]), abs=0.5)  # a raw score, not a softmax
-
-
-def F_mse(predictions, targets):
-    return ((predictions - targets) ** 2).mean()
 
 
 def test_integer_labels_stay_classes_unless_problem_type_says_regression(task, tmp_path):
