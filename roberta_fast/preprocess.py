@@ -491,8 +491,15 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
     plan_file = out / "plan.json"
     for stale in out.glob(".plan.json.*.tmp"):  # a plan.json write killed half-way
         stale.unlink()
-    ours = ("inputs", "train", "valid", "chunks", "tokenizer")  # inputs/: a datasets.Dataset written out
-    if out.exists() and any(p.name not in ours or p.name != "inputs" and any(p.iterdir()) for p in out.iterdir()):
+
+    def run_output(p: Path) -> bool:
+        """Written by a run: not inputs/ (a datasets.Dataset written out), nor an empty output
+        folder (left by a run killed before plan.json)."""
+        if p.name in ("train", "valid", "chunks", "tokenizer"):
+            return any(p.iterdir())
+        return p.name != "inputs"
+
+    if out.exists() and any(run_output(p) for p in out.iterdir()):
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None
         if old != plan:
             if not overwrite:

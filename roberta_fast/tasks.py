@@ -131,7 +131,8 @@ def label_names(labels) -> list[str]:
 def check_known_labels(names, valid_labels, what: str, valid_path, train_path) -> None:
     """Refuse --valid labels that --train never has: the head would get an output never trained (and a
     misspelt label would count as a wrong answer), as run_glue takes its label list from the training data."""
-    unseen = collections.Counter(label for label in valid_labels if label not in set(names))
+    known = set(names)
+    unseen = collections.Counter(label for label in valid_labels if label not in known)
     if unseen:
         listed = ", ".join(f"{label!r} ({n}x)" for label, n in sorted(unseen.items()))
         raise ValueError(f"{valid_path} has {what} that {train_path} never has: {listed}; the training "
