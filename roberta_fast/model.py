@@ -1067,7 +1067,8 @@ class RobertaForSequenceClassification(_PreTrained):
 
     num_labels comes from the argument, else the config's `id2label` (HF config.json),
     else 2. problem_type ("regression", "single_label_classification",
-    "multi_label_classification") comes from the config, else is inferred as HF does.
+    "multi_label_classification") comes from the config, else is inferred from the first labels
+    and stored in the config, as HF does.
     """
 
     def __init__(self, config: RobertaConfig, num_labels: int | None = None, backend: str = "auto"):
@@ -1091,14 +1092,14 @@ class RobertaForSequenceClassification(_PreTrained):
         return self._result(out, return_dict)
 
     def _loss(self, logits, labels):
-        problem = self.config.problem_type
-        if problem is None:
+        if self.config.problem_type is None:  # transformers infers it from the first labels and keeps it
             if self.num_labels == 1:
-                problem = "regression"
+                self.config.problem_type = "regression"
             elif labels.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
+                self.config.problem_type = "single_label_classification"
             else:
-                problem = "multi_label_classification"
+                self.config.problem_type = "multi_label_classification"
+        problem = self.config.problem_type
         if problem == "regression":
             if self.num_labels == 1:
                 return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))

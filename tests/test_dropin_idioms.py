@@ -70,6 +70,19 @@ def test_label_fields_read_and_write_as_in_transformers(tmp_path):
         ours.config.problem_type = "regresion"
 
 
+@pytest.mark.parametrize("num_labels, labels", [(1, [0.5, 2.0]), (3, [2, 0]), (3, [[1.0, 0, 1], [0, 1, 0]])])
+def test_problem_type_is_inferred_once_and_kept_as_in_transformers(num_labels, labels, tmp_path):
+    """With problem_type None, transformers infers it from the first labels and stores it in the
+    config: later calls use it, and save_pretrained writes it."""
+    hf = hf_model("RobertaForSequenceClassification", num_labels=num_labels)
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
+    ids, labels = left_padded(rows=2)[0], torch.tensor(labels)
+    torch.testing.assert_close(ours(ids, labels=labels).loss, hf(input_ids=ids, labels=labels).loss)
+    assert ours.config.problem_type == hf.config.problem_type is not None
+    ours.save_pretrained(tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path).problem_type == hf.config.problem_type
+
+
 def test_from_pretrained_keywords_as_in_transformers(tmp_path):
     """Config-attribute keywords set the loaded config, config= replaces it, options with no effect here
     are accepted; options whose effect is not implemented, and unknown keywords, are refused by name."""
