@@ -699,8 +699,6 @@ class _PreTrained(nn.Module):
         Only safetensors in transformers' names are written, and nothing is pushed to the Hub:
         the arguments asking otherwise are refused. Hub-only ones (token, commit_message) and
         save_peft_format (a PEFT model's) change nothing here."""
-        from .hf import save_pretrained
-
         refused = {"safe_serialization=False": not safe_serialization, "push_to_hub=True": push_to_hub,
                    f"variant={variant!r}": variant is not None,
                    "save_original_format=False": not save_original_format,
@@ -715,7 +713,13 @@ class _PreTrained(nn.Module):
                              "model.safetensors (sharded past max_shard_size) in transformers' names, locally; "
                              "push the directory with huggingface_hub's upload_folder")
         if is_main_process:
-            save_pretrained(self, save_directory, state_dict=state_dict, max_shard_size=max_shard_size)
+            self._write_pretrained(save_directory, state_dict, max_shard_size)
+
+    def _write_pretrained(self, directory, state_dict: dict | None, max_shard_size: int | str):
+        """save_pretrained's writing, once its arguments are checked (a model with extra files extends it)."""
+        from .hf import save_pretrained
+
+        save_pretrained(self, directory, state_dict=state_dict, max_shard_size=max_shard_size)
 
 
 class RobertaModel(_PreTrained):

@@ -159,18 +159,21 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
         loss = mlm_loss + sbo_loss if loss_reduction == "mean" else None
         return SpanBertOutput(loss, mlm_loss, sbo_loss, sbo_targets, logits)
 
-    def save_pretrained(self, directory: str | os.PathLike):
-        """The encoder and MLM head as a transformers RobertaForMaskedLM directory, the SBO
-        head beside it as sbo.safetensors (its parameter names without the "sbo." prefix)."""
+    def _write_pretrained(self, directory, state_dict: dict | None, max_shard_size: int | str):
+        """save_pretrained (transformers' keywords, as every drop-in class): the encoder and MLM head
+        as a transformers RobertaForMaskedLM directory, the SBO head beside it as sbo.safetensors
+        (its parameter names without the "sbo." prefix)."""
         from safetensors.torch import save_file
 
         from .files import atomic_path
         from .hf import save_pretrained
 
-        save_pretrained(self, directory, exclude_prefix="sbo.", architecture="RobertaForMaskedLM")
+        save_pretrained(self, directory, exclude_prefix="sbo.", architecture="RobertaForMaskedLM",
+                        state_dict=state_dict, max_shard_size=max_shard_size)
+        state = self.state_dict() if state_dict is None else state_dict
+        sbo = {k[len("sbo."):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("sbo.")}
         with atomic_path(os.path.join(directory, SBO_WEIGHTS)) as tmp:
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.sbo.state_dict().items()}, tmp,
-                      metadata={"format": "pt", "max_offset": str(self.sbo.max_offset)})
+            save_file(sbo, tmp, metadata={"format": "pt", "max_offset": str(self.sbo.max_offset)})
 
     @classmethod
     def from_pretrained(cls, path, backend: str = "auto", **kwargs):

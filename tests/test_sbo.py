@@ -132,6 +132,26 @@ def test_spanbert_saves_an_mlm_transformers_loads_and_its_sbo_head_beside(tmp_pa
         assert torch.equal(again.state_dict()[key], value), key
 
 
+def test_spanbert_save_pretrained_takes_transformers_keywords(tmp_path):
+    """As every drop-in class: state_dict= is what is saved (the SBO head's entries too), max_shard_size
+    shards, is_main_process=False writes nothing, what is not written is refused."""
+    transformers = pytest.importorskip("transformers")
+    from roberta_fast.sbo import SBO_WEIGHTS, RobertaForSpanBERT
+
+    model = tiny_spanbert()
+    model.save_pretrained(tmp_path / "none", is_main_process=False)
+    assert not (tmp_path / "none").exists()
+    state = {k: v + 0.5 for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "d", state_dict=state, max_shard_size="4KB")
+    assert (tmp_path / "d" / "model.safetensors.index.json").is_file() and (tmp_path / "d" / SBO_WEIGHTS).is_file()
+    transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "d")
+    again = RobertaForSpanBERT.from_pretrained(tmp_path / "d", backend="reference").state_dict()
+    for key, value in state.items():
+        assert torch.equal(again[key], value), key
+    with pytest.raises(ValueError, match="push_to_hub"):
+        model.save_pretrained(tmp_path / "e", push_to_hub=True)
+
+
 def test_no_target_gives_a_zero_that_reaches_every_parameter():
     head = SpanBoundaryHead(RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1,
                                           num_attention_heads=2, intermediate_size=32))
