@@ -226,8 +226,6 @@ class Trainer:
     """Everything of one training run; `run()` trains, `train_step()` does one optimizer step."""
 
     def __init__(self, cfg: TrainConfig, log=print):
-        from .data import BatchLoader, PretrainingDataset, check_dataset, dataset_tokenizer, verify_checksums
-
         self.cfg = cfg.validate()
         self.dist = Dist()
         self.device = resolve_device(cfg.device, self.dist.local_rank)
@@ -237,9 +235,22 @@ class Trainer:
         self.grad_accum, self.global_batch = cfg.resolve_batch(self.dist.world_size)
         self.out = cfg.out_dir
         self.lock = None
+        made_out = not self.out.exists()
         if self.dist.is_main:  # one writer per --out (only rank 0 writes: the lock must not stop the others)
             self.lock = lock_out(self.out, self.print)
+        try:
+            self._build()
+        except BaseException:  # a failed start leaves no --out behind that it made (its lock file alone)
+            self.close()
+            if made_out and self.dist.is_main:
+                remove_if_only_lock(self.out)
+            raise
 
+    def _build(self) -> None:
+        """The data, model, optimizer and run state, once --out is locked."""
+        from .data import BatchLoader, PretrainingDataset, check_dataset, dataset_tokenizer, verify_checksums
+
+        cfg = self.cfg
         # data: the dataset is checked against the model before any weight is made
         data_path = Path(cfg.data) if cfg.data else self._default_dataset()
         word_starts = cfg.masking != "token"
@@ -826,6 +837,16 @@ def lock_out(out: Path, log=print) -> RunLock:
     train and finetune both, so two runs never write into one --out."""
     check_writable(out)
     return RunLock(out).acquire(log)
+
+
+def remove_if_only_lock(out: Path) -> None:
+    """Remove `out` if all it holds is its run.lock (a start that failed in the directory it made)."""
+    try:
+        if [p.name for p in out.iterdir()] == [RunLock.NAME]:
+            (out / RunLock.NAME).unlink()
+            out.rmdir()
+    except OSError:
+        pass
 
 
 def check_writable(out: Path) -> None:

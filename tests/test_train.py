@@ -345,6 +345,11 @@ def test_persistent_nonfinite_stops_with_a_checkpoint(dataset, tmp_path):
 def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="not a preprocessed dataset"):
         Trainer(small_config(str(tmp_path / "nowhere"), tmp_path / "o1"))
+    assert not (tmp_path / "o1").exists()  # a failed start leaves no --out it made (its run.lock alone)
+    (tmp_path / "o1").mkdir()
+    with pytest.raises(ValueError, match="not a preprocessed dataset"):
+        Trainer(small_config(str(tmp_path / "nowhere"), tmp_path / "o1"))
+    assert (tmp_path / "o1").is_dir()  # the user's own directory is kept
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ValueError, match="not writable"):
