@@ -206,12 +206,12 @@ class FusedAdam(torch.optim.Optimizer):
         return bool(self.found_inf) if self.found_inf is not None else False
 
     def load_state_dict(self, state_dict):
-        """Loads a state_dict() of a FusedAdam over the same parameter groups, moving
-        every state tensor to its parameter's device and keeping its dtype (fp32
-        moments and master weights stay fp32, unlike torch.optim.Optimizer's); "step"
-        becomes an fp32 scalar tensor. fp16/bf16 parameters whose saved state has no
-        master weights (an fp32 run resumed in fp16) get them from the parameter at
-        the next step, as a fresh optimizer would."""
+        """Loads a state_dict() of a FusedAdam, or of torch.optim.AdamW, over the same parameter
+        groups. Every state tensor moves to its parameter's device as fp32, the dtype the update
+        keeps moments and master weights in (torch's optimizers cast them to an fp16 parameter's
+        dtype, and torch's AdamW on fp16 parameters saves fp16 moments); "step" becomes an fp32
+        scalar tensor. fp16/bf16 parameters whose saved state has no master weights (an fp32 run
+        resumed in fp16) get them from the parameter at the next step, as a fresh optimizer would."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"FusedAdam.load_state_dict: {len(saved_groups)} parameter groups "
@@ -221,6 +221,13 @@ class FusedAdam(torch.optim.Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("FusedAdam.load_state_dict: a parameter group's size differs "
                                  "from the saved one; build the optimizer over the same groups")
+            unlike = [name for name, on in (  # torch's optimizers: updates FusedAdam does not compute
+                ("amsgrad=True", saved.get("amsgrad")), ("maximize=True", saved.get("maximize")),
+                ("L2 weight decay (torch.optim.Adam)",
+                 saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0) != 0)) if on]
+            if unlike:
+                raise ValueError(f"FusedAdam.load_state_dict: the saved optimizer used {', '.join(unlike)}, which "
+                                 "FusedAdam (AdamW) does not compute; start the optimizer afresh instead")
             index.update(zip(saved["params"], group["params"]))
         state = defaultdict(dict)
         for key, values in state_dict["state"].items():
@@ -232,9 +239,10 @@ class FusedAdam(torch.optim.Optimizer):
                     if v.numel() != p.numel():
                         raise ValueError(f"FusedAdam.load_state_dict: saved {name} has {v.numel()} "
                                          f"elements, its parameter {p.numel()}")
-                    v = v.to(device=p.device, copy=True)
+                    v = v.to(device=p.device, dtype=torch.float32, copy=True)
                 state[p][name] = v
-        groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
-                  for saved, group in zip(saved_groups, self.param_groups)]
+        # the saved values of FusedAdam's hyperparameters (torch's foreach, fused, ... are dropped)
+        groups = [{**group, **{k: v for k, v in saved.items() if k in group and k != "params"},
+                   "params": group["params"]} for saved, group in zip(saved_groups, self.param_groups)]
         self.__setstate__({"state": state, "param_groups": groups})
         self.found_inf, self._pending_clip = None, None

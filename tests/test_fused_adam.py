@@ -361,6 +361,35 @@ def test_a_loaded_step_of_another_type_becomes_an_fp32_scalar(device, step):
     assert torch.equal(q, p)
 
 
+def test_torch_adamws_fp16_moments_load_as_fp32(device):
+    """torch.optim.AdamW on fp16 parameters saves fp16 moments; the update keeps them in fp32, so they
+    are widened on loading (the step once refused them with 'exp_avg must be float32'). torch's
+    updates FusedAdam does not compute are refused by name."""
+    p = torch.nn.Parameter(torch.randn(6, device=device).half())
+    torch_adam = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+    p.grad = torch.randn_like(p)
+    torch_adam.step()
+    saved = torch_adam.state_dict()
+    assert saved["state"][0]["exp_avg"].dtype == torch.float16
+    widened = copy.deepcopy(saved)
+    for name in ("exp_avg", "exp_avg_sq"):
+        widened["state"][0][name] = widened["state"][0][name].float()
+    results = []
+    for state in (saved, widened):
+        q = torch.nn.Parameter(p.detach().clone())
+        opt = rf.FusedAdam([q], lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+        opt.load_state_dict(state)
+        assert opt.state[q]["exp_avg"].dtype == opt.state[q]["exp_avg_sq"].dtype == torch.float32
+        q.grad = torch.ones_like(q)
+        opt.step()
+        results.append(q.detach().clone())
+    assert torch.equal(*results)
+    for other, refused in ((torch.optim.AdamW([p], amsgrad=True), "amsgrad"),
+                           (torch.optim.Adam([p], weight_decay=0.01), "L2 weight decay")):
+        with pytest.raises(ValueError, match=refused):
+            rf.FusedAdam([p]).load_state_dict(other.state_dict())
+
+
 def test_a_non_contiguous_gradient_is_named(device):
     p = torch.nn.Parameter(torch.zeros(3, 4, device=device))
     p.grad = torch.zeros(4, 3, device=device).t()
