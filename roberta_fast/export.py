@@ -24,7 +24,7 @@ from .checkpoint import DiskSpaceError, load_checkpoint
 from .config import RobertaConfig
 from .model import RobertaForMaskedLM
 from .sbo import RobertaForSpanBERT
-from .trainer import export_pretrained
+from .trainer import check_export_target, export_pretrained
 
 
 def run_tokenizer(state: dict):
@@ -93,6 +93,7 @@ def model_from_checkpoint(state: dict):
 def export_checkpoint(checkpoint, out, tokenizer=None, trust: bool = False) -> dict:
     """Write the checkpoint at `checkpoint` (a file, a checkpoints directory or a run directory:
     its latest) as an HF directory `out`; returns the loaded checkpoint state."""
+    check_export_target(out)  # before the checkpoint is read: an --out the export would wipe is refused
     checkpoint = Path(checkpoint)
     if (checkpoint / "checkpoints").is_dir():  # a run directory
         checkpoint = checkpoint / "checkpoints"
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m roberta_fast.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a step_N.pt of roberta_fast.train or roberta_fast.finetune, or a run "
                                       "(or checkpoints) directory for its latest one")
-    p.add_argument("--out", required=True, help="directory for the Hugging Face model (replaced atomically)")
+    p.add_argument("--out", required=True, help="directory for the Hugging Face model: new, empty or an earlier export, which is "
+                                          "replaced atomically")
     p.add_argument("--tokenizer", help="tokenizer directory or Hub name (default: the run's own, as recorded "
                                        "in the checkpoint)")
     p.add_argument("--trust-checkpoint", action="store_true",

@@ -786,11 +786,41 @@ class Trainer:
             self.lock.release()
 
 
+# what an export writes (hf.save_pretrained, the SBO head, RobertaTokenizer.save): the files a directory
+# may hold for an export to replace it
+EXPORT_FILES = {"config.json", "model.safetensors", "model.safetensors.index.json", "sbo.safetensors",
+                "tokenizer.json", "vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"}
+
+
+def check_export_target(directory) -> Path:
+    """`directory` resolved, or ValueError if an export there would delete something not an export's:
+    it must be missing, empty, or an earlier export (the export replaces it whole)."""
+    import re
+
+    directory = Path(directory).resolve()
+    if Path.cwd().resolve().is_relative_to(directory):
+        raise ValueError(f"the export directory {str(directory)!r} is the current directory or holds it; "
+                         "pass a new directory for the model")
+    if not directory.exists():
+        return directory
+    if not directory.is_dir():
+        raise ValueError(f"the export directory {str(directory)!r} is a file; pass a new directory for the model")
+    other = sorted(p.name for p in directory.iterdir() if not (p.is_file() and (
+        p.name in EXPORT_FILES or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", p.name))))
+    if other:
+        raise ValueError(f"the export directory {str(directory)!r} holds {', '.join(other[:4])}"
+                         f"{', ...' if len(other) > 4 else ''}, which an export does not write: the export replaces "
+                         "the directory whole and would delete them. Pass a new or empty directory (or an earlier "
+                         "export's)")
+    return directory
+
+
 def export_pretrained(model, tokenizer, directory) -> Path:
     """Write `model` and `tokenizer` (a RobertaTokenizer, or a directory or Hub name to load one
     from) as one Hugging Face directory, atomically replacing `directory`: the exports of
     train and finetune, and any checkpoint's through `python -m roberta_fast.export`.
 
+    ValueError if `directory` holds anything an export does not write (check_export_target).
     DiskSpaceError, in one line naming the directory and the room needed, if the disk has no
     room for it (checked first) or fills while writing; nothing half-written is left."""
     from .checkpoint import estimate_size
@@ -798,9 +828,9 @@ def export_pretrained(model, tokenizer, directory) -> Path:
     from .integrity import human_bytes, is_no_space
     from .tokenizer import RobertaTokenizer
 
+    directory = check_export_target(directory)
     if not isinstance(tokenizer, RobertaTokenizer):
         tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
-    directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     # the weights (safetensors: their bytes and a header) and the tokenizer's files (about twice its JSON)
     need = estimate_size(model.state_dict()) + 2 * len(tokenizer.backend.to_str())

@@ -88,6 +88,27 @@ def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
     assert main(argv) == 0 and (tmp_path / "o" / "tokenizer.json").is_file()
 
 
+def test_an_out_holding_anything_but_an_export_is_refused_and_kept(stopped_run, tmp_path, capsys, monkeypatch):
+    """The export replaces --out whole: the run directory itself (checkpoints, metrics), a file or the
+    current directory once were deleted or replaced. Only a new, empty or earlier export's directory is."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run[0], run)
+    before = sorted(p.name for p in run.iterdir())
+    assert main([str(run), "--out", str(run)]) == 2
+    assert "holds checkpoints" in capsys.readouterr().err and sorted(p.name for p in run.iterdir()) == before
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main([str(run), "--out", str(tmp_path / "notes.txt")]) == 2
+    assert "is a file" in capsys.readouterr().err and (tmp_path / "notes.txt").read_text() == "mine"
+    monkeypatch.chdir(tmp_path / "run" / "checkpoints")
+    assert main([str(run), "--out", ".."]) == 2 and "current directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    for out in ("empty", "empty"):  # an empty directory, then the export it now holds
+        assert main([str(run), "--out", str(tmp_path / out)]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
 def test_a_tokenizer_the_model_was_not_trained_with_is_refused(stopped_run, tmp_path, capsys):
     """The export never pairs the model with another tokenizer: one given by --tokenizer, the run's
     dataset remade with another tokenizer, or its tokenizer/ replaced. A checkpoint that records no
