@@ -50,12 +50,15 @@ each row (the first token after `<s>` counts as a word start even mid-word in "f
 Order: BatchLoader visits a permutation of the samples drawn from (seed, epoch) by a
 keyed Feistel network with cycle walking, so the i-th sample of an epoch is computed
 in O(1) time and memory, no permutation array is stored, and resuming skips straight to
-the next batch. Global batch t of an epoch is permuted positions [t*B*W, (t+1)*B*W)
-(B = batch_size per rank, W = world_size); rank r takes positions t*B*W + r + k*W,
-k < B, so ranks are disjoint and together complete. drop_last=True drops the epoch's
-final partial global batch; drop_last=False completes it by wrapping round to the
-epoch's first samples (as torch's DistributedSampler does), so every rank takes the
-same number of steps. Batches are built in a background thread `prefetch` batches
+the next batch. Micro-step t of an epoch is permuted positions [t*B*W, (t+1)*B*W)
+(B = batch_size per rank, W = world_size); rank r takes positions t*B*W + r*B + k,
+k < B, so ranks are disjoint and together complete, and a sample's position does not
+depend on how its optimizer step's G = B*W*A samples (A = accum_steps micro-steps) are
+split over ranks and micro-steps. An epoch is a whole number of optimizer steps, so the
+same G visits the same samples in the same steps whatever the split, and a run resumes
+at another world size. drop_last=True drops the epoch's final partial optimizer step;
+drop_last=False completes it by wrapping round to the epoch's first samples (as torch's
+DistributedSampler does), so every rank takes the same number of steps. Batches are built in a background thread `prefetch` batches
 ahead, in pinned memory when CUDA is available.
 """
 from __future__ import annotations
@@ -483,10 +486,12 @@ class BatchLoader:
     """Deterministic, resumable, rank-sharded batches of a PretrainingDataset (see the module docstring)."""
 
     def __init__(self, dataset: PretrainingDataset, batch_size: int, *, seed: int, rank: int = 0,
-                 world_size: int = 1, drop_last: bool = True, shuffle: bool = True,
+                 world_size: int = 1, accum_steps: int = 1, drop_last: bool = True, shuffle: bool = True,
                  pin_memory: bool | None = None, prefetch: int = 2):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(accum_steps, int) or accum_steps < 1:
+            raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -497,13 +502,14 @@ class BatchLoader:
         self.rank, self.world_size, self.drop_last, self.shuffle = rank, world_size, drop_last, shuffle
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.prefetch = prefetch
-        self.global_batch = batch_size * world_size
-        n = len(dataset)
-        self.steps_per_epoch = n // self.global_batch if drop_last else -(-n // self.global_batch)
+        self.global_batch = batch_size * world_size  # samples of one micro-step over all ranks
+        n, step_samples = len(dataset), self.global_batch * accum_steps  # (an optimizer step's)
+        optimizer_steps = n // step_samples if drop_last else -(-n // step_samples)
+        self.steps_per_epoch = optimizer_steps * accum_steps  # micro-steps
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"{n} samples make no full global batch of {self.global_batch} (batch_size x world_size); "
-                "use a smaller batch, more data, or drop_last=False"
+                f"{n} samples make no full global batch of {step_samples} (batch_size x world_size x "
+                "accumulation steps); use a smaller batch, more data, or drop_last=False"
             )
         self.epoch, self.step = 0, 0
 
@@ -514,7 +520,7 @@ class BatchLoader:
         """Dataset indices of this rank's batch `step` of `epoch`: (batch_size,) int64."""
         n = len(self.dataset)
         k = np.arange(self.batch_size, dtype=np.int64)
-        pos = step * self.global_batch + self.rank + k * self.world_size  # (B,) positions in the epoch
+        pos = step * self.global_batch + self.rank * self.batch_size + k  # (B,) positions in the epoch
         pos %= n  # only drop_last=False reaches past the end: wrap to the epoch's first samples
         return permute(pos, n, self.seed, epoch) if self.shuffle else pos
 

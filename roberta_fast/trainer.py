@@ -265,8 +265,8 @@ class Trainer:
         check_dataset(manifest, vocab_size=self.model_config.vocab_size)
         self.special_ids = sorted({manifest[k] for k in ("bos_id", "pad_id", "eos_id", "unk_id", "mask_id")})
         self.loader = BatchLoader(self.train_data, cfg.batch_size, seed=cfg.seed, rank=self.dist.rank,
-                                  world_size=self.dist.world_size, prefetch=cfg.prefetch,
-                                  pin_memory=self.device.type == "cuda")
+                                  world_size=self.dist.world_size, accum_steps=self.grad_accum,
+                                  prefetch=cfg.prefetch, pin_memory=self.device.type == "cuda")
         self.eval_batches = self._eval_batches()
 
         # model, optimizer and the state that checkpoints carry
@@ -467,7 +467,7 @@ class Trainer:
         masked, counts = [], torch.zeros(2, dtype=torch.float32, device=self.device)
         tokens = 0
         for m, batch in enumerate(micro_batches):
-            offset = m * per_micro + self.dist.rank * batch["input_ids"].shape[0]  # global row index
+            offset = m * per_micro + self.dist.rank * cfg.batch_size  # the row's position in the step (BatchLoader)
             inputs, labels, extra = self.mask(batch, self.step, offset, cfg.seed)
             counts += self.predicted_counts(labels, extra)
             tokens += int(batch["attention_mask"].sum())

@@ -168,6 +168,35 @@ def test_rank_sharding(built, world):
                 single.indices(0, t).tolist())
 
 
+def test_an_epoch_is_whole_optimizer_steps_and_resumes_at_another_world_size(built):
+    """With accumulation, an epoch ends on an optimizer step, so the same global batch split as
+    B x W x A visits the same rows in the same steps for any split, and a position saved past an
+    epoch boundary resumes at another world size (it was once refused: 'not a whole number of
+    global batches')."""
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S)
+    splits = [(6, 1, 1), (2, 1, 3), (1, 2, 3), (3, 2, 1), (1, 3, 2), (2, 3, 1)]  # (B, W, A): 6 rows per step
+    assert len(ds) // 2 % 3, "micro-steps of 2 rows must not fill whole epochs of steps for this test"
+
+    def step_rows(batch, world, accum, epoch, step):  # the rows of optimizer step `step`, in step order
+        loaders = [BatchLoader(ds, batch, seed=4, rank=r, world_size=world, accum_steps=accum) for r in range(world)]
+        assert len(loaders[0]) == len(ds) // 6 * accum
+        return np.concatenate([x.indices(epoch, step * accum + m) for m in range(accum) for x in loaders])
+
+    for epoch, step in ((0, 0), (0, len(ds) // 6 - 1), (1, 2)):
+        rows = [step_rows(*split, epoch, step) for split in splits]
+        assert all(np.array_equal(r, rows[0]) for r in rows), (epoch, step)
+    one = BatchLoader(ds, 2, seed=4, accum_steps=3, prefetch=0)
+    it = one.forever()
+    for _ in range(len(one) + 3):  # one optimizer step into epoch 1
+        next(it)
+    state = one.state_dict()
+    following = next(it)["input_ids"]  # the first rows of the next optimizer step
+    two = BatchLoader(ds, 3, seed=4, world_size=2, prefetch=0)
+    two.load_state_dict(state)
+    assert (two.epoch, two.step) == (1, 1) and torch.equal(next(iter(two))["input_ids"][:2], following)
+
+
 def test_resume_jumps_to_the_next_batch(built):
     path, _, _ = built
     ds = PretrainingDataset(path, seq_len=S, mode="doc")

@@ -257,35 +257,42 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank, world, port, dataset, out, batches, result):
+def _ddp_worker(rank, world, port, dataset, out, steps, result):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    trainer = Trainer(small_config(dataset, out, batch_size=1, grad_accum=2, dropout=0.0), log=lambda *a: None)
+    trainer = Trainer(small_config(dataset, out, batch_size=2, grad_accum=2, dropout=0.0), log=lambda *a: None)
     grads = _record_grads(trainer)
     try:
-        assert trainer.ddp is not None and trainer.global_batch == 4
-        norms = []
-        for batch in batches:  # global row of micro-step m on rank r: m * world + r (no_sync on m = 0)
-            stats = trainer.train_step([{k: v[m * world + rank:m * world + rank + 1] for k, v in batch.items()}
-                                        for m in range(2)])
-            norms.append(stats["grad_norm"])
+        assert trainer.ddp is not None and trainer.global_batch == 8
+        rows, norms = [], []
+        for _ in range(steps):  # each rank's own rows, from its own loader (no_sync on micro-step 0)
+            micro = trainer.next_micro_batches()
+            rows.append([batch["input_ids"] for batch in micro])
+            norms.append(trainer.train_step(micro)["grad_norm"])
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, rows)
         if rank == 0:
-            torch.save({"params": _params(trainer), "norms": norms, "grads": grads}, result)
+            torch.save({"params": _params(trainer), "norms": norms, "grads": grads, "rows": everyone}, result)
         trainer.dist.barrier()  # leave the group together: a rank gone early aborts gloo's other rank
     finally:
         trainer.close()
 
 
 def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
-    """2 gloo processes x 2 accumulated micro-batches of 1 == 1 process with batches of 4."""
-    single = Trainer(small_config(dataset, tmp_path / "single", batch_size=4, dropout=0.0))
+    """2 gloo processes x 2 accumulated micro-batches of 2 == 1 process with batches of 8: the same
+    rows in each step, masked alike (a mask follows the row's position in its step, which once
+    differed between the ranks' interleaved rows and one process's), so the same update."""
+    single = Trainer(small_config(dataset, tmp_path / "single", batch_size=8, dropout=0.0))
     grads = _record_grads(single)
     batches = [single.next_micro_batches()[0] for _ in range(2)]
     norms = [single.train_step([batch])["grad_norm"] for batch in batches]
     result = str(tmp_path / "ddp.pt")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), dataset, str(tmp_path / "ddp"), batches, result), nprocs=2)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), dataset, str(tmp_path / "ddp"), 2, result), nprocs=2)
     ddp = torch.load(result)
+    for step, batch in enumerate(batches):  # step rows: micro-step m of rank r at m * 4 + r * 2
+        ranks = [ddp["rows"][rank][step] for rank in range(2)]
+        assert torch.equal(torch.cat([ranks[r][m] for m in range(2) for r in range(2)]), batch["input_ids"])
     assert ddp["norms"] == pytest.approx(norms, rel=1e-5)
     _assert_same_training(ddp["grads"], ddp["params"], grads, _params(single), single.cfg.lr)
 
