@@ -43,7 +43,10 @@ def run_tokenizer(state: dict):
     try:
         return dataset_tokenizer(cfg["data"])
     except ValueError as err:
-        raise ValueError(f"the run's dataset is not readable here ({err}); pass --tokenizer, the "
+        relative = "" if Path(cfg["data"]).is_absolute() else (
+            f"; the checkpoint recorded {cfg['data']!r} relative to the directory the run was started in: run the "
+            "export from there, or")
+        raise ValueError(f"the run's dataset is not readable here ({err}){relative or ';'} pass --tokenizer, the "
                          "tokenizer directory the dataset was made with") from None
 
 

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint
+from .files import absolute_if_local
 from .metrics import MetricsLogger
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
@@ -196,7 +197,8 @@ class Finetuner:
                 "rng": rng_state(self.device),
                 "labels": self.names, "task": self.cfg.task,
                 "tokenizer_hash": self.tokenizer.tokenizer_hash,  # roberta_fast.export refuses another tokenizer
-                "config": {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in COMMAND_LINE_ONLY},
+                "config": {k: absolute_if_local(v) if k in ("model", "tokenizer") else v  # export reads them anywhere
+                           for k, v in dataclasses.asdict(self.cfg).items() if k not in COMMAND_LINE_ONLY},
                 "model_config": self.model.config.to_dict()}  # python -m roberta_fast.export rebuilds from it
 
     def load_state_dict(self, state: dict) -> None:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from . import ops
 from .checkpoint import CheckpointManager, DiskSpaceError, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
+from .files import absolute_if_local
 from .hub import model_dir, tokenizer_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
@@ -537,7 +538,7 @@ class Trainer:
             "window": {k: self.window[k] for k in ("loss", "count", "sbo_loss", "sbo_count")},
             "rng": rngs,
             "world_size": self.dist.world_size,
-            "config": self.cfg.to_dict(),
+            "config": {**self.cfg.to_dict(), "data": absolute_if_local(self.cfg.data)},  # export reads it anywhere
             "model_config": self.model_config.to_dict(),
             "tokenizer_hash": self.manifest["tokenizer_hash"],  # the ids' tokenizer: export and resume check it
         }

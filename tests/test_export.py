@@ -109,6 +109,22 @@ def test_an_out_holding_anything_but_an_export_is_refused_and_kept(stopped_run, 
     assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
+def test_a_run_started_with_a_relative_data_path_exports_from_anywhere(stopped_run, tmp_path, monkeypatch):
+    """Checkpoints record --data (and finetune's --model / --tokenizer) as absolute paths: export
+    from another directory once could not find the dataset's tokenizer."""
+    _, data, _ = stopped_run
+    monkeypatch.chdir(data.parent)
+    trainer = Trainer(TrainConfig.preset("tiny", data=data.name, out=str(tmp_path / "run"), **SMALL),
+                      log=lambda *a: None)
+    try:
+        trainer.save_checkpoint()
+    finally:
+        trainer.close()
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "model")]) == 0
+    assert (tmp_path / "model" / "tokenizer.json").is_file()
+
+
 def test_a_tokenizer_the_model_was_not_trained_with_is_refused(stopped_run, tmp_path, capsys):
     """The export never pairs the model with another tokenizer: one given by --tokenizer, the run's
     dataset remade with another tokenizer, or its tokenizer/ replaced. A checkpoint that records no

@@ -348,14 +348,17 @@ def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
     assert any(line.startswith("note: --allow-schedule-change: continuing on a new LR schedule") for line in lines)
 
 
-def test_a_checkpoint_exports_as_a_classifier(task, tmp_path, capsys):
+def test_a_checkpoint_exports_as_a_classifier(task, tmp_path, capsys, monkeypatch):
     """python -m roberta_fast.export turns a mid-run fine-tuning checkpoint into the classifier
-    of that step, with the labels and the model's tokenizer, as transformers loads it."""
+    of that step, with the labels and the model's tokenizer, as transformers loads it; from any
+    directory, though the run named its --model relative to its own."""
     transformers = pytest.importorskip("transformers")
     from roberta_fast.export import main as export
 
-    job = Finetuner(config(task, tmp_path / "run", epochs=1, stop_after=3), log=lambda *_: None)
+    monkeypatch.chdir(task)
+    job = Finetuner(config(task, tmp_path / "run", model="model", epochs=1, stop_after=3), log=lambda *_: None)
     job.run()
+    monkeypatch.chdir(tmp_path)
     assert export([str(tmp_path / "run" / "checkpoints" / "step_00000003.pt"), "--out", str(tmp_path / "s3")]) == 0
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "s3").eval()
     assert hf.config.id2label == {0: "neg", 1: "pos"}
