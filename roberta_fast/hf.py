@@ -158,7 +158,21 @@ def _read_weights(path: str) -> dict:
 
 
 def _load_bin(file: str) -> dict:
-    return torch.load(file, map_location="cpu", weights_only=True)
+    """A pytorch_model.bin's tensors, with weights_only=True: a file holding other Python objects,
+    which unpickling could run code from, is refused (torch's own message suggests
+    weights_only=False, which roberta_fast never does)."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        lines = [line for line in str(err).splitlines() if "GLOBAL" in line or "global" in line]
+        found = f" ({lines[0].strip()[:200]})" if lines else ""
+        raise ValueError(
+            f"refusing to load {file!r}: it holds Python objects beyond tensors and plain containers{found}, "
+            "and unpickling them can run arbitrary code; roberta_fast "
+            "never does (weights_only=False has no effect). If you trust the file, re-save its state_dict as "
+            "model.safetensors (safetensors.torch.save_file) and load that directory") from None
 
 
 # transformers' from_pretrained options. Where files come from: passed to huggingface_hub for a Hub name.

@@ -149,6 +149,16 @@ def test_from_transformers_object_and_bin(tmp_path):
     from_bin = rf.RobertaForMaskedLM.from_pretrained(bin_dir).eval()
     with torch.no_grad():
         assert_close_rel(from_bin(ids, mask).logits[real], expected[real], what="from pytorch_model.bin")
+    # a .bin whose pickle would run code: refused, nothing run, with a fix that can be followed
+    from malicious_checkpoint import write_malicious_checkpoint
+
+    marker = tmp_path / "ran"
+    write_malicious_checkpoint(bin_dir / "pytorch_model.bin", marker)
+    for kwargs in ({}, {"weights_only": False}):
+        with pytest.raises(ValueError, match=r"refusing to load .*pytorch_model\.bin.*unsupported GLOBAL posix\.system"
+                                             r".*model\.safetensors"):
+            rf.RobertaForMaskedLM.from_pretrained(bin_dir, **kwargs)
+    assert not marker.exists()
 
 
 def test_encoder_matches_transformers_with_pooler(tmp_path):
