@@ -143,14 +143,14 @@ class FusedAdam(torch.optim.Optimizer):
         next step() multiplies the gradients by min(1, max_norm / (norm + 1e-6)) as
         torch.nn.utils.clip_grad_norm_ would, and skips if the norm is not finite.
         Returns the norm as a device tensor (no host sync). Pass the same grad_scale
-        to step()."""
+        to step() (ValueError otherwise; the same tensor object needs no host sync)."""
         if not max_norm > 0:
             raise ValueError(f"FusedAdam.clip_grad_norm_: max_norm={max_norm} must be > 0")
         pairs, device = self._grads()
         if not pairs:
             raise ValueError("FusedAdam.clip_grad_norm_: no parameter has a gradient")
         sumsq = _ext.load().grad_sumsq([g for _, g in pairs], self._scale_tensor(grad_scale, device))
-        self._pending_clip = (sumsq, float(max_norm))
+        self._pending_clip = (sumsq, float(max_norm), grad_scale)
         return sumsq.sqrt()
 
     @torch.no_grad()
@@ -167,7 +167,10 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         C = _ext.load()
         pairs, device = self._grads()
-        sumsq, max_norm = self._pending_clip or (None, 0.0)
+        sumsq, max_norm, clip_scale = self._pending_clip or (None, 0.0, grad_scale)
+        if not _same_scale(clip_scale, grad_scale):  # the norm was of other gradients than these
+            raise ValueError(f"FusedAdam: clip_grad_norm_ was given grad_scale={_describe(clip_scale)}, step() "
+                             f"grad_scale={_describe(grad_scale)}; pass the same loss scale to both")
         self._pending_clip = None
         if not pairs:
             self.found_inf = None
@@ -246,3 +249,15 @@ class FusedAdam(torch.optim.Optimizer):
                    "params": group["params"]} for saved, group in zip(saved_groups, self.param_groups)]
         self.__setstate__({"state": state, "param_groups": groups})
         self.found_inf, self._pending_clip = None, None
+
+
+def _same_scale(a, b) -> bool:
+    """Whether two grad_scale arguments (None: 1) are the same scale; two tensor objects are
+    compared by value, a host sync (one tensor passed to both is not)."""
+    if a is b:
+        return True
+    return float(1.0 if a is None else a) == float(1.0 if b is None else b)
+
+
+def _describe(scale) -> str:
+    return f"tensor({float(scale)})" if isinstance(scale, torch.Tensor) else repr(scale)

@@ -390,6 +390,29 @@ def test_torch_adamws_fp16_moments_load_as_fp32(device):
             rf.FusedAdam([p]).load_state_dict(other.state_dict())
 
 
+def test_clip_and_step_must_share_the_loss_scale(device):
+    """clip_grad_norm_ measures the norm of the gradients divided by its grad_scale; a step() given
+    another scale clipped and unscaled by mismatched factors without a word (moments 1024x off)."""
+    p = torch.nn.Parameter(torch.ones(5, device=device))
+    opt = rf.FusedAdam([p])
+    p.grad = torch.full_like(p, 1024.0)
+    scale = torch.tensor(1024.0, device=device)
+    def steps():
+        return int(opt.state[p]["step"]) if p in opt.state else 0
+
+    for done, (clip_scale, step_scale) in enumerate(
+            ((None, 1024.0), (1024.0, None), (scale, torch.tensor(512.0, device=device)))):
+        opt.clip_grad_norm_(1.0, grad_scale=clip_scale)
+        with pytest.raises(ValueError, match="pass the same loss scale to both"):
+            opt.step(grad_scale=step_scale)
+        assert steps() == done  # nothing was updated
+        opt.step(grad_scale=clip_scale)  # the pending clip is kept for the right call
+    assert steps() == 3
+    for clip_scale, step_scale in ((None, 1.0), (1024.0, 1024.0), (scale, scale), (scale, scale.clone())):
+        opt.clip_grad_norm_(1.0, grad_scale=clip_scale)
+        opt.step(grad_scale=step_scale)
+
+
 def test_a_non_contiguous_gradient_is_named(device):
     p = torch.nn.Parameter(torch.zeros(3, 4, device=device))
     p.grad = torch.zeros(4, 3, device=device).t()
