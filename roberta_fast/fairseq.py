@@ -10,7 +10,10 @@ the three tokenizer files are given) that `rf.RobertaForMaskedLM.from_pretrained
 conversion only renames weights, as transformers' own converter does
 (convert_roberta_original_pytorch_checkpoint_to_pytorch.py), but reads the checkpoint
 file directly: newer fairseq names (`encoder.sentence_encoder.layernorm_embedding`)
-and older ones (`decoder.` prefix, `emb_layer_norm`) both work.
+and older ones (`decoder.` prefix, `emb_layer_norm`) both work. What would convert to another
+function under the same names is refused by name: encoder_normalize_before=True (pre-LN), an
+activation_fn other than "gelu" (gelu_accurate is the tanh approximation, which hidden_act "gelu"
+is not), and any encoder weight the conversion has no place for (a pre-LN final layer_norm).
 
 The checkpoint is unpickled with a restricted unpickler: tensors and plain containers
 are rebuilt, every other class (fairseq's meters, omegaconf, numpy RNG state) becomes an
@@ -103,18 +106,34 @@ def read_checkpoint(path) -> dict:
     return ckpt
 
 
-def _attention_heads(ckpt: dict) -> int | None:
-    """encoder_attention_heads from `cfg` (fairseq >= 0.10: a plain dict) or `args` (a Namespace)."""
+def _model_setting(ckpt: dict, name: str):
+    """A model option from `cfg["model"]` (fairseq >= 0.10: a plain dict) or `args` (a Namespace); None if unset."""
     cfg = ckpt.get("cfg")
     if isinstance(cfg, dict) and isinstance(cfg.get("model"), (dict, argparse.Namespace)):
         model = cfg["model"]
-        heads = model.get("encoder_attention_heads") if isinstance(model, dict) else \
-            getattr(model, "encoder_attention_heads", None)
-        if heads:
-            return int(heads)
-    args = ckpt.get("args")
-    heads = getattr(args, "encoder_attention_heads", None)
+        value = model.get(name) if isinstance(model, dict) else getattr(model, name, None)
+        if value is not None:
+            return value
+    return getattr(ckpt.get("args"), name, None)
+
+
+def _attention_heads(ckpt: dict) -> int | None:
+    """encoder_attention_heads from the checkpoint's `cfg` or `args`."""
+    heads = _model_setting(ckpt, "encoder_attention_heads")
     return int(heads) if heads else None
+
+
+def _check_architecture(ckpt: dict) -> None:
+    """Refuse the fairseq options that change RoBERTa's function but not its weight names: the
+    conversion would give wrong logits without an error."""
+    if _model_setting(ckpt, "encoder_normalize_before"):
+        raise ValueError("this checkpoint was trained with encoder_normalize_before=True (pre-LN layers), "
+                         "which is not RoBERTa's post-LN architecture and cannot be converted to it")
+    activation = _model_setting(ckpt, "activation_fn")
+    if activation not in (None, "gelu"):
+        raise ValueError(f"this checkpoint was trained with activation_fn={activation!r}; only 'gelu' (the erf "
+                         "form, fairseq's RoBERTa default) converts, as RoBERTa's hidden_act 'gelu' "
+                         "(gelu_accurate / gelu_fast are the tanh approximation, which would change the logits)")
 
 
 # ------------------------------------------------------------------ the model
@@ -128,6 +147,7 @@ def to_hf(ckpt: dict, heads: int | None = None,
     if prefix is None:
         raise ValueError("not a fairseq RoBERTa checkpoint: no encoder.sentence_encoder.embed_tokens.weight")
     head = prefix.replace("sentence_encoder.", "lm_head.")
+    _check_architecture(ckpt)
     if any(k.startswith(prefix + "layers.") and ".self_attn.in_proj_weight" in k for k in state):
         raise ValueError("this checkpoint keeps q/k/v as one in_proj_weight (fairseq < 0.9); load and "
                          "re-save it with fairseq >= 0.9 first")
@@ -135,7 +155,15 @@ def to_hf(ckpt: dict, heads: int | None = None,
             is None:
         raise ValueError("this checkpoint has no embedding LayerNorm: a pre-LN model "
                          "(roberta_prenorm), which is not RoBERTa's architecture")
-    words, positions = state[prefix + "embed_tokens.weight"], state[prefix + "embed_positions.weight"]
+    used = set()
+
+    def take(key):
+        if key not in state:
+            raise ValueError(f"the checkpoint lacks {key}")
+        used.add(key)
+        return state[key]
+
+    words, positions = take(prefix + "embed_tokens.weight"), take(prefix + "embed_positions.weight")
     layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", k)))
     hidden = words.shape[1]
     heads = heads or _attention_heads(ckpt)
@@ -147,11 +175,6 @@ def to_hf(ckpt: dict, heads: int | None = None,
                            intermediate_size=state[prefix + "layers.0.fc1.weight"].shape[0],
                            max_position_embeddings=positions.shape[0], type_vocab_size=1,
                            layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-
-    def take(key):
-        if key not in state:
-            raise ValueError(f"the checkpoint lacks {key}")
-        return state[key]
 
     norm = "layernorm_embedding" if prefix + "layernorm_embedding.weight" in state else "emb_layer_norm"
     out = {"roberta.embeddings.word_embeddings.weight": words,
@@ -171,16 +194,31 @@ def to_hf(ckpt: dict, heads: int | None = None,
         for name in ("dense", "out_proj"):
             for kind in ("weight", "bias"):
                 out[f"classifier.{name}.{kind}"] = take(f"classification_heads.{classification_head}.{name}.{kind}")
+        _refuse_unused(state, used, (prefix,))
         return config, out
     for name in ("dense", "layer_norm"):
         for kind in ("weight", "bias"):
             out[f"lm_head.{name}.{kind}"] = take(f"{head}{name}.{kind}")
     out["lm_head.bias"] = take(head + "bias")
-    decoder = state.get(head + "weight")
+    decoder = take(head + "weight") if head + "weight" in state else None
     if decoder is not None and not torch.equal(decoder, words):
         raise ValueError("the MLM decoder is not tied to the word embeddings (untie_weights_roberta); "
                          "RoBERTa ties them and so does this model")
+    _refuse_unused(state, used, (prefix, head))
     return config, out
+
+
+def _refuse_unused(state: dict, used: set, prefixes: tuple) -> None:
+    """Refuse weights of the encoder (and MLM head) that the conversion did not use, e.g. a pre-LN
+    model's final sentence_encoder.layer_norm: dropping them would change the model's function.
+    fairseq's `version` markers and `_float_tensor` buffers are not weights."""
+    unused = sorted(k for k in state if k.startswith(prefixes) and k not in used
+                    and not k.endswith((".version", "._float_tensor")))
+    if unused:
+        shown = ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else "")
+        raise ValueError(f"the checkpoint has {len(unused)} encoder weights that RoBERTa's architecture has no "
+                         f"place for ({shown}): it is another model (a pre-LN encoder's final layer_norm, "
+                         "segment embeddings, ...) and cannot be converted without changing its function")
 
 
 def convert(checkpoint, out_dir, dictionary=None, encoder_json=None, vocab_bpe=None,

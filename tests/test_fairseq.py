@@ -211,3 +211,35 @@ def test_a_fine_tuned_classification_head(tmp_path):
     torch.testing.assert_close(logits(ours, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "cls").eval()
     torch.testing.assert_close(logits(reloaded, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"encoder_normalize_before": True}, "encoder_normalize_before=True"),
+    ({"activation_fn": "gelu_accurate"}, "activation_fn='gelu_accurate'"),
+    ({"activation_fn": "relu"}, "activation_fn='relu'"),
+])
+@pytest.mark.parametrize("layout", ["cfg", "args"])
+def test_options_that_change_the_function_are_refused(tmp_path, setting, match, layout):
+    """Pre-LN layers and another activation keep RoBERTa's weight names: the converter reads the
+    options from cfg/args and refuses them, naming the option, instead of giving other logits."""
+    options = {"encoder_attention_heads": 4, **setting}
+    extra = {"cfg": {"model": options}} if layout == "cfg" else {"args": argparse.Namespace(**options)}
+    save_checkpoint(tmp_path / "ckpt.pt", fairseq_state(hf_model()), **extra)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "out")
+    # RoBERTa's own settings convert
+    ok = {"encoder_attention_heads": 4, "encoder_normalize_before": False, "activation_fn": "gelu"}
+    save_checkpoint(tmp_path / "ok.pt", fairseq_state(hf_model()), cfg={"model": ok})
+    fairseq.convert(tmp_path / "ok.pt", tmp_path / "ok")
+
+
+def test_encoder_weights_the_conversion_does_not_use_are_refused(tmp_path):
+    """A pre-LN encoder's final LayerNorm (sentence_encoder.layer_norm.*), even with no option saying
+    so, would be dropped silently: the error names the keys."""
+    state = fairseq_state(hf_model())
+    state["encoder.sentence_encoder.layer_norm.weight"] = torch.ones(SIZES["hidden_size"])
+    state["encoder.sentence_encoder.layer_norm.bias"] = torch.zeros(SIZES["hidden_size"])
+    save_checkpoint(tmp_path / "ckpt.pt", state, cfg={"model": {"encoder_attention_heads": 4}})
+    with pytest.raises(ValueError, match=r"2 encoder weights .*encoder\.sentence_encoder\.layer_norm\.bias, "
+                                         r"encoder\.sentence_encoder\.layer_norm\.weight"):
+        fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "out")
