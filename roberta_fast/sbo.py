@@ -178,16 +178,25 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
     @classmethod
     def from_pretrained(cls, path, backend: str = "auto", **kwargs):
         """An HF MLM directory (or Hub name / transformers model); the SBO head from its
-        sbo.safetensors when the directory has one, else newly initialised."""
+        sbo.safetensors when the directory has one (built with the max_offset it was saved with),
+        else newly initialised."""
         weights = os.path.join(os.fspath(path), SBO_WEIGHTS) if isinstance(path, (str, os.PathLike)) else ""
         if not os.path.isfile(weights):
             return super().from_pretrained(path, backend=backend, **kwargs)  # warns: sbo newly initialised
         from safetensors.torch import load_file
 
+        head = load_file(weights)
+        offsets = head.get("offset_embeddings.weight")
+        if offsets is not None:  # the head's max_offset is its offset table's length
+            saved = offsets.shape[0]
+            if kwargs.setdefault("max_offset", saved) != saved:
+                raise ValueError(f"{weights} holds an SBO head with max_offset={saved}, not the "
+                                 f"max_offset={kwargs['max_offset']} asked for; leave max_offset out to load "
+                                 f"it, or move {SBO_WEIGHTS} away to start a new head")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"newly initialised.*'sbo\.")
             model = super().from_pretrained(path, backend=backend, **kwargs)
-        model.sbo.load_state_dict(load_file(weights))
+        model.sbo.load_state_dict(head)
         return model
 
 

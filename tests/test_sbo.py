@@ -84,13 +84,13 @@ def test_fused_matches_reference_under_fp16_autocast():
     assert abs(fused - exact) <= 2 * abs(reference - exact) + 2e-3
 
 
-def tiny_spanbert(backend="reference"):
+def tiny_spanbert(backend="reference", **kwargs):
     from roberta_fast.sbo import RobertaForSpanBERT
 
     cfg = RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=20, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
-    return RobertaForSpanBERT(cfg, backend=backend)
+    return RobertaForSpanBERT(cfg, backend=backend, **kwargs)
 
 
 def test_spanbert_model_is_mlm_plus_sbo_on_one_encoder_pass():
@@ -130,6 +130,21 @@ def test_spanbert_saves_an_mlm_transformers_loads_and_its_sbo_head_beside(tmp_pa
     again = RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
     for key, value in model.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
+
+
+def test_a_head_saved_with_another_max_offset_loads_with_it(tmp_path):
+    """from_pretrained builds the head with the max_offset of the sbo.safetensors it loads (it was
+    built with the default and failed on the offset table's shape); asking for another is refused."""
+    from roberta_fast.sbo import RobertaForSpanBERT
+
+    model = tiny_spanbert(max_offset=20)
+    model.save_pretrained(tmp_path)
+    again = RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
+    assert again.sbo.max_offset == 20
+    assert torch.equal(again.sbo.offset_embeddings.weight, model.sbo.offset_embeddings.weight)
+    assert RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference", max_offset=20).sbo.max_offset == 20
+    with pytest.raises(ValueError, match="max_offset=20, not the max_offset=10 asked for"):
+        RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference", max_offset=10)
 
 
 def test_spanbert_save_pretrained_takes_transformers_keywords(tmp_path):
