@@ -5,7 +5,8 @@
 (`snapshot_download`) into the shared HF cache, so a model transformers has already
 downloaded is found there offline, and HF_HUB_OFFLINE, HF_HOME, HF_TOKEN and HF_ENDPOINT
 apply as usual. Only the files roberta_fast reads are fetched: safetensors weights
-when the repository has them (else the PyTorch .bin), never the TF/Flax/ONNX copies.
+when the repository has them (else the PyTorch .bin), never the TF/Flax/ONNX copies, and
+sbo.safetensors (RobertaForSpanBERT's span boundary head) when the repository has one.
 """
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ import re
 # owner/name or a legacy single name ("roberta-base"), as the Hub spells repository ids
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
 _MODEL_FILES = (  # tried in order: the first set that yields weights wins
-    ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors"],
-    ["config.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"],
+    ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors", "sbo.safetensors"],
+    ["config.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin", "sbo.safetensors"],
 )
+_MODEL_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin")  # the encoder's (sbo.safetensors is optional)
 _TOKENIZER_FILES = (["tokenizer.json", "vocab.json", "merges.txt"],)
 
 
 def model_dir(name_or_path, revision: str | None = None, **download) -> str:
     """A local directory with config.json and weights: `name_or_path` itself, or its Hub download
     (`download`: snapshot_download's cache_dir, force_download, local_files_only, token, proxies)."""
-    return _local_dir(name_or_path, revision, _MODEL_FILES, ("*.safetensors", "*.bin"), download)
+    return _local_dir(name_or_path, revision, _MODEL_FILES, _MODEL_WEIGHTS, download)
 
 
 def config_dir(name_or_path, revision: str | None = None) -> str:

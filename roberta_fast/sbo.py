@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from . import hub, ops
 from .config import RobertaConfig
+from .hf import _DOWNLOAD_KWARGS
 from .model import ModelOutput, RobertaForMaskedLM, check_inputs
 
 SBO_WEIGHTS = "sbo.safetensors"
@@ -177,10 +178,14 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
 
     @classmethod
     def from_pretrained(cls, path, backend: str = "auto", **kwargs):
-        """An HF MLM directory (or Hub name / transformers model); the SBO head from its
-        sbo.safetensors when the directory has one (built with the max_offset it was saved with),
-        else newly initialised."""
-        weights = os.path.join(os.fspath(path), SBO_WEIGHTS) if isinstance(path, (str, os.PathLike)) else ""
+        """An HF MLM directory, Hub name (`revision` and the Hub options as for RobertaForMaskedLM) or
+        transformers model; the SBO head from the directory's or repository's sbo.safetensors when it
+        has one (built with the max_offset it was saved with), else newly initialised."""
+        weights = ""
+        if isinstance(path, (str, os.PathLike)):  # a Hub name: its download, with sbo.safetensors if any
+            download = {name: kwargs[name] for name in _DOWNLOAD_KWARGS if name in kwargs}
+            path = hub.model_dir(path, kwargs.get("revision"), **download)
+            weights = os.path.join(path, SBO_WEIGHTS)
         if not os.path.isfile(weights):
             return super().from_pretrained(path, backend=backend, **kwargs)  # warns: sbo newly initialised
         from safetensors.torch import load_file

@@ -98,3 +98,55 @@ def test_unknown_names_and_missing_paths_say_what_was_tried(hub_cache, tmp_path)
 ])
 def test_repo_id_shape(name, expected):
     assert hub.is_repo_id(name) is expected
+
+
+def _fake_hub(monkeypatch, repo, snapshot):
+    """snapshot_download that copies the files of `repo` matching allow_patterns into `snapshot`, as the
+    Hub fetches only those; returns the list of the patterns asked for."""
+    import fnmatch
+    import shutil
+
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=(), **download):
+        asked.append(allow_patterns)
+        snapshot.mkdir(exist_ok=True)
+        for path in repo.iterdir():
+            if any(fnmatch.fnmatch(path.name, pattern) for pattern in allow_patterns):
+                shutil.copy(path, snapshot / path.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return asked
+
+
+def test_spanbert_head_by_hub_name(hub_cache, tmp_path, monkeypatch):
+    """RobertaForSpanBERT.from_pretrained(name) fetches and loads the repository's sbo.safetensors (it
+    looked in a local directory only, and the Hub download left the file out: the head was initialised
+    anew); a repository without one still loads, warning."""
+    from roberta_fast.sbo import RobertaForSpanBERT
+
+    torch.manual_seed(0)
+    spanbert = RobertaForSpanBERT(rf.RobertaConfig(**SMALL), backend="reference", max_offset=7)
+    spanbert.save_pretrained(tmp_path / "repo")
+    with monkeypatch.context() as patch:
+        _fake_hub(patch, tmp_path / "repo", tmp_path / "snapshot")
+        loaded = RobertaForSpanBERT.from_pretrained("acme/tiny-spanbert", backend="reference")
+    for name, value in _weights(spanbert).items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+    rf.RobertaForMaskedLM(rf.RobertaConfig(**SMALL), backend="reference").save_pretrained(
+        hub_cache("acme/tiny-roberta"))
+    with pytest.warns(UserWarning, match=r"newly initialised.*'sbo\."):
+        RobertaForSpanBERT.from_pretrained("acme/tiny-roberta", backend="reference")
+
+
+def test_sbo_weights_alone_do_not_stand_for_the_model_weights(tmp_path, monkeypatch):
+    """A .bin-only repository with sbo.safetensors: the safetensors set fetches config.json and
+    sbo.safetensors only, which must not end the search before pytorch_model.bin is fetched."""
+    (tmp_path / "repo").mkdir()
+    for name in ("config.json", "pytorch_model.bin", "sbo.safetensors"):
+        (tmp_path / "repo" / name).write_text("x")
+    asked = _fake_hub(monkeypatch, tmp_path / "repo", tmp_path / "snapshot")
+    assert hub.model_dir("acme/old-spanbert") == str(tmp_path / "snapshot")
+    assert len(asked) == 2 and (tmp_path / "snapshot" / "pytorch_model.bin").is_file()
