@@ -21,7 +21,9 @@ formula (the released code used 200 dimensions).
 `RobertaForSpanBERT` is RobertaForMaskedLM with this head beside the MLM head (loss =
 MLM + SBO, each a mean over its predicted tokens); `python -m roberta_fast.train
 --objective mlm+sbo` trains it. It saves the encoder and MLM head as a transformers
-RobertaForMaskedLM directory and the SBO head beside it as `sbo.safetensors`.
+RobertaForMaskedLM directory and the SBO head beside it as `sbo.safetensors`, which records
+the max_offset and a fingerprint of the word embeddings it was trained with, so loading it
+beside another model (saved to the directory later) is reported.
 
 The fused backend runs the head through the Triton bias+GELU, LayerNorm and
 cross-entropy kernels (roberta_fast.ops), over the predicted tokens only;
@@ -29,6 +31,7 @@ cross-entropy kernels (roberta_fast.ops), over the predicted tokens only;
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -43,6 +46,8 @@ from .hf import _DOWNLOAD_KWARGS
 from .model import ModelOutput, RobertaForMaskedLM, check_inputs
 
 SBO_WEIGHTS = "sbo.safetensors"
+_WORDS = "roberta.embeddings.word_embeddings.weight"
+_FINGERPRINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes a model is loaded in
 
 IGNORE_INDEX = -100
 MAX_SPAN_OFFSET = 15  # offsets p_0 .. p_14 (SpanBERT's --max-pair-targets 15); tokens further in are MLM-only
@@ -173,14 +178,21 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
                         state_dict=state_dict, max_shard_size=max_shard_size)
         state = self.state_dict() if state_dict is None else state_dict
         sbo = {k[len("sbo."):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("sbo.")}
+        metadata = {"format": "pt", "max_offset": str(self.sbo.max_offset)}
+        if state.get(_WORDS) is not None:
+            metadata.update(encoder_fingerprints(state[_WORDS]))
         with atomic_path(os.path.join(directory, SBO_WEIGHTS)) as tmp:
-            save_file(sbo, tmp, metadata={"format": "pt", "max_offset": str(self.sbo.max_offset)})
+            save_file(sbo, tmp, metadata=metadata)
 
     @classmethod
     def from_pretrained(cls, path, backend: str = "auto", **kwargs):
         """An HF MLM directory, Hub name (`revision` and the Hub options as for RobertaForMaskedLM) or
         transformers model; the SBO head from the directory's or repository's sbo.safetensors when it
-        has one (built with the max_offset it was saved with), else newly initialised."""
+        has one (built with the max_offset it was saved with), else newly initialised.
+
+        sbo.safetensors records the word embeddings it was saved with (encoder_fingerprints); a head
+        saved beside other ones (another model saved to the directory later) is loaded anyway, with
+        a warning saying so. Files without that record load unchecked."""
         weights = ""
         if isinstance(path, (str, os.PathLike)):  # a Hub name: its download, with sbo.safetensors if any
             download = {name: kwargs[name] for name in _DOWNLOAD_KWARGS if name in kwargs}
@@ -188,9 +200,12 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
             weights = os.path.join(path, SBO_WEIGHTS)
         if not os.path.isfile(weights):
             return super().from_pretrained(path, backend=backend, **kwargs)  # warns: sbo newly initialised
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         head = load_file(weights)
+        with safe_open(weights, framework="pt") as f:
+            metadata = f.metadata() or {}
         offsets = head.get("offset_embeddings.weight")
         if offsets is not None:  # the head's max_offset is its offset table's length
             saved = offsets.shape[0]
@@ -202,7 +217,26 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
             warnings.filterwarnings("ignore", message=r"newly initialised.*'sbo\.")
             model = super().from_pretrained(path, backend=backend, **kwargs)
         model.sbo.load_state_dict(head)
+        words = model.roberta.embeddings.word_embeddings.weight
+        loaded = encoder_fingerprints(words, (words.dtype,))  # files from before the record: no check
+        if any(metadata.get(key, fingerprint) != fingerprint for key, fingerprint in loaded.items()):
+            warnings.warn(f"{weights} was saved with other word embeddings than those of the model beside it "
+                          "(was another model saved to the directory after the SBO head?): the head is loaded "
+                          f"anyway; re-save the RobertaForSpanBERT to pair them, or move {SBO_WEIGHTS} away to "
+                          "start a new head", stacklevel=2)
         return model
+
+
+def encoder_fingerprints(word_embeddings: torch.Tensor, dtypes=_FINGERPRINT_DTYPES) -> dict:
+    """{"encoder_sha256_<dtype>": sha256 of the word embeddings cast to dtype}, recorded in sbo.safetensors
+    so that loading can tell a head from the model beside it from a stale one; one per dtype, as the
+    model may be saved in one and loaded in another (casting is deterministic, so the load's matches)."""
+    out = {}
+    for dtype in dtypes:
+        if dtype in _FINGERPRINT_DTYPES:
+            data = word_embeddings.detach().to("cpu", dtype).contiguous().view(torch.uint8).numpy()
+            out[f"encoder_sha256_{str(dtype).removeprefix('torch.')}"] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 def span_boundary_loss_ref(head: SpanBoundaryHead, hidden, labels, spans, decoder_weight):

@@ -1,5 +1,7 @@
 """Tests of roberta_fast/sbo.py: the SpanBERT span boundary head, fused and reference,
 against `span_boundary_loss_ref` (the formula, token by token): loss and every gradient."""
+import warnings
+
 import pytest
 import torch
 
@@ -145,6 +147,33 @@ def test_a_head_saved_with_another_max_offset_loads_with_it(tmp_path):
     assert RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference", max_offset=20).sbo.max_offset == 20
     with pytest.raises(ValueError, match="max_offset=20, not the max_offset=10 asked for"):
         RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference", max_offset=10)
+
+
+def test_a_head_left_beside_another_model_is_named(tmp_path):
+    """A RobertaForMaskedLM saved over a RobertaForSpanBERT's directory leaves the old sbo.safetensors:
+    loading warns that the head was saved with other word embeddings (it paired them silently); the
+    head's own model loads without a warning, in any dtype, and so does a file from before the record."""
+    import roberta_fast as rf
+    from safetensors.torch import load_file, save_file
+
+    from roberta_fast.sbo import SBO_WEIGHTS, RobertaForSpanBERT
+
+    spanbert = tiny_spanbert()
+    spanbert.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
+        RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference", dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    rf.RobertaForMaskedLM(spanbert.config, backend="reference").save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="saved with other word embeddings than those of the model beside it"):
+        stale = RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
+    assert torch.equal(stale.sbo.dense1.weight, spanbert.sbo.dense1.weight)  # loaded anyway
+
+    save_file(load_file(tmp_path / SBO_WEIGHTS), tmp_path / SBO_WEIGHTS, metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
 
 
 def test_spanbert_save_pretrained_takes_transformers_keywords(tmp_path):
