@@ -268,11 +268,15 @@ class LayerNormFn(torch.autograd.Function):
         # (torch.compile may hand a zero grad for the (0,) placeholder of an absent copy)
         dy_cast2 = dy_cast.reshape(x2.shape) if ctx.has_cast and dy_cast is not None else None
         dx, dr, dw, db = _layer_norm_bwd(dy2, dy_cast2, x2, weight, r2, mean, rstd, seed, ctx.dropout_p)
+        dx = dx.view(ctx.shape)
         dres = None
         if r2 is not None:
-            dres = (dr if ctx.separate_dr else dx).view(ctx.shape)
-        return (dx.view(ctx.shape), dw.to(weight.dtype), db.to(ctx.bias_dtype), dres,
-                None, None, None, None, None)
+            # Where dresidual equals dx, hand autograd the same tensor object for both, as
+            # PyTorch's own `x + residual` does: autograd then copies it where both would keep
+            # it (two leaves' .grad), and shares it, at no cost, where they only pass it on
+            # (the model). Two views of one buffer would both become .grad, sharing storage.
+            dres = dr.view(ctx.shape) if ctx.separate_dr else dx
+        return (dx, dw.to(weight.dtype), db.to(ctx.bias_dtype), dres, None, None, None, None, None)
 
 
 def layer_norm(x, weight, bias, eps=1e-5, residual=None, dropout_p=0.0, seed=None,

@@ -125,6 +125,31 @@ def test_non_contiguous_input(device):
     _check_against_reference(x, r, w, b)
 
 
+def test_leaf_x_and_residual_get_grads_of_their_own(device):
+    """Without dropout dresidual equals dx; two leaves must still not share one .grad buffer,
+    or a second backward (gradient accumulation) adds into both and zeroing one zeroes both.
+    Non-leaf inputs (the model's) still get the one buffer, with no copy."""
+    triton_or_skip(device)
+    x, r, w, b = _inputs((4, 32), torch.float32, device)
+    x2, r2 = (t.detach().clone().requires_grad_() for t in (x, r))
+    for _ in range(2):
+        dy = torch.randn_like(x)
+        layer_norm(x, w, b, residual=r).backward(dy)
+        layer_norm_ref(x2, w.detach(), b.detach(), residual=r2).backward(dy)
+    assert x.grad.untyped_storage().data_ptr() != r.grad.untyped_storage().data_ptr()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(r.grad, r2.grad)
+    x.grad.zero_()
+    torch.testing.assert_close(r.grad, r2.grad)
+
+    seen = {}
+    xn, rn = x * 1, r * 1  # non-leaves: their grads only pass on
+    xn.register_hook(lambda g: seen.setdefault("x", g))
+    rn.register_hook(lambda g: seen.setdefault("r", g))
+    layer_norm(xn, w, b, residual=rn).backward(torch.randn_like(x))
+    assert seen["x"].data_ptr() == seen["r"].data_ptr()
+
+
 def test_fp16_large_activations_stay_finite(device):
     """|x| ~ 4e4: x + residual (~8e4) and the variance overflow fp16, fp32 statistics do not."""
     triton_or_skip(device)
