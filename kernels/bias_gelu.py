@@ -75,7 +75,7 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, rows_per_program,
 @torch.library.custom_op("roberta_fast::bias_gelu_fwd", mutates_args=())
 def _bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x: (M, N), bias: (N,) -> gelu(x + bias) (M, N) in x's dtype."""
-    x = x.contiguous()
+    x, bias = x.contiguous(), bias.contiguous()  # the kernels index both densely (a bias slice may be strided)
     M, N = x.shape
     y = torch.empty_like(x)
     if x.numel() == 0:
@@ -96,7 +96,7 @@ def _(x, bias):
 @torch.library.custom_op("roberta_fast::bias_gelu_bwd", mutates_args=())
 def _bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> dx (M, N) in x's dtype, dbias (N,) fp32."""
-    dy, x = dy.contiguous(), x.contiguous()
+    dy, x, bias = dy.contiguous(), x.contiguous(), bias.contiguous()
     M, N = x.shape
     dx = torch.empty_like(x)
     block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_BLOCK_N)

@@ -71,6 +71,24 @@ def test_non_contiguous_input(device):
     _check_against_reference(x, _inputs((96,), torch.float32, device)[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_strided_bias(device, dtype):
+    """A bias with stride 2 (every other element of a buffer) is read, and its grad
+    written, at its own elements: the kernels index the bias densely."""
+    triton_or_skip(device, dtype)
+    x, _ = _inputs((7, 96), dtype, device)
+    b = torch.randn(2 * 96, device=device).to(dtype)[::2].requires_grad_()  # a strided leaf
+    _check_against_reference(x, b)
+
+    parent = torch.randn(96, 2, device=device).to(dtype).requires_grad_()  # the bias is its column 0
+    dy = torch.randn_like(x)
+    bias_gelu(x, parent[:, 0]).backward(dy)
+    gold = parent.detach().double().requires_grad_()
+    bias_gelu_ref(x.detach().double(), gold[:, 0]).backward(dy.double())
+    assert_fa_close(parent.grad, gold.grad, gold.grad.to(dtype), "grad of the bias' parent", ATOL[dtype])
+    assert (parent.grad[:, 1] == 0).all()
+
+
 def test_fp16_large_activations(device):
     """|x + bias| up to ~6e4 in fp16: the fp32 math must not overflow (z * z, exp)."""
     triton_or_skip(device)
