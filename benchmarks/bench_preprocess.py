@@ -296,16 +296,19 @@ def main():
         goals = targets(formats)
         for g in goals:
             print(f"  target {g['impl']} {g['metric']} >= {g['target']}: {g['achieved']} ({g['status']})")
-        if args.formats_only:
-            rows = memory = []
-        else:
-            rows, memory = others(args, work, docs, files, tok, tok_dir, nbytes, mb, shard_mb, worker_counts, cores)
-    if args.json:
-        import torch
 
-        bc.write_json(args.json, bc.environment(torch.device("cpu")), rows, memory=memory, formats=formats,
-                      targets=goals, note=args.note,
-                      config={"mb": mb, "cores": cores, "shard_mb": shard_mb, "vocab_size": tok.vocab_size})
+        def write(rows, memory):
+            """The record so far: written after each section, so a run cut off keeps what it measured."""
+            if args.json:
+                import torch
+
+                bc.write_json(args.json, bc.environment(torch.device("cpu")), rows, memory=memory, formats=formats,
+                              targets=goals, note=args.note,
+                              config={"mb": mb, "cores": cores, "shard_mb": shard_mb, "vocab_size": tok.vocab_size})
+
+        write([], [])  # the formats first
+        if not args.formats_only:
+            write(*others(args, work, docs, files, tok, tok_dir, nbytes, mb, shard_mb, worker_counts, cores))
 
 
 def others(args, work, docs, files, tok, tok_dir, nbytes, mb, shard_mb, worker_counts, cores):

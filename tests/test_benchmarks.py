@@ -224,6 +224,26 @@ def test_inference_benchmark_times_the_mlm_head_with_every_framework_on_the_same
     assert speed and all(t["status"].startswith("not measured (--head mlm") for t in speed), speed
 
 
+def test_preprocess_benchmark_writes_its_json_after_each_section(tmp_path, monkeypatch):
+    """bench_preprocess writes the formats' rows before the next section starts: a run cut off
+    there (a time cap) still leaves them in --json."""
+    bench = _load_benchmark("bench_preprocess")
+    monkeypatch.setattr(bench, "bc", importlib.import_module("_common"), raising=False)  # imported only under __main__
+    row = {"impl": "roberta_fast jsonl", "documents": 1, "x_vs_plain": 1.0, "x_vs_datasets": 2.0}
+    monkeypatch.setattr(bench, "time_formats", lambda *args: [row])
+
+    def cut_off(*args):
+        raise KeyboardInterrupt  # as timeout --signal=INT stops it
+
+    monkeypatch.setattr(bench, "others", cut_off)
+    out = tmp_path / "pre.json"
+    monkeypatch.setattr(sys, "argv", ["bench_preprocess.py", "--quick", "--json", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    record = json.loads(out.read_text())
+    assert record["formats"] == [row] and record["results"] == [] and record["targets"]
+
+
 def test_records_name_the_commit_where_the_tree_has_no_git(tmp_path):
     """The GPU machine's copy of the tree has no .git: ROBERTA_FAST_COMMIT names the commit there."""
     (tmp_path / "_common.py").write_text((BENCH / "_common.py").read_text())

@@ -234,6 +234,16 @@ def test_a_spent_budget_skips_steps_and_still_packs(tmp_path):
     assert "sanitize-memcheck: not run (the stage's 20 s budget is spent)" in summary
 
 
+def test_kernels_stage_runs_only_gpu_benchmarks_that_exist():
+    """The kernels stage's default list names existing scripts and leaves out bench_preprocess: a CPU
+    benchmark that at full size cannot finish under the stage's 75 s cap (it burnt the call's budget)."""
+    default = re.search(r"GPU_SESSION_BENCHES:-([a-z_ ]+)\}", SCRIPT.read_text()).group(1).split()
+    assert default and "preprocess" not in default
+    for bench in default:
+        name = "attention" if bench == "attention_dropout" else bench
+        assert (ROOT / "benchmarks" / f"bench_{name}.py").is_file(), bench
+
+
 def test_unknown_stage_is_a_one_line_error(tmp_path):
     proc = _session("e2e-more", tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == (
