@@ -120,7 +120,10 @@ print("dry run (CPU rehearsal)" if sys.argv[1] == "1" else "GPU run")
 print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:  # the device image may have no git at all (and its copy has no .git)
+    head = ""
 print("commit", head or os.environ.get("ROBERTA_FAST_COMMIT") or "unknown (no .git: set ROBERTA_FAST_COMMIT)")
 DEGRADES = {"triton": "no fused kernels", "transformers": "hf contenders and HF-parity tests skip",
             "tokenizers": "tokenizer tests and hf contenders skip", "safetensors": "HF save/load tests skip",

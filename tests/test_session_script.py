@@ -244,6 +244,19 @@ def test_kernels_stage_runs_only_gpu_benchmarks_that_exist():
         assert (ROOT / "benchmarks" / f"bench_{name}.py").is_file(), bench
 
 
+def test_environment_probe_runs_without_git(tmp_path):
+    """The device image may lack git: the probe still writes the commit (ROBERTA_FAST_COMMIT) and
+    the package list, which the script reads for its 'packages missing' line."""
+    probe = re.search(r'>"\$out/environment.txt" 2>&1 <<\'EOF\'\n(.*?)\nEOF\n', SCRIPT.read_text(), re.S).group(1)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)  # a PATH with python and no git
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "PYTHONPATH": str(ROOT), "ROBERTA_FAST_COMMIT": "0123abcd"}
+    proc = subprocess.run([sys.executable, "-", "0"], input=probe, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "commit 0123abcd" in proc.stdout.splitlines() and "  pytest " in proc.stdout, proc.stdout
+
+
 def test_unknown_stage_is_a_one_line_error(tmp_path):
     proc = _session("e2e-more", tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == (
