@@ -133,13 +133,14 @@ def _tracing() -> bool:
 
 
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
-                 position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None):
+                 position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None, max_seqlen=None):
     """Raise ValueError naming the problem for inputs that would index out of range.
 
     Runs before any kernel, so a user mistake never becomes a device-side assert. On a
     GPU this costs one host synchronisation (the id range); models fed by a validated
     data pipeline can turn it off with `model.check_inputs = False`.
     inputs_embeds (batch, seqlen, hidden) replaces input_ids, as in transformers.
+    max_seqlen, given with cu_seqlens, must be at least the longest segment.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds (the word embeddings of the tokens)")
@@ -183,7 +184,7 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
         raise ValueError("attention_mask must be 0/1 (bool, integer or float), got a complex tensor")
 
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids)
+        _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids, max_seqlen)
 
     ranges = []
     if inputs_embeds is None:
@@ -263,8 +264,10 @@ def key_padding_mask(attention_mask, batch: int, seqlen: int):
     return keep
 
 
-def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
-    """Packed rows: int32 boundaries over the flattened batch·seqlen tokens, positions given."""
+def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids, max_seqlen=None):
+    """Packed rows: int32 boundaries over the flattened batch·seqlen tokens, positions given, and
+    max_seqlen (when given) no less than the longest segment: the variable-length attention
+    kernel covers only max_seqlen tokens of each segment."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError("cu_seqlens must be a 1-D int32 tensor of segment boundaries over the "
                          "flattened batch·seqlen tokens, e.g. [0, 7, 16, 32] for two rows of 16")
@@ -282,8 +285,9 @@ def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
     if _tracing():  # the boundaries' values are symbolic
         return
     row_starts = torch.arange(0, total + 1, seqlen, device=cu_seqlens.device, dtype=torch.int32)
-    first, last, smallest_step, rows_kept = torch.stack([
-        cu_seqlens[0], cu_seqlens[-1], cu_seqlens.diff().min(), torch.isin(row_starts, cu_seqlens).all().int()
+    steps = cu_seqlens.diff()
+    first, last, smallest_step, longest, rows_kept = torch.stack([
+        cu_seqlens[0], cu_seqlens[-1], steps.min(), steps.max(), torch.isin(row_starts, cu_seqlens).all().int()
     ]).tolist()
     if first != 0 or last != total or smallest_step < 0:
         raise ValueError(f"cu_seqlens must rise from 0 to batch·seqlen = {total}; got first {first}, "
@@ -291,6 +295,10 @@ def _check_cu_seqlens(cu_seqlens, input_ids, attention_mask, position_ids):
     if not rows_kept:
         raise ValueError(f"a cu_seqlens segment crosses a row boundary: every multiple of seqlen "
                          f"({seqlen}) must be a boundary (each row's documents stay in that row)")
+    if max_seqlen is not None and int(max_seqlen) < longest:
+        raise ValueError(f"max_seqlen={int(max_seqlen)} is less than the longest cu_seqlens segment "
+                         f"({longest} tokens), so the fused attention would compute that segment wrongly; pass "
+                         f"max_seqlen={longest} (the largest step of cu_seqlens), or None to have it computed")
 
 
 # ------------------------------------------------------------------------ model
@@ -538,7 +546,7 @@ class _PreTrained(nn.Module):
             raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword arguments {sorted(others)}")
 
     def _checked_mask(self, input_ids, inputs_embeds, attention_mask, token_type_ids=None, position_ids=None,
-                      cu_seqlens=None, labels=None):
+                      cu_seqlens=None, labels=None, max_seqlen=None):
         """The attention mask in its 2-D form (a 4-D key-padding mask reduced), once the inputs are
         checked (when `check_inputs` is on)."""
         shaped = input_ids if input_ids is not None else inputs_embeds
@@ -546,7 +554,7 @@ class _PreTrained(nn.Module):
             attention_mask = key_padding_mask(attention_mask, *shaped.shape[:2])
         if self.check_inputs:
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens, labels,
-                         inputs_embeds)
+                         inputs_embeds, max_seqlen)
         return attention_mask
 
     # ------------------------------------------------- transformers' model methods
@@ -742,7 +750,7 @@ class RobertaModel(_PreTrained):
                 return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None, **kwargs):
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
-                                            cu_seqlens)
+                                            cu_seqlens, max_seqlen=max_seqlen)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
                           output_hidden_states, output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
         return self._result(out, return_dict)
@@ -986,7 +994,7 @@ class RobertaForMaskedLM(_PreTrained):
         elif masked_only and labels is None:
             raise ValueError("masked_only=True needs labels: they say which positions to predict")
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
-                                            cu_seqlens, labels)
+                                            cu_seqlens, labels, max_seqlen)
         if masked_only:
             # Flat indices of the predicted positions, found before the encoder runs: the one
             # host sync (for their count) then waits for the masking, not for the encoder.

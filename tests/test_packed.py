@@ -87,3 +87,20 @@ def test_bad_packing_is_refused(change, message):
     batch = change({"position_ids": positions, "cu_seqlens": cu_seqlens})
     with pytest.raises(ValueError, match=message):
         model(ids, **batch)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_max_seqlen_below_the_longest_segment_is_refused(backend):
+    """The fused variable-length attention covers max_seqlen tokens of a segment: a smaller
+    max_seqlen than the longest segment (16 here) is refused naming both; a larger one is harmless."""
+    torch.manual_seed(0)
+    model = rf.RobertaForMaskedLM(rf.RobertaConfig(**CONFIG), backend=backend).eval()
+    ids, positions, cu_seqlens, _ = packed_batch()
+    with pytest.raises(ValueError, match=r"max_seqlen=8 is less than the longest cu_seqlens segment \(16 tokens\)"):
+        model(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=8)
+    with pytest.raises(ValueError, match="max_seqlen=15"):
+        model.roberta(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=15)
+    with torch.no_grad():
+        exact = model(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=16).logits
+        larger = model(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=SEQLEN + 4).logits
+    torch.testing.assert_close(larger, exact)
