@@ -17,10 +17,25 @@ from pathlib import Path
 
 from roberta_fast.files import atomic_path
 
-COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "hf-eager": "#1f77b4", "hf-compile": "#aec7e8",
-          "rf-unpadded": "#d62728", "rf-padded": "#ff9896", "rf-compile": "#e377c2", "hf-sdpa": "#2ca02c",
-          "onnxruntime": "#7f7f7f", "hf-patched": "#ff7f0e", "rf-int8": "#8c564b", "onnxruntime-int8": "#bcbd22",
-          "hf-int8": "#98df8a"}
+# One colour per contender of throughput.py and bench_inference.py, none shared (tests/test_plot.py):
+# rf reds and pinks, rf int8 browns, hf blues and greens, onnxruntime greys and olives
+COLORS = {"rf-fused": "#d62728", "rf-reference": "#ff9896", "rf-fused+sbo": "#9467bd",
+          "hf-eager": "#1f77b4", "hf-compile": "#aec7e8", "hf-sdpa": "#2ca02c", "hf-patched": "#ff7f0e",
+          "hf-int8": "#98df8a",
+          "rf-unpadded": "#843c39", "rf-unpadded-whole": "#ad494a", "rf-padded": "#e7969c", "rf-compile": "#e377c2",
+          "rf-prepacked": "#17becf", "rf-fp16-weights": "#9edae5",
+          "rf-int8": "#8c564b", "rf-int8-7bit": "#c49c94", "rf-int8-whole": "#8c6d31", "rf-int8-fbgemm": "#bd9e39",
+          "rf-int8-auto": "#e7ba52", "rf-int8-onnxruntime": "#ffbb78",
+          "onnxruntime": "#7f7f7f", "onnxruntime-int8": "#bcbd22", "onnxruntime-int8-7bit": "#dbdb8d"}
+# for names not listed above: colours none of them uses (matplotlib's cycle would repeat theirs)
+SPARE = [c for c in ("#393b79", "#637939", "#7b4173", "#5254a3", "#8ca252", "#a55194", "#6b6ecf", "#b5cf6b",
+                     "#ce6dbd", "#3182bd", "#31a354", "#756bb1", "#636363", "#e6550d") if c not in COLORS.values()]
+
+
+def colors(contenders: list[str]) -> list[str]:
+    """The colour of each contender: its own from COLORS, else the next spare one."""
+    spare = iter(SPARE * (1 + len(contenders) // len(SPARE)))
+    return [COLORS.get(c) or next(spare) for c in contenders]
 
 
 def _is_inference(report: dict) -> bool:
@@ -75,10 +90,10 @@ def _png(report: dict, path: Path) -> None:
     peer_name = _peer(report)
     width = 0.8 / max(1, len(contenders))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(settings)) + 1.5, 4))
-    for j, c in enumerate(contenders):
+    for j, (c, color) in enumerate(zip(contenders, colors(contenders))):
         xs = [i + (j - (len(contenders) - 1) / 2) * width for i in range(len(settings))]
         heights = [value.get((s, c), 0.0) for s in settings]
-        ax.bar(xs, heights, width, label=c, color=COLORS.get(c))
+        ax.bar(xs, heights, width, label=c, color=color)
         for x, s, h in zip(xs, settings, heights):  # the ratio to the peer over each bar
             peer = value.get((s, peer_name))
             if h and peer:
@@ -96,6 +111,7 @@ def _png(report: dict, path: Path) -> None:
 
 def _svg(report: dict) -> str:
     settings, contenders, value = _series(report)
+    color = dict(zip(contenders, colors(contenders)))
     top = max(value.values(), default=1.0) or 1.0
     group, bar, h, left, base = 60 + 22 * len(contenders), 20, 240, 70, 280
     width = left + group * len(settings) + 160
@@ -111,12 +127,12 @@ def _svg(report: dict) -> str:
                 continue
             hh = h * v / top
             out.append(f'<rect x="{x0 + j * (bar + 2)}" y="{base - hh:.1f}" width="{bar}" height="{hh:.1f}" '
-                       f'fill="{COLORS.get(c, "#777")}"><title>{escape(c)}: {v:,.0f} tokens/s</title></rect>')
+                       f'fill="{color[c]}"><title>{escape(c)}: {v:,.0f} tokens/s</title></rect>')
         out.append(f'<text x="{x0}" y="{base + 16}">{escape(s)}</text>')
     for j, c in enumerate(contenders):
         y = 40 + 16 * j
         lx = left + group * len(settings) + 10
-        out.append(f'<rect x="{lx}" y="{y - 10}" width="12" height="12" fill="{COLORS.get(c, "#777")}"/>'
+        out.append(f'<rect x="{lx}" y="{y - 10}" width="12" height="12" fill="{color[c]}"/>'
                    f'<text x="{lx + 16}" y="{y}">{escape(c)}</text>')
     out.append("</svg>")
     return "\n".join(out)
