@@ -100,6 +100,17 @@ def test_first_records_the_four_contenders_verified(dry_runs):
     assert report["profiles"], "--profile was given"
 
 
+def test_e2e_times_the_peers_before_the_extras_within_the_estimate(dry_runs):
+    """The e2e base run times hf-compile before rf-fused+sbo (and the profile, last): a cap cuts the
+    extras, not a peer; and each throughput step's cap is at least the header's ~3.5 min estimate."""
+    _, files = dry_runs["e2e"]
+    report = json.loads(files["throughput-tiny16-fp16.json"])
+    assert [r["contender"] for r in report["results"]] == FOUR + ["rf-fused+sbo"]
+    stage = re.search(r"\n  e2e\)\n(.*?);;", SCRIPT.read_text(), re.S).group(1)
+    caps = [int(cap) for cap in re.findall(r'throughput "[^"]+" (\d+)', stage)]
+    assert len(caps) == 2 and min(caps) >= 210, caps
+
+
 def test_test_stage_puts_the_cuda_cases_first_and_misses_no_file(dry_runs):
     _, files = dry_runs["test"]
     order = [line.split(":")[0] for line in files["summary.txt"].decode().splitlines() if line.startswith("pytest-")]
