@@ -4,9 +4,12 @@
 #   benchmarks/gpu_session.sh STAGE [OUTDIR]          # on the GPU machine: OUTDIR=$OUT
 #   GPU_SESSION_DRY=1 benchmarks/gpu_session.sh STAGE  # rehearsal on a CPU (CI runs it for every stage)
 #
-# The GPU machine's copy of the tree has no .git: start it as
-# `ROBERTA_FAST_COMMIT=<git rev-parse HEAD here> benchmarks/gpu_session.sh STAGE "$OUT"` so every
-# record names the commit it measured (benchmarks/_common.py reads it where git cannot answer).
+# The GPU machine's copy of the tree has no .git, so neither the commit nor uncommitted edits can be
+# seen there: compute the label HERE, in the checkout the copy is made from,
+#   echo "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty)"
+# and start the stage there with its value: `ROBERTA_FAST_COMMIT=<that value> benchmarks/gpu_session.sh
+# STAGE "$OUT"`, so every record names the commit it measured, -dirty when tracked files differ from it
+# (benchmarks/_common.py reads it where git cannot answer; without it the records say "unknown").
 #
 # Run `first` first: it alone gives the headline record; then, with time left, the others in the
 # order below. Expected times on an H100 (16 cores) are estimates (no stage has run on a GPU yet); every step also has a hard cap, and each stage stops
@@ -138,6 +141,7 @@ for name, what in DEGRADES.items():
 EOF
 missing=$(grep -o '^  [a-z-]* MISSING' "$out/environment.txt" | awk '{print $1}' | tr '\n' ' ')
 [ -n "$missing" ] && note "packages missing here: $missing(see environment.txt for what degrades)"
+grep -q '^commit unknown' "$out/environment.txt" && note "commit unknown: no .git and no ROBERTA_FAST_COMMIT (see the header)"
 
 # --precision auto's dtype on this device (bf16 on sm_80+, fp16 on a V100/T4) and its roofline column
 read -r auto_dtype roofline_gpu < <("$py" - 2>/dev/null <<'EOF'
