@@ -519,11 +519,12 @@ class _PreTrained(nn.Module):
             nn.init.zeros_(module.bias)
 
     def _backend_for(self, tensor) -> str:
-        """The backend for `tensor`'s device; torch.export and torch.jit.trace trace the reference one
-        (plain aten ops, which ONNX and any device take; the fused path's unpadding syncs on data)."""
+        """The backend for `tensor`'s device and the model's dtype (a float64 model runs the reference
+        ops, ops.resolve_backend); torch.export and torch.jit.trace trace the reference one (plain aten
+        ops, which ONNX and any device take; the fused path's unpadding syncs on data)."""
         if torch.compiler.is_exporting() or torch.jit.is_tracing():
             return "reference"
-        return ops.resolve_backend(self.backend, tensor.device)
+        return ops.resolve_backend(self.backend, tensor.device, self.dtype)
 
     def _result(self, out: ModelOutput, return_dict: bool | None):
         """`out`, or its to_tuple() when return_dict (else the config's) is False, and under

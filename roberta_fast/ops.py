@@ -10,6 +10,7 @@ backend: "reference" (plain PyTorch, any device), "fused" (Triton kernels), or
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -56,11 +57,32 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs for tensors on `device`: "auto" means fused on CUDA when triton imports."""
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels compute in
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The backend that runs for tensors on `device` computing in `dtype`.
+
+    "auto" means fused on CUDA when triton imports. A dtype no kernel takes (float64) runs the
+    reference ops whatever the backend, as rf.patch does. An explicit "fused" on a device the
+    kernels cannot run on is refused here, before any kernel, with the fix.
+    """
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        return "reference"
     if backend == "auto":
         return "fused" if device.type == "cuda" and _triton_available() else "reference"
+    if backend == "fused" and not _kernel_device(device):
+        raise ValueError(
+            f'backend="fused" runs Triton kernels, which take CUDA tensors (CPU ones only under '
+            f"TRITON_INTERPRET=1, Triton's slow interpreter for tests), but the inputs are on {device}; "
+            f'use backend="auto" (fused on a GPU, reference elsewhere) or backend="reference", or move '
+            f"the model and inputs to a GPU")
     return backend
+
+
+def _kernel_device(device: torch.device) -> bool:
+    """Whether the Triton kernels run on `device` in this process (kernels/_utils.check_triton_device)."""
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # Triton >= 3.2 lowers tl.dot to FMA below sm_80 (triton-lang/triton PR #5066: MMAv1 dropped),

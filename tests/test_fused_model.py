@@ -67,6 +67,31 @@ def test_auto_picks_reference_on_cpu_and_fused_on_cuda():
         assert ops.resolve_backend("auto", torch.device("cuda")) == "fused"
 
 
+def test_float64_runs_the_reference_ops_on_every_backend(device):
+    """No kernel computes in float64: a float64 model runs the reference ops on backend "fused"
+    and "auto", as rf.patch does, instead of failing inside a kernel."""
+    assert ops.resolve_backend("auto", torch.device("cuda"), torch.float64) == "reference"
+    assert ops.resolve_backend("fused", torch.device("cuda"), torch.float64) == "reference"
+    reference, fused = models(device, torch.float64)
+    ids, mask, labels = inputs(device)
+    outs = []
+    for model in (reference, fused):
+        out = model(ids, mask, labels=labels)
+        out.loss.backward()
+        outs.append((out.logits, [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+def test_fused_on_tensors_the_kernels_cannot_take_is_refused_with_the_fix(monkeypatch):
+    """Without TRITON_INTERPRET=1 the kernels take no CPU tensor: backend="fused" says so at the
+    model, with the fix, not inside the first kernel."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = rf.RobertaForMaskedLM(rf.RobertaConfig(**CONFIG), backend="fused").eval()
+    with pytest.raises(ValueError, match='backend="fused" runs Triton kernels.*backend="auto"'):
+        model(torch.randint(3, 61, (1, 5)))
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
+
+
 def test_unsupported_head_dim_falls_back_with_a_warning():
     cfg = rf.RobertaConfig(**{**CONFIG, "hidden_size": 48, "num_attention_heads": 3})  # head dim 16
     model = rf.RobertaForMaskedLM(cfg, backend="fused").eval()
