@@ -150,7 +150,8 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
                              f"mask_tokens(..., return_spans=True) returns; got {spans.dtype} "
                              f"{tuple(spans.shape)} on {spans.device}")
         if self.check_inputs:
-            check_inputs(self.config, input_ids, attention_mask, None, position_ids, cu_seqlens, labels)
+            check_inputs(self.config, input_ids, attention_mask, None, position_ids, cu_seqlens, labels,
+                         max_seqlen=max_seqlen)
         # both heads' token indices before the encoder runs: their host syncs wait for the masking only
         predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
         sbo_index = self.sbo.targets(labels, spans)  # (num_sbo_targets,)

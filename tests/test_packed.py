@@ -100,6 +100,12 @@ def test_max_seqlen_below_the_longest_segment_is_refused(backend):
         model(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=8)
     with pytest.raises(ValueError, match="max_seqlen=15"):
         model.roberta(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=15)
+    from roberta_fast.sbo import RobertaForSpanBERT
+
+    spanbert = RobertaForSpanBERT(rf.RobertaConfig(**CONFIG), backend=backend)
+    no_spans = torch.full((*ids.shape, 3), -1, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_seqlen=8"):
+        spanbert(ids, labels=ids, spans=no_spans, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=8)
     with torch.no_grad():
         exact = model(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=16).logits
         larger = model(ids, position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=SEQLEN + 4).logits
