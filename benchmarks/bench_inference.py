@@ -63,6 +63,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -371,7 +372,9 @@ def graph_count():
 
 
 def measure(runs, data, device, repeats, reference):
-    """Warm-up pass (outputs checked against `reference`), then `repeats` interleaved timed passes."""
+    """Warm-up pass (outputs checked against `reference`), then `repeats` interleaved timed passes.
+    Returns the rows and {contender: median ms per batch}, unrounded: the rows' figures are rounded for
+    reading, so tokens/s and every ratio are derived from this."""
     rows, times, peaks, kernel_work = {}, {}, {}, {}
     for name, fn in runs.items():
         if isinstance(fn, str):
@@ -393,19 +396,29 @@ def measure(runs, data, device, repeats, reference):
                 kernel_work[name].append([after - start for after, start in zip(_kernel_work(), before)])
             times[name].append(seconds)
             peaks[name] = max(peaks[name], _rss_mb("VmHWM") or 0)
+    ms = {}
     for name, ts in times.items():
-        seconds = sorted(ts)[len(ts) // 2]
-        rows[name].update(ms_per_batch=bc.sig(1e3 * seconds / len(data)), seconds_all=[bc.sig(t) for t in ts])
+        ms[name] = 1e3 * statistics.median(ts) / len(data)
+        rows[name].update(ms_per_batch=bc.sig(ms[name]), seconds_all=[bc.sig(t) for t in ts])
         if device.type == "cpu":
             rows[name]["peak_rss_mb"] = peaks[name]
             rows[name]["weights_mb"] = WEIGHTS_MB.get(name)
             if kernel_work[name]:  # medians per batch: the OS's share of the work
-                sys_s, faults = (sorted(column)[len(column) // 2] for column in zip(*kernel_work[name]))
+                sys_s, faults = (statistics.median(column) for column in zip(*kernel_work[name]))
                 rows[name].update(sys_ms_per_batch=bc.sig(1e3 * sys_s / len(data)),
                                   page_faults_per_batch=round(faults / len(data)))
         if name.endswith("compile"):
             rows[name]["graphs_after_timing"] = graph_count()
-    return rows, times
+    return rows, ms
+
+
+def add_rates(rows, ms, real_tokens, n_batches):
+    """Each timed row's real tokens/s and its speed over hf-sdpa's, from the unrounded `ms` of measure()."""
+    peer = ms.get("hf-sdpa")
+    for name, row in rows.items():
+        if name in ms:
+            row["tokens_per_s"] = bc.sig(real_tokens / (ms[name] * n_batches / 1e3))
+            row["vs_hf_sdpa"] = bc.sig(peer / ms[name]) if peer else None
 
 
 # (name, lengths, dtype, contender, metric, goal, at least?): the issue's targets, device by device
@@ -429,12 +442,14 @@ TARGETS = {
 INT8_WEIGHTS_GOAL = 0.3  # the int8 Linear weights' memory as a fraction of fp32's: "about a quarter"
 
 
-def evaluate_targets(results, device, weights=(), off_target=None):
+def evaluate_targets(results, device, weights=(), off_target=None, ms=None):
     """Each target of TARGETS with what this run achieved: status met, missed or not measured;
     `weights`: linear_weights() of the rf-int8 engines, the first (the default, rf-int8's) held to the
     memory target, the others reported beside it (fbgemm pads; "auto" holds two packings); `off_target`: why
-    this run's shapes are not the targets' (then no speed target is measured)."""
+    this run's shapes are not the targets' (then no speed target is measured); `ms`: {(lengths, dtype,
+    contender): unrounded ms per batch} for the ratios (else the rows' rounded ms_per_batch)."""
     rows = {(r["lengths"], r["dtype"], r["contender"]): r for r in results}
+    ms = {**{key: r.get("ms_per_batch") for key, r in rows.items()}, **(ms or {})}
     out = [{"target": f"rf-int8 ({w['engine']}) Linear weights vs fp32 (about a quarter)",
             "goal": f"<= {INT8_WEIGHTS_GOAL:g}", "achieved": w["int8_vs_fp32"],
             "status": "met" if w["int8_vs_fp32"] <= INT8_WEIGHTS_GOAL else "missed"} for w in weights[:1] if w]
@@ -442,8 +457,9 @@ def evaluate_targets(results, device, weights=(), off_target=None):
         row = rows.get((lengths, dtype, contender), {})
         achieved = row.get(metric)
         if metric.startswith("vs_onnxruntime") and row.get("status") == "ok":
-            peer = rows.get((lengths, dtype, metric[3:]), {})
-            achieved = bc.sig(peer["ms_per_batch"] / row["ms_per_batch"]) if peer.get("status") == "ok" else None
+            peer = (lengths, dtype, metric[3:])
+            ok = rows.get(peer, {}).get("status") == "ok"
+            achieved = bc.sig(ms[peer] / ms[lengths, dtype, contender]) if ok else None
         if off_target and metric != "max_abs_diff_vs_hf_fp32":
             achieved = None  # a speed measured on other shapes than the target's
         if achieved is None:
@@ -510,7 +526,7 @@ def main():
     print(f"device: {facts['name']} ({facts.get('cores', '')} cores, {torch.get_num_threads()} threads)  "
           f"load before: {os.getloadavg()}")
 
-    results, configs = [], {}
+    results, configs, exact_ms = [], {}, {}
     if args.json or quick:
         path = args.json
     elif device.type == "cuda":
@@ -567,21 +583,19 @@ def main():
                     ref_model = hf_sdpa(cfg, device, torch.float32, args.head)
                     reference = [hidden(ref_model(input_ids=ids, attention_mask=mask)) for ids, mask in data]
                     del ref_model
-                rows, _ = measure(runs, data, device, repeats, reference)
+                rows, ms = measure(runs, data, device, repeats, reference)
             del runs
-            peer = rows["hf-sdpa"].get("ms_per_batch")
+            add_rates(rows, ms, real_tokens, len(data))
+            exact_ms.update({(dist, dtype_name, name): value for name, value in ms.items()})
             for row in rows.values():
                 row.update(lengths=dist, dtype=dtype_name, load_1min_after=bc.sig(os.getloadavg()[0]))
-                if row["status"] == "ok":
-                    row["tokens_per_s"] = bc.sig(real_tokens / (row["ms_per_batch"] * len(data) / 1e3))
-                    row["vs_hf_sdpa"] = bc.sig(peer / row["ms_per_batch"])
             print(f"-- {dist} {dtype_name}  (load after: {os.getloadavg()})")
             bc.print_rows(list(rows.values()), ["contender", "status", "ms_per_batch", "tokens_per_s", "vs_hf_sdpa",
                                                 "max_abs_diff_vs_hf_fp32", "peak_rss_mb", "weights_mb",
                                                 "page_faults_per_batch"])
             results += list(rows.values())
-        write(results, evaluate_targets(results, device, weights, off_target))
-    targets = evaluate_targets(results, device, weights, off_target)
+        write(results, evaluate_targets(results, device, weights, off_target, exact_ms))
+    targets = evaluate_targets(results, device, weights, off_target, exact_ms)
     print("\ntargets:")
     bc.print_rows(targets, ["target", "goal", "achieved", "status"])
     chart = args.chart or (path and not quick and os.path.splitext(path)[0] + ".png")

@@ -292,6 +292,26 @@ def test_inference_benchmark_refuses_a_contender_it_does_not_have(monkeypatch, c
     assert "no contender named rf-int9;" in capsys.readouterr().err
 
 
+def test_inference_figures_come_from_unrounded_medians(monkeypatch):
+    """ms_per_batch is rounded for reading, but tokens/s and every ratio come from the unrounded median
+    (statistics.median: the mean of the middle two of an even count, not the upper one)."""
+    bench = _load_benchmark("bench_inference")
+    monkeypatch.setattr(bench, "one_pass", lambda timings, data, device: (next(timings), None))
+    monkeypatch.setattr(bench, "max_diff", lambda outs, reference, data: 0.0)
+    runs = {"hf-sdpa": iter([0.0, 1.0e-3, 1.46898e-3]), "rf-unpadded": iter([0.0, 1.23551e-3, 1.23551e-3])}
+    rows, ms = bench.measure(runs, [None], torch.device("cpu"), 2, None)  # warm-up, then 2 timed passes
+    assert ms["hf-sdpa"] == pytest.approx(1.23449) and rows["hf-sdpa"]["ms_per_batch"] == 1.23
+    bench.add_rates(rows, ms, real_tokens=1000, n_batches=1)
+    assert rows["rf-unpadded"]["vs_hf_sdpa"] == 0.999  # 1.23 / 1.24 from the rounded figures: 0.992
+    assert rows["hf-sdpa"]["tokens_per_s"] == 810000  # 1000 tokens / 1.23 ms: 813000
+    results = [{"contender": c, "lengths": "fixed", "dtype": "fp32", "status": "ok", "ms_per_batch": bench.bc.sig(v)}
+               for c, v in (("rf-int8", 1.2351), ("onnxruntime-int8", 1.2449))]
+    exact = {("fixed", "fp32", "rf-int8"): 1.2351, ("fixed", "fp32", "onnxruntime-int8"): 1.2449}
+    target = next(t for t in bench.evaluate_targets(results, torch.device("cpu"), ms=exact)
+                  if t["target"] == "rf-int8 vs onnxruntime-int8, fixed 128")
+    assert target["achieved"] == bench.bc.sig(1.2449 / 1.2351) == 1.01  # 1.24 / 1.24 from the rounded figures: 1.0
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="cpu_session.sh is a bash script")
 def test_cpu_session_script_runs_the_inference_benchmark_with_flags_it_takes():
     """benchmarks/cpu_session.sh (the CPU record in one command), rehearsed: every command it would
