@@ -65,9 +65,10 @@ MAX_EXAMPLES = 20  # file names / locations kept per count in the report
 class DamagedInputError(ValueError):
     """A file that cannot be read to its end: truncated, corrupt, or not what it claims to be."""
 
-    def __init__(self, message: str, path: str | None = None):
+    def __init__(self, message: str, path: str | None = None, what: str | None = None):
         super().__init__(message)
         self.path = path  # (not kept through pickling: read it in the process that raised it)
+        self.what = what or message  # the damage alone, without the advice (what --skip-damaged logs)
 
 
 def _need(module: str):
@@ -527,9 +528,9 @@ class _guard:
         if isinstance(err, OSError) and err.errno is not None:
             return False  # a real I/O error (permissions, disk): not the file's content
         what = self.source.codec or self.source.kind
-        raise DamagedInputError(f"{self.source.path} is damaged or truncated ({what}: {err}) {self.where()}; "
-                                "replace it, or pass --skip-damaged to leave it out (finished shards are kept "
-                                "and the rerun resumes)", self.source.path) from None
+        damage = f"{self.source.path} is damaged or truncated ({what}: {err}) {self.where()}"
+        raise DamagedInputError(f"{damage}; replace it, or pass --skip-damaged to leave it out (finished shards "
+                                "are kept and the rerun resumes)", self.source.path, damage) from None
 
 
 # --------------------------------------------------------------------------- decoding

@@ -176,7 +176,7 @@ def _run_chunk(task: dict) -> dict:
     """Tokenize one chunk of input into its train/valid shards; return its counts. A damaged file
     is a DamagedInputError (the chunk's temporary shards removed), or with skip_damaged the chunk
     is redone without it and the file named in its counts."""
-    damaged = []
+    damaged = list(task.get("damaged", []))  # a rerun (the valid top-up) knows them from the first run
     while True:
         segments = [s for s in task["segments"] if s[0] not in damaged]
         try:
@@ -185,7 +185,7 @@ def _run_chunk(task: dict) -> dict:
             if not task["options"].get("skip_damaged"):
                 raise
             damaged.append(err.path)
-            print(f"preprocess: skipping damaged file: {err}", file=sys.stderr)
+            print(f"preprocess: left out (--skip-damaged): {err.what}", file=sys.stderr)
 
 
 def _tokenize_chunk(task: dict, segments: list, damaged: list) -> dict:
@@ -321,7 +321,7 @@ def _plan(sources: list[documents.Source], shard_bytes: int, doc_per_file: bool,
         except documents.DamagedInputError as err:
             if not skip_damaged:
                 raise
-            log(f"skipping damaged file: {err}")
+            log(f"left out (--skip-damaged): {err.what}")
             refused["damaged_files"].append(source.path)
             continue
         for start, end, weights in units:
@@ -450,7 +450,8 @@ def _top_up_valid(out: Path, chunks: list, fraction: float, log: Callable, commo
     for i, m in enumerate(markers):
         need = sorted(chosen & {crc for crc, _, _ in m.get("candidates", [])})
         if need != m.get("forced_valid", []):
-            tasks.append({**common, "index": i, "segments": chunks[i], "forced_valid": need})
+            tasks.append({**common, "index": i, "segments": chunks[i], "forced_valid": need,
+                          "damaged": m.get("damaged_files", [])})
     return tasks
 
 

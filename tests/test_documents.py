@@ -191,9 +191,10 @@ def damage(path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["jsonl.gz", "jsonl.zst", "txt.gz", "parquet"])
-def test_a_damaged_file_is_named_and_the_rerun_resumes(fmt, tok, tmp_path):
+def test_a_damaged_file_is_named_and_the_rerun_resumes(fmt, tok, tmp_path, capsys):
     """The error names the file and how far it got; the other files' shards are kept; the rerun with
-    --skip-damaged resumes them and names the file in the manifest."""
+    --skip-damaged resumes them, says once that it leaves the file out (not to pass --skip-damaged)
+    and names the file in the manifest."""
     d = tmp_path / "in"
     d.mkdir()
     (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:20]))
@@ -213,8 +214,13 @@ def test_a_damaged_file_is_named_and_the_rerun_resumes(fmt, tok, tmp_path):
         assert "after " in message and " documents (at b." in message and done >= 1
     assert not (out / "manifest.json").exists()
     assert not list(out.rglob("*.tmp"))  # the damaged chunk's half-written shards are gone
+    capsys.readouterr()
     m, log = run([d], tok, out, skip_damaged=True, **kw)
+    said = log + capsys.readouterr().err
     assert f"resuming: {done} of" in log or not done
+    left_out = [line for line in said.splitlines() if f"left out (--skip-damaged): {d / f'b.{fmt}'}" in line]
+    assert left_out and len(set(left_out)) == len(left_out), said  # each damage once (zstd: per run of frames)
+    assert "pass --skip-damaged" not in said
     assert m["refused"]["damaged_files"] == [str(d / f"b.{fmt}")] and m["counts"]["damaged_files"] == 1
     want, _ = run([d / "a.jsonl", d / "c.jsonl"], tok, tmp_path / "clean", **kw)
     clean = len(DOCS[:20]) + len(DOCS[:10])
