@@ -179,7 +179,12 @@ def check_schedule(saved: dict, schedule: WarmupLinearDecay, settings: dict[str,
     update = int(saved["num_updates"])
     old = WarmupLinearDecay(saved["peak_lr"], saved["warmup_steps"], saved["total_steps"], saved["min_lr"])
     what = ", ".join(f"{name} {a} -> {b}" for name, a, b in changed)
-    jump = f"the LR of update {update} goes from {old.lr_at(update):.3g} to {schedule.lr_at(update):.3g}"
+    first = next((u for u in range(update, max(old.total_steps, schedule.total_steps) + 1)
+                  if not math.isclose(old.lr_at(u), schedule.lr_at(u), rel_tol=1e-9)), update)
+    jump = f"the LR of update {first} goes from {old.lr_at(first):.3g} to {schedule.lr_at(first):.3g}"
+    if first > update:  # e.g. inside a warmup both schedules share
+        jump = f"the LR is unchanged until update {first}, where it goes from {old.lr_at(first):.3g} to " \
+               f"{schedule.lr_at(first):.3g}"
     if not allow:
         raise ValueError(f"the checkpoint was trained on another LR schedule ({what}): resuming would start a "
                          f"new schedule mid-run ({jump}). Resume with the checkpoint's settings, use a new --out, "

@@ -135,6 +135,21 @@ def test_resume_refuses_a_changed_lr_schedule(dataset, tmp_path, capsys):
     assert train_losses(tmp_path / "run")[-1][0] == 8 and (tmp_path / "run" / "final").is_dir()
 
 
+def test_a_schedule_change_inside_the_shared_warmup_names_where_the_lr_changes():
+    """Inside a warmup both schedules share, the next update's LR is the same: the message names
+    the first update whose LR differs (it once read 'goes from 0.0004 to 0.0004')."""
+    from roberta_fast.schedule import WarmupLinearDecay
+    from roberta_fast.trainer import check_schedule
+
+    saved = WarmupLinearDecay(1e-3, 10, 100)
+    for _ in range(3):
+        saved.step()
+    with pytest.raises(ValueError, match=r"the LR is unchanged until update 11, where it goes from 0.000989 to "
+                                         r"0.000995"):
+        check_schedule(saved.state_dict(), WarmupLinearDecay(1e-3, 10, 200), {"total_steps": "--max-steps"},
+                       False, print)
+
+
 def test_the_readme_flow_trains_then_finetunes(dataset, tmp_path, monkeypatch):
     """The README's commands in order: `python -m roberta_fast.train` shortened by
     --max-steps below the tiny preset's warmup (on the small test corpus, not the embedded
