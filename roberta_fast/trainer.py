@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import tempfile
@@ -801,8 +802,6 @@ EXPORT_FILES = {"config.json", "model.safetensors", "model.safetensors.index.jso
 def check_export_target(directory) -> Path:
     """`directory` resolved, or ValueError if an export there would delete something not an export's:
     it must be missing, empty, or an earlier export (the export replaces it whole)."""
-    import re
-
     directory = Path(directory).resolve()
     if Path.cwd().resolve().is_relative_to(directory):
         raise ValueError(f"the export directory {str(directory)!r} is the current directory or holds it; "
