@@ -58,8 +58,9 @@ split over ranks and micro-steps. An epoch is a whole number of optimizer steps,
 same G visits the same samples in the same steps whatever the split, and a run resumes
 at another world size. drop_last=True drops the epoch's final partial optimizer step;
 drop_last=False completes it by wrapping round to the epoch's first samples (as torch's
-DistributedSampler does), so every rank takes the same number of steps. Batches are built in a background thread `prefetch` batches
-ahead, in pinned memory when CUDA is available.
+DistributedSampler does), so every rank takes the same number of steps. Batches are
+built in a background thread `prefetch` batches ahead, in pinned memory when CUDA is
+available.
 """
 from __future__ import annotations
 

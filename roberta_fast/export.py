@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m roberta_fast.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a step_N.pt of roberta_fast.train or roberta_fast.finetune, or a run "
                                       "(or checkpoints) directory for its latest one")
-    p.add_argument("--out", required=True, help="directory for the Hugging Face model: new, empty or an earlier export, which is "
-                                          "replaced atomically")
+    p.add_argument("--out", required=True, help="directory for the Hugging Face model: new, empty or an earlier "
+                                                "export, which is replaced atomically")
     p.add_argument("--tokenizer", help="tokenizer directory or Hub name (default: the run's own, as recorded "
                                        "in the checkpoint)")
     p.add_argument("--trust-checkpoint", action="store_true",

@@ -120,4 +120,3 @@ def absolute_if_local(value: str | None) -> str | None:
     """`value` as an absolute path if it names a local file or directory, else as it is (a Hub
     name, None): what a checkpoint records, so a tool run from another directory finds it."""
     return str(Path(value).resolve()) if value and os.path.exists(value) else value
-
