@@ -37,6 +37,18 @@ def decoder_error(settings: dict, what: str) -> str | None:
             "transformers itself, or load an encoder checkpoint (is_decoder and add_cross_attention false)")
 
 
+def untied_decoder_error(what: str) -> str:
+    """The error for an MLM whose decoder is not its word embeddings (`what` says where it came from).
+
+    roberta_fast's RobertaForMaskedLM reads its decoder from the word embeddings, as RoBERTa ties them:
+    built from such a config it would lose the trained decoder (loading) or save a config transformers
+    reads as untied, with no decoder weights, so that it draws a random one."""
+    return (f"{what} an MLM decoder that is not its word embeddings (tie_word_embeddings=false), but "
+            "roberta_fast's RobertaForMaskedLM always ties them, as RoBERTa does. Load an untied checkpoint "
+            "with transformers' RobertaForMaskedLM (or its encoder alone with rf.RobertaModel.from_pretrained); "
+            "otherwise leave tie_word_embeddings at True")
+
+
 @dataclass
 class RobertaConfig:
     """RoBERTa hyperparameters; defaults are roberta-base's."""
@@ -203,6 +215,16 @@ class RobertaConfig:
         if value not in (None, *PROBLEM_TYPES):
             raise ValueError(f"problem_type must be None or one of {PROBLEM_TYPES}, got {value!r}")
         self.extra["problem_type"] = value
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """transformers' flag, kept in `extra`: True when the MLM decoder is the word embeddings (RoBERTa's
+        case, and the only one roberta_fast's RobertaForMaskedLM builds)."""
+        return self.extra.get("tie_word_embeddings", True)
+
+    @tie_word_embeddings.setter
+    def tie_word_embeddings(self, value: bool):
+        self.extra["tie_word_embeddings"] = value
 
     @property
     def head_dim(self) -> int:

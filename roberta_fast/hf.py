@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from . import hub
-from .config import DECODER_SETTINGS, RobertaConfig
+from .config import DECODER_SETTINGS, RobertaConfig, untied_decoder_error
 
 # Native name suffix <-> HF name suffix, per encoder layer ({i} is the layer index).
 _LAYER_RENAMES = {
@@ -299,14 +299,16 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     if unknown:
         raise TypeError(f"{cls.__name__}.from_pretrained got unexpected keyword arguments {unknown}: neither "
                         f"transformers' loading options, config attributes, nor arguments of {cls.__name__}")
+    from .model import RobertaForMaskedLM
+
+    if issubclass(cls, RobertaForMaskedLM):  # before the model is built, whose own refusal names no checkpoint
+        _refuse_untied_decoder(config, _align_prefix(hf_state, "roberta."), "roberta.")
     model = cls(config, backend=backend, **kwargs)
     if any(p.is_meta for p in model.parameters()):
         raise RuntimeError("You are using `from_pretrained` with a meta device context manager (torch.device('meta')): "
                            "the weights would not be loaded; call from_pretrained outside it")
     prefix = "roberta." if hasattr(model, "roberta") else ""
     hf_state = _align_prefix(hf_state, prefix)
-    if hasattr(model, "lm_head"):
-        _refuse_untied_decoder(config, hf_state, prefix)
     state, unknown = hf_to_native(hf_state, prefix)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -339,19 +341,17 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     return model
 
 
-def _refuse_untied_decoder(config, hf_state: dict, prefix: str) -> None:
-    """The MLM decoder here *is* the word embeddings; a checkpoint whose decoder differs
-    (tie_word_embeddings=false) would silently lose its trained decoder, so it is refused."""
+def _refuse_untied_decoder(config: RobertaConfig, hf_state: dict, prefix: str) -> None:
+    """The MLM decoder here *is* the word embeddings; a checkpoint whose decoder differs, or whose
+    config says tie_word_embeddings=false, would silently lose its trained decoder, so it is refused."""
     decoder = hf_state.get("lm_head.decoder.weight")
     embeddings = hf_state.get(prefix + "embeddings.word_embeddings.weight")
     differs = (decoder is not None and embeddings is not None
                and (decoder.shape != embeddings.shape or not torch.equal(decoder, embeddings)))
-    if differs or getattr(config, "tie_word_embeddings", True) is False:
-        raise ValueError(
-            "this masked-LM checkpoint has an MLM decoder that is not its word embeddings "
-            "(tie_word_embeddings=false); roberta_fast's RobertaForMaskedLM always ties them, so the "
-            "trained decoder would be lost. Load it with transformers' RobertaForMaskedLM, or load the "
-            "encoder alone with rf.RobertaModel.from_pretrained")
+    if differs:
+        raise ValueError(untied_decoder_error("this masked-LM checkpoint has"))
+    if not config.tie_word_embeddings:
+        raise ValueError(untied_decoder_error("the config (the checkpoint's, config= or a keyword) asks for"))
 
 
 def _align_prefix(state: dict, prefix: str) -> dict:

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _ext, ops
 from .ops import _warn_once
-from .config import RobertaConfig
+from .config import RobertaConfig, untied_decoder_error
 
 IGNORE_INDEX = -100  # label of a position that is not predicted
 CPU_GROUP_TOKENS = 1024  # RobertaModel.encode: CPU inference runs larger batches in groups of rows of this many tokens
@@ -963,6 +963,8 @@ class RobertaForMaskedLM(_PreTrained):
     def __init__(self, config: RobertaConfig, backend: str = "auto"):
         super().__init__()
         config = self._setup(config, backend)
+        if not config.tie_word_embeddings:
+            raise ValueError(untied_decoder_error("the config asks for"))
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.lm_head = RobertaLMHead(config)
         self.apply(self._init_weights)

@@ -221,6 +221,23 @@ def test_an_untied_decoder_is_refused_not_dropped(tmp_path):
     tied = hf_model("RobertaForMaskedLM")  # the usual checkpoint still loads
     rf.RobertaForMaskedLM.from_pretrained(tied)
 
+
+def test_an_untied_config_is_refused_by_the_masked_lm(tmp_path):
+    """tie_word_embeddings=False, kept in config.extra, was once never read: the MLM was built tied and
+    its save told transformers to draw a random decoder. It is refused as a keyword, in a config and at
+    construction; the encoder classes, which have no decoder, still take it."""
+    hf_model("RobertaForMaskedLM").save_pretrained(tmp_path)
+    untied = rf.RobertaConfig.from_dict({**FIELDS, "tie_word_embeddings": False})
+    assert untied.tie_word_embeddings is False and rf.RobertaConfig(**FIELDS).tie_word_embeddings is True
+    refused = "decoder that is not its word embeddings.*tie_word_embeddings=false"
+    for build in (lambda: rf.RobertaForMaskedLM.from_pretrained(tmp_path, tie_word_embeddings=False),
+                  lambda: rf.RobertaForMaskedLM.from_pretrained(tmp_path, config=untied),
+                  lambda: rf.RobertaForMaskedLM(untied),
+                  lambda: rf.RobertaForMaskedLM(transformers.RobertaConfig(**FIELDS, tie_word_embeddings=False))):
+        with pytest.raises(ValueError, match=refused):
+            build()
+    assert rf.RobertaModel.from_pretrained(tmp_path, tie_word_embeddings=False).config.tie_word_embeddings is False
+
 # ---------------------------------------------------------- inputs_embeds (issue 16 §3)
 @pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification"])
 @pytest.mark.parametrize("backend, unpad", [("reference", False), ("fused", True)], ids=["reference", "fused"])
