@@ -302,12 +302,18 @@ class RobertaConfig:
             raise FileNotFoundError(f"no config.json at {path!r}: expected an HF model directory")
         return cls.from_json_file(file)
 
-    def save_pretrained(self, directory: str | os.PathLike, architectures: list[str] | None = None):
-        """Write `config.json` into `directory` atomically."""
+    def save_pretrained(self, directory: str | os.PathLike, architectures: list[str] | None = None,
+                        dtype: str | None = None):
+        """Write `config.json` into `directory` atomically. dtype ("float32", ...): the dtype of the
+        weights saved beside it, written as transformers writes it ("dtype"; its older name
+        "torch_dtype" is dropped), so that transformers' dtype="auto" loads them as saved."""
         os.makedirs(directory, exist_ok=True)
         data = self.to_dict()
         if architectures is not None:
             data["architectures"] = architectures
+        if dtype is not None:
+            data.pop("torch_dtype", None)
+            data["dtype"] = dtype
         from .files import write_text_atomic
 
         write_text_atomic(os.path.join(directory, "config.json"), json.dumps(data, indent=2, sort_keys=True) + "\n")

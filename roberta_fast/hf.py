@@ -412,7 +412,9 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
                                     or stale == "model.safetensors" or (stale == os.path.basename(index)
                                                                         and len(shards) == 1))):
             os.remove(os.path.join(directory, stale))
-    model.config.save_pretrained(directory, architectures=[architecture or type(model).__name__])
+    floating = [t.dtype for t in hf_state.values() if t.is_floating_point()]
+    model.config.save_pretrained(directory, architectures=[architecture or type(model).__name__],
+                                 dtype=str(floating[0]).removeprefix("torch.") if floating else None)
 
 
 def _size_in_bytes(size: int | str) -> int:

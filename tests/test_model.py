@@ -4,6 +4,7 @@ Forward outputs and the gradient of every parameter must match HF's RobertaForMa
 in fp32 on batches with right padding, left padding and random attention masks; saving
 and loading must round-trip in both directions.
 """
+import json
 import warnings
 
 import pytest
@@ -186,6 +187,23 @@ def test_encoder_from_mlm_checkpoint_reports_new_pooler(tmp_path):
         encoder = rf.RobertaModel.from_pretrained(tmp_path)
     torch.testing.assert_close(encoder.embeddings.word_embeddings.weight,
                                hf.roberta.embeddings.word_embeddings.weight)
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_save_pretrained_writes_the_saved_weights_dtype(key, tmp_path):
+    """The source's dtype (transformers 5's "dtype", 4's "torch_dtype") was once copied into the saved
+    config.json while the weights were saved in fp32, so transformers reloaded them in fp16. The
+    saved weights' dtype is written, as transformers writes it ("dtype" only)."""
+    hf_model(CONFIGS["small"]).half().save_pretrained(tmp_path / "fp16")
+    config = json.loads((tmp_path / "fp16" / "config.json").read_text())
+    config[key] = config.pop("dtype", None) or config.pop("torch_dtype")
+    (tmp_path / "fp16" / "config.json").write_text(json.dumps(config))
+    ours = rf.RobertaForMaskedLM.from_pretrained(tmp_path / "fp16")
+    for dtype in (torch.float32, torch.bfloat16):  # the default fp32 model, then one cast to bf16
+        ours.to(dtype).save_pretrained(tmp_path / "out")
+        saved = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert saved["dtype"] == str(dtype).removeprefix("torch.") and "torch_dtype" not in saved
+        assert transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").dtype == dtype
 
 
 def test_backend_switch_changes_no_weight():
