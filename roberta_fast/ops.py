@@ -345,7 +345,8 @@ def dropout_add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: flo
         x = F.dropout(x, p=dropout_p)
     if residual is not None:
         x = x + residual
-    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    # the weight's shape, not x.shape[-1]: a traced shape becomes a Gather the TorchScript ONNX exporter refuses
+    y = F.layer_norm(x, tuple(weight.shape) if weight is not None else (x.shape[-1],), weight, bias, eps)
     return y if cast_dtype is None else (y, y.to(cast_dtype))
 
 

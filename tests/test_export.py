@@ -229,8 +229,9 @@ def test_onnx_export_runs_in_onnxruntime_as_eager(cls, dynamic, tmp_path):
 @pytest.mark.parametrize("cls", DROPIN)
 def test_torch_jit_trace_and_torchscript_onnx_export_equal_eager(cls, tmp_path):
     """Serving tools that still call torch.jit.trace or torch.onnx.export(dynamo=False) get every
-    class: the trace returns the outputs' to_tuple() (TorchScript takes tuples), the ONNX graph runs
-    in onnxruntime; both trace the reference ops, whatever the backend."""
+    class: the trace returns the outputs' to_tuple() (TorchScript takes tuples), the ONNX graph, with
+    dynamic axes, runs in onnxruntime at another shape (the LayerNorm once traced x.shape[-1], which
+    the exporter refused); both trace the reference ops, whatever the backend."""
     model = exportable(cls)
     ids, kwargs = serving_inputs(cls)
     inputs = {"input_ids": ids, **kwargs}
@@ -244,7 +245,9 @@ def test_torch_jit_trace_and_torchscript_onnx_export_equal_eager(cls, tmp_path):
     names = [n for n in inspect.signature(model.forward).parameters if n in inputs]  # the graph's input order
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (inputs,), tmp_path / "model.onnx", dynamo=False, input_names=names)
+        torch.onnx.export(model, (inputs,), tmp_path / "model.onnx", dynamo=False, input_names=names,
+                          dynamic_axes={k: {i: f"{k}_{i}" for i in range(v.dim())} for k, v in inputs.items()})
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
-    got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+    ids, kwargs = serving_inputs(cls, batch=3, seqlen=11, seed=1)  # another shape than the traced one
+    got = session.run(None, {"input_ids": ids.numpy(), **{k: v.numpy() for k, v in kwargs.items()}})
     assert_equal_to_eager(model, [torch.from_numpy(g) for g in got], ids, kwargs)
