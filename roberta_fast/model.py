@@ -795,8 +795,11 @@ class RobertaModel(_PreTrained):
         def rows_of(t, rows):  # a per-row input's rows; None, or one row broadcast over the batch, as it is
             return t[rows] if t is not None and t.shape[0] == batch else t
 
+        # a batch that runs padded (a row's first token masked: from_mask) runs padded in every group
+        unpad = attention_mask is None or bool(attention_mask[:, :1].bool().all())
         outs = [self._encode(*(rows_of(t, rows) for t in (input_ids, attention_mask, token_type_ids, position_ids)),
-                             output_hidden_states, output_attentions, inputs_embeds=rows_of(inputs_embeds, rows))
+                             output_hidden_states, output_attentions, inputs_embeds=rows_of(inputs_embeds, rows),
+                             unpad=unpad)
                 for rows in groups]
         return BaseModelOutput(*(_cat_rows([getattr(out, name) for out in outs])
                                  for name in ("last_hidden_state", "pooler_output", "hidden_states", "attentions",
@@ -825,8 +828,9 @@ class RobertaModel(_PreTrained):
 
     def _encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                 output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None) -> BaseModelOutput:
-        """encode() on one batch, or one group of its rows."""
+                cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None,
+                unpad: bool = True) -> BaseModelOutput:
+        """encode() on one batch, or one group of its rows (unpad=False: a group of a batch that runs padded)."""
         if output_hidden_states is None:  # the config's, as transformers reads them
             output_hidden_states = self.config.output_hidden_states
         if output_attentions is None:
@@ -848,7 +852,7 @@ class RobertaModel(_PreTrained):
                 packing = _Packing(shape, cu_seqlens, max_seqlen)
             else:  # the same attention as a dense (batch, seqlen, seqlen) block-diagonal mask
                 attention_mask = _segment_mask(cu_seqlens, *shape)
-        elif varlen and self.unpad and attention_mask is not None:
+        elif varlen and self.unpad and unpad and attention_mask is not None:
             packing, attention_mask = _Packing.from_mask(attention_mask)
         if packing is not None:
             input_ids, position_ids, token_type_ids, inputs_embeds = (

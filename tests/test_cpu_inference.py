@@ -163,6 +163,22 @@ def test_large_batches_run_in_groups_of_rows_and_match_transformers(pattern, sdp
     torch.testing.assert_close(got.last_hidden_state, whole.last_hidden_state, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pattern", ["left", "empty-row"])
+def test_a_batch_that_runs_padded_runs_padded_in_every_group(pattern, sdpa_calls):
+    """A row whose first token is masked makes the batch run padded, with transformers' values at every
+    position; grouped, the groups without such a row once ran unpadded (zeros at their pads)."""
+    hf = hf_model("RobertaForTokenClassification", num_labels=3)
+    ours = rf.RobertaForTokenClassification.from_pretrained(hf).eval()
+    ours.roberta.cpu_group_tokens = 30
+    ids, mask = batch(pattern, seed=5)
+    if pattern == "empty-row":
+        hf.set_attn_implementation("eager")  # transformers' SDPA and eager differ on an all-padding row
+    with torch.inference_mode():
+        want, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        assert ours.roberta._row_groups(ids, mask, None) is not None
+    assert max_rel(got, want) < 1e-5 and not sdpa_calls
+
+
 def test_row_groups_keep_every_input_and_head_output():
     """Grouped: token types, positions, inputs_embeds, attentions and a head's logits all follow their rows."""
     hf = hf_model("RobertaForSequenceClassification", num_labels=3, type_vocab_size=2)
