@@ -227,6 +227,26 @@ def _loading_options(kwargs: dict) -> dict:
     return {name: kwargs.pop(name) for name in _DOWNLOAD_KWARGS if name in kwargs}
 
 
+def _torch_dtype(value) -> torch.dtype | None:
+    """A torch dtype from transformers' spellings: torch.float16, "float16", "torch.float16" (None stays None)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={value!r} is not a torch dtype: pass torch.float32, 'float16', 'bfloat16' or 'auto'")
+    return dtype
+
+
+def _checkpoint_dtype(config: RobertaConfig, hf_state: dict) -> torch.dtype:
+    """dtype="auto", as transformers resolves it: the config's dtype (or its older torch_dtype),
+    else the dtype of the checkpoint's first floating-point weight."""
+    named = config.extra.get("dtype") or config.extra.get("torch_dtype")
+    if named not in (None, "auto"):
+        return _torch_dtype(named)
+    floating = [t.dtype for t in hf_state.values() if t.is_floating_point()]
+    return floating[0] if floating else torch.get_default_dtype()
+
+
 def _single_device(device_map):
     """transformers' device_map naming one device ("cpu", "cuda:0", 0, a torch.device, {"": device}) ->
     that device, None for None; a map spreading the model over devices is refused."""
@@ -275,7 +295,8 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     as transformers does. The model comes back in eval mode (dropout off), as transformers'
     from_pretrained returns it; call .train() to fine-tune. output_loading_info=True returns
     (model, {"missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"}) as transformers
-    does (native key names); torch_dtype is transformers' older name of dtype.
+    does (native key names). dtype (torch_dtype: transformers' older name) defaults to fp32, unlike
+    transformers 5, whose default is "auto"; dtype="auto" loads in the checkpoint's dtype, as there.
     ignore_mismatched_sizes=True initialises (and reports) the weights whose shape differs from
     the model's, as transformers does (a head loaded with another num_labels); without it they are refused.
 
@@ -287,13 +308,15 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     (ValueError), and any other keyword must be an argument of `cls` (TypeError otherwise).
     """
     dtype = dtype if dtype is not None else torch_dtype
-    if isinstance(dtype, str):  # transformers' spellings: "float16", "torch.float16"; "auto" keeps fp32
-        dtype = None if dtype == "auto" else getattr(torch, dtype.removeprefix("torch."))
+    if dtype != "auto":
+        dtype = _torch_dtype(dtype)
     download = _loading_options(kwargs)
     map_device = _single_device(device_map)
     device = device if device is not None else map_device
     checkpoint_config, hf_state = read_hf_checkpoint(path_or_model, revision, **download)
     config = _updated_config(checkpoint_config if config is None else config, kwargs)
+    if dtype == "auto":
+        dtype = _checkpoint_dtype(config, hf_state)
     arguments = set(inspect.signature(cls.__init__).parameters) - {"self", "config", "backend"}
     unknown = sorted(set(kwargs) - arguments)
     if unknown:

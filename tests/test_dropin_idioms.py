@@ -109,6 +109,23 @@ def test_from_pretrained_keywords_as_in_transformers(tmp_path):
         ours.from_pretrained(tmp_path, problem_type="regresion")
 
 
+def test_dtype_auto_loads_the_checkpoints_dtype_as_in_transformers(tmp_path):
+    """dtype="auto" (or torch_dtype="auto") was once taken as fp32; as in transformers it is the config's
+    dtype, else the first floating weight's. With no dtype the model stays fp32 (roberta_fast's default)."""
+    hf_model("RobertaForSequenceClassification").to(torch.bfloat16).save_pretrained(tmp_path)
+    ours = rf.RobertaForSequenceClassification
+    for kwargs in (dict(dtype="auto"), dict(torch_dtype="auto")):
+        assert ours.from_pretrained(tmp_path, **kwargs).dtype == torch.bfloat16, kwargs
+    assert ours.from_pretrained(tmp_path).dtype == torch.float32
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]  # no dtype in config.json: the weights say
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ours.from_pretrained(tmp_path, dtype="auto").dtype == torch.bfloat16
+    assert ours.from_pretrained(hf_model("RobertaModel").half(), dtype="auto").dtype == torch.float16
+    with pytest.raises(ValueError, match="'fp16' is not a torch dtype"):
+        ours.from_pretrained(tmp_path, dtype="fp16")
+
+
 def test_save_pretrained_keywords_as_in_transformers(tmp_path):
     """is_main_process=False writes nothing, state_dict= is what is saved, max_shard_size shards with
     transformers' index (and a later unsharded save removes the shards); what is not written is refused."""
