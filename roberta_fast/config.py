@@ -15,6 +15,9 @@ from typing import Any
 # Keys of an HF config.json that describe things this implementation does not model
 # (generation, provenance). They are kept and written back unchanged.
 _PASSTHROUGH_DEFAULTS = {"architectures": None, "tie_word_embeddings": True}
+# Keys whose None is transformers' default, which its config.json leaves out; any other None is written
+# (bos_token_id=None, a key read as null), as transformers writes it.
+_NONE_LEFT_OUT = ("architectures", "dtype", "problem_type")
 # The output flags, with the defaults config.json leaves out.
 _OUTPUT_FLAGS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True}
 # transformers' problem_type values: the loss RobertaForSequenceClassification computes.
@@ -277,7 +280,7 @@ class RobertaConfig:
             if out[name] == _OUTPUT_FLAGS[name]:
                 del out[name]
         out["model_type"] = out.get("model_type", "roberta")
-        return {k: v for k, v in sorted(out.items()) if v is not None or k == "classifier_dropout"}
+        return {k: v for k, v in sorted(out.items()) if v is not None or k not in _NONE_LEFT_OUT}
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "RobertaConfig":

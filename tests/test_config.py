@@ -64,3 +64,19 @@ def test_non_roberta_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         rf.RobertaConfig.from_pretrained(tmp_path)
+
+
+def test_explicit_nulls_are_written_back(tmp_path):
+    """bos_token_id / eos_token_id None (and any key read as null) were once left out of config.json,
+    so transformers read its defaults 0 and 2; they are written as null, as transformers writes them.
+    The Nones transformers leaves out (architectures, dtype, problem_type unset) stay out."""
+    transformers.RobertaConfig(bos_token_id=None, eos_token_id=None, my_flag=None).save_pretrained(tmp_path)
+    cfg = rf.RobertaConfig.from_pretrained(tmp_path)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (None, None)
+    cfg.save_pretrained(tmp_path / "ours")
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert {k: saved[k] for k in ("bos_token_id", "eos_token_id", "my_flag")} == dict.fromkeys(
+        ("bos_token_id", "eos_token_id", "my_flag"))
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "ours")
+    assert (back.bos_token_id, back.eos_token_id) == (None, None)
+    assert not {"architectures", "dtype", "problem_type"} & set(rf.RobertaConfig().to_dict())
