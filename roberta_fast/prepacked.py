@@ -117,7 +117,9 @@ class _InferenceLinear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """Check the state tensors' shapes and dtypes, then pack them (nn.Module's checks, by hand:
-        the state lives in the packed weight, not in parameters or buffers)."""
+        the state lives in the packed weight, not in parameters or buffers). A partial state_dict
+        (strict=False, e.g. biases only) changes what it gives and keeps the rest, as nn.Module
+        keeps a parameter the dict lacks: the rest is read back from the packed kernel."""
         expected = self._expected_state()
         found = {}
         for name, (shape, dtype) in expected.items():
@@ -133,8 +135,9 @@ class _InferenceLinear(nn.Module):
         if strict:
             unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and "." not in
                                    key[len(prefix):] and key[len(prefix):] not in expected)
-        if len(found) == len(expected):
-            self._kernel = self._pack(found)
+        if found:
+            current = dict(zip(self.STATE, self._kernel.unpack()))
+            self._kernel = self._pack({name: found.get(name, current[name]) for name in expected})
 
 
 class PackedLinear(_InferenceLinear):

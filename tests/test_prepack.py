@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 import roberta_fast as rf
 from roberta_fast.prepacked import LAYER_LINEARS, PackedLinear, has_onednn_fp32
-from test_quantize import (DROPIN, TINY, assert_inference_only, assert_the_packed_decoder_follows_the_tied_weights,
-                           awkward_inputs, model_of, outputs, padded, resident_ratio)
+from test_quantize import (DROPIN, TINY, assert_a_partial_state_dict_loads_as_into_the_plain_model, assert_inference_only,
+                           assert_the_packed_decoder_follows_the_tied_weights, awkward_inputs, model_of, outputs, padded,
+                           resident_ratio)
 
 pytestmark = pytest.mark.skipif(not has_onednn_fp32(), reason="needs a torch built with oneDNN (torch.backends.mkldnn)")
 
@@ -90,6 +91,10 @@ def test_a_prepacked_model_saves_and_loads_as_the_plain_model(tmp_path):
     bad = dict(want_state, **{"roberta.layers.0.qkv.weight": want_state["roberta.layers.0.qkv.weight"][:5]})
     with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight: expected torch.float32 of shape"):
         other.load_state_dict(bad)
+
+
+def test_a_partial_state_dict_loads_into_a_prepacked_model_as_into_the_plain_model():
+    assert_a_partial_state_dict_loads_as_into_the_plain_model(rf.prepack)
 
 
 def test_prepacked_and_quantized_layers_combine():

@@ -463,6 +463,27 @@ def test_a_quantized_state_dict_is_checked_and_copies_deeply():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def assert_a_partial_state_dict_loads_as_into_the_plain_model(pack):
+    """A partial state_dict (strict=False; here the biases alone, as BitFit trains them) loads into
+    a `pack`ed model as into the fp32 model: what it gives changes, the rest stays, and the keys it
+    lacks are reported missing (the packed layers once dropped the biases without a word)."""
+    fp32 = model_of("RobertaForMaskedLM")
+    model = pack(copy.deepcopy(fp32))
+    biases = {key: value + 0.5 for key, value in fp32.state_dict().items() if key.endswith("bias")}
+    assert "roberta.layers.0.qkv.bias" in biases and "lm_head.bias" in biases
+    result = model.load_state_dict(biases, strict=False)
+    assert set(result.missing_keys) == set(model.state_dict()) - set(biases) and not result.unexpected_keys
+    fp32.load_state_dict(biases, strict=False)
+    ids, mask = awkward_inputs("RobertaForMaskedLM")
+    for got, want in zip(outputs(model, ids, mask), outputs(pack(copy.deepcopy(fp32)), ids, mask), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_a_partial_state_dict_loads_into_a_quantized_model_as_into_the_plain_model(dtype):
+    assert_a_partial_state_dict_loads_as_into_the_plain_model(lambda model: rf.quantize(model, dtype=dtype))
+
+
 def assert_the_packed_decoder_follows_the_tied_weights(pack, layer_class):
     """`pack` (rf.quantize, rf.prepack) runs the MLM decoder on a `layer_class` copy of the word
     embeddings that is no state of its own: the state_dict and parameter count are the model's,
