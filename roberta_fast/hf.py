@@ -48,21 +48,27 @@ def _native_to_hf_key(key: str) -> str:
     return key
 
 
+def _hf_names(key: str, prefix: str = "") -> list[str]:
+    """HF's names of one native key: three (query, key, value) for a fused qkv, else one."""
+    if not key.startswith(prefix):  # the MLM head keeps its name
+        return [key]
+    rest = key[len(prefix):]
+    match = re.match(r"layers\.(\d+)\.qkv\.(weight|bias)$", rest)
+    if match:
+        i, kind = match.groups()
+        return [f"{prefix}encoder.layer.{i}.attention.self.{name}.{kind}" for name in _QKV]
+    return [prefix + _native_to_hf_key(rest)]
+
+
 def native_to_hf(state_dict: dict, prefix: str = "") -> dict:
     """Native state dict -> HF names; `prefix` ("roberta.") marks where the encoder starts."""
     out = {}
     for key, value in state_dict.items():
-        if not key.startswith(prefix):  # the MLM head keeps its name
-            out[key] = value
-            continue
-        rest = key[len(prefix):]
-        match = re.match(r"layers\.(\d+)\.qkv\.(weight|bias)$", rest)
-        if match:
-            i, kind = match.groups()
-            for name, part in zip(_QKV, value.chunk(3, dim=0)):
-                out[f"{prefix}encoder.layer.{i}.attention.self.{name}.{kind}"] = part.contiguous()
-        else:
-            out[prefix + _native_to_hf_key(rest)] = value
+        names = _hf_names(key, prefix)
+        if len(names) == 1:
+            out[names[0]] = value
+        else:  # the fused qkv, split in three
+            out.update({name: part.contiguous() for name, part in zip(names, value.chunk(len(names), dim=0))})
     return out
 
 
@@ -337,16 +343,17 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected)) + unknown
     head_prefixes = (prefix + "pooler.",) + _HEADS
-    essential = [k for k in missing if not k.startswith(head_prefixes)]
+    essential = sorted(n for k in missing if not k.startswith(head_prefixes) for n in _hf_names(k, prefix))
     if essential:
         raise ValueError(f"checkpoint lacks encoder weights: {essential[:8]}{' ...' if len(essential) > 8 else ''}")
     mismatched = []
     for key in list(state):
         if key in expected and state[key].shape != expected[key].shape:
             if not ignore_mismatched_sizes:
-                raise ValueError(f"checkpoint weight {key} has shape {tuple(state[key].shape)}, the config "
-                                 f"implies {tuple(expected[key].shape)} (ignore_mismatched_sizes=True initialises "
-                                 "it instead)")
+                names = _hf_names(key, prefix)  # the checkpoint's names; a fused qkv is three of a third each
+                shapes = [(t.shape[0] // len(names), *t.shape[1:]) for t in (state[key], expected[key])]
+                raise ValueError(f"checkpoint weight {' / '.join(names)} has shape {shapes[0]}, the config "
+                                 f"implies {shapes[1]} (ignore_mismatched_sizes=True initialises it instead)")
             mismatched.append((key, tuple(state.pop(key).shape), tuple(expected[key].shape)))
     if mismatched:
         warnings.warn(f"newly initialised (shape differs from the checkpoint's): {mismatched}", stacklevel=3)

@@ -206,6 +206,33 @@ def test_save_pretrained_writes_the_saved_weights_dtype(key, tmp_path):
         assert transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").dtype == dtype
 
 
+def test_missing_and_mismatched_weights_are_named_as_in_the_checkpoint(tmp_path):
+    """The errors once named roberta_fast's own keys (layers.1.ffn_out, a fused qkv), which the checkpoint
+    does not have; they name the checkpoint's (transformers') weights."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model(CONFIGS["small"]).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    layer = "roberta.encoder.layer"
+    cases = [
+        ({f"{layer}.1.output.dense.weight": None}, {},
+         rf"lacks encoder weights: \['{layer}\.1\.output\.dense\.weight'\]"),
+        ({f"{layer}.0.attention.self.{n}.bias": None for n in ("query", "key", "value")}, {},
+         rf"lacks encoder weights: \['{layer}\.0\.attention\.self\.key\.bias', .*query.*value\.bias'\]"),
+        ({f"{layer}.0.attention.self.{n}.weight": torch.zeros(16, 32) for n in ("query", "key", "value")}, {},
+         rf"weight {layer}\.0\.attention\.self\.query\.weight / .*key.* / .*value\.weight has shape \(16, 32\), "
+         r"the config implies \(32, 32\)"),
+        ({}, dict(intermediate_size=48), rf"weight {layer}\.0\.intermediate\.dense\.\w+ has shape \(64"),
+    ]
+    for i, (changes, kwargs, message) in enumerate(cases):
+        changed = {k: v for k, v in {**weights, **changes}.items() if v is not None}
+        (tmp_path / str(i)).mkdir()
+        save_file(changed, tmp_path / str(i) / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / str(i) / "config.json").write_text((tmp_path / "config.json").read_text())
+        with pytest.raises(ValueError, match=message):
+            rf.RobertaForMaskedLM.from_pretrained(tmp_path / str(i), **kwargs)
+
+
 def test_backend_switch_changes_no_weight():
     model = rf.RobertaForMaskedLM(rf.RobertaConfig.preset("tiny", vocab_size=50))
     before = {k: v.clone() for k, v in model.state_dict().items()}
