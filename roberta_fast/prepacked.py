@@ -20,8 +20,9 @@ fp32 summation order only.
 
 `_InferenceLinear` is also the base of rf.quantize's Int8Linear: a Linear layer held in a kernel
 library's packed form, for inference only (training and gradients are refused), whose
-state_dict is read back from the packed form, and which torch.export and jit.trace see as plain
-aten ops on constant weights (the packed tensors are opaque to them).
+state_dict is read back from the packed form (it changes only through load_state_dict: the
+attributes that read it back are copies, which cannot be assigned), and which torch.export and
+jit.trace see as plain aten ops on constant weights (the packed tensors are opaque to them).
 """
 from __future__ import annotations
 
@@ -106,6 +107,13 @@ class _InferenceLinear(nn.Module):
         """A new kernel holder for these state tensors."""
         raise NotImplementedError
 
+    def __setattr__(self, name, value):
+        if name in self.STATE:  # else nn.Module's KeyError "attribute already exists", or a silent no-op
+            raise AttributeError(f"{type(self).__name__}.{name} is read back from the packed weights and cannot be "
+                                 f"assigned: load new values with model.load_state_dict(state) (strict=False for "
+                                 f"a few keys), which packs them again")
+        super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
 
@@ -152,11 +160,17 @@ class PackedLinear(_InferenceLinear):
         super().__init__(linear)
         self._kernel = _OnednnFp32Weight(linear.weight, linear.bias)
 
-    weight = property(lambda self: self._kernel.unpack()[0])  # (out, in) fp32, a fresh copy
+    @property
+    def weight(self):
+        """(out, in) fp32, a fresh copy read back from the packed weight: an in-place edit of it
+        changes nothing the layer can see, and assigning one is refused. The packed weights change
+        only through load_state_dict."""
+        return self._kernel.unpack()[0]
 
     @property
     def bias(self):
-        """(out,) fp32 or None, a fresh copy (without reading the packed weight back)."""
+        """(out,) fp32 or None, a fresh copy (without reading the packed weight back); as `weight`,
+        it changes only through load_state_dict."""
         return None if self._kernel.bias is None else self._kernel.bias.clone()
 
     def _traced(self, x, weight, bias):

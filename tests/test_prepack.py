@@ -49,6 +49,27 @@ def test_a_packed_linear_computes_linear_and_its_gelu(shape, bias):
     assert torch.equal(layer.weight, linear.weight) and (not bias or torch.equal(layer.bias, linear.bias))
 
 
+def test_a_packed_linears_weights_change_only_through_load_state_dict():
+    """.weight and .bias are copies read back from the packed weight: an edit of one changes
+    nothing, and assigning one is refused with the way that works (it was a KeyError, "attribute
+    'weight' already exists", or a property without a setter)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(13, 7)
+    layer = PackedLinear(linear).eval()
+    x = torch.randn(5, 13)
+    with torch.no_grad():
+        want = linear(x)
+        layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    for name, value in [("weight", torch.nn.Parameter(linear.weight * 2)), ("weight", linear.weight * 2),
+                        ("bias", torch.nn.Parameter(linear.bias * 2))]:
+        with pytest.raises(AttributeError, match=rf"PackedLinear\.{name} is read back .* model\.load_state_dict"):
+            setattr(layer, name, value)
+    layer.load_state_dict({"weight": linear.weight * 2}, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight * 2, linear.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_a_prepacked_model_exports_traces_and_compiles_to_its_outputs():
     """torch.export and jit.trace record F.linear on the weights as constants (no opaque oneDNN
     tensor in the graph); torch.compile runs the packed kernels outside its graph."""

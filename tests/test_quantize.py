@@ -463,6 +463,18 @@ def test_a_quantized_state_dict_is_checked_and_copies_deeply():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_a_quantized_layers_state_cannot_be_assigned(dtype):
+    """Its state is read back from the packed weights: assigning it is refused with the way that
+    works (it was a KeyError, "attribute 'bias' already exists", or a property without a setter)."""
+    model = rf.quantize(model_of("RobertaModel"), dtype=dtype)
+    layer = model.layers[0].qkv
+    for name in layer.STATE:
+        for value in (getattr(layer, name), torch.nn.Parameter(getattr(layer, name).float())):
+            with pytest.raises(AttributeError, match=rf"\.{name} is read back .* model\.load_state_dict"):
+                setattr(layer, name, value)
+
+
 def assert_a_partial_state_dict_loads_as_into_the_plain_model(pack):
     """A partial state_dict (strict=False; here the biases alone, as BitFit trains them) loads into
     a `pack`ed model as into the fp32 model: what it gives changes, the rest stays, and the keys it
