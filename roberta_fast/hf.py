@@ -338,10 +338,13 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
                            "the weights would not be loaded; call from_pretrained outside it")
     prefix = "roberta." if hasattr(model, "roberta") else ""
     hf_state = _align_prefix(hf_state, prefix)
-    state, unknown = hf_to_native(hf_state, prefix)
+    # An MLM head where the model has none is unused, reported by the checkpoint's names as transformers
+    # reports it (its decoder too, which hf_to_native would take as the tied word embeddings).
+    unused_head = [] if hasattr(model, "lm_head") else [k for k in hf_state if k.startswith("lm_head.")]
+    state, unknown = hf_to_native({k: v for k, v in hf_state.items() if k not in unused_head}, prefix)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected)) + unknown
+    unexpected = sorted(set(state) - set(expected) | set(unknown) | set(unused_head))
     head_prefixes = (prefix + "pooler.",) + _HEADS
     essential = sorted(n for k in missing if not k.startswith(head_prefixes) for n in _hf_names(k, prefix))
     if essential:

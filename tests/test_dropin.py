@@ -222,6 +222,20 @@ def test_an_untied_decoder_is_refused_not_dropped(tmp_path):
     rf.RobertaForMaskedLM.from_pretrained(tied)
 
 
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForSequenceClassification"])
+def test_an_unused_mlm_head_is_reported_as_transformers_reports_it(cls, tmp_path):
+    """An untied MLM checkpoint loaded into a class without an MLM head: its decoder was once skipped
+    silently and lm_head.bias named twice; the unused weights are those transformers names, once each."""
+    hf_model("RobertaForMaskedLM", tie_word_embeddings=False).save_pretrained(tmp_path)
+    _, want = getattr(transformers, cls).from_pretrained(tmp_path, output_loading_info=True)
+    with pytest.warns(UserWarning, match="not used") as caught:
+        _, got = getattr(rf, cls).from_pretrained(tmp_path, output_loading_info=True)
+    assert got["unexpected_keys"] == want["unexpected_keys"]
+    assert {"lm_head.decoder.weight", "lm_head.decoder.bias"} <= got["unexpected_keys"]
+    unused = next(str(w.message) for w in caught if "not used" in str(w.message))
+    assert unused.count("'lm_head.bias'") == 1
+
+
 def test_an_untied_config_is_refused_by_the_masked_lm(tmp_path):
     """tie_word_embeddings=False, kept in config.extra, was once never read: the MLM was built tied and
     its save told transformers to draw a random decoder. It is refused as a keyword, in a config and at
