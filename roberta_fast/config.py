@@ -18,6 +18,9 @@ _PASSTHROUGH_DEFAULTS = {"architectures": None, "tie_word_embeddings": True}
 # Keys whose None is transformers' default, which its config.json leaves out; any other None is written
 # (bos_token_id=None, a key read as null), as transformers writes it.
 _NONE_LEFT_OUT = ("architectures", "dtype", "problem_type")
+# Keys of a transformers config's to_dict that its config.json leaves out: these at their defaults (and
+# _name_or_path, the local path it was loaded from, always).
+_UNWRITTEN_DEFAULTS = {"chunk_size_feed_forward": 0, "is_encoder_decoder": False}
 # The output flags, with the defaults config.json leaves out.
 _OUTPUT_FLAGS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True}
 # transformers' problem_type values: the loss RobertaForSequenceClassification computes.
@@ -259,7 +262,8 @@ class RobertaConfig:
     # ------------------------------------------------------------ HF interop
     @classmethod
     def from_dict(cls, data: dict) -> "RobertaConfig":
-        """Build from an HF config dict; unknown keys are kept in `extra`."""
+        """Build from an HF config dict; unknown keys are kept in `extra`. From a transformers config's
+        to_dict, the keys its config.json leaves out (_name_or_path, ...) are dropped, so saving writes none."""
         data = dict(data)
         model_type = data.get("model_type", "roberta")
         if model_type not in ("roberta", "xlm-roberta", "camembert"):
@@ -267,6 +271,10 @@ class RobertaConfig:
                 f"config.json has model_type {model_type!r}; roberta_fast loads RoBERTa-architecture "
                 "models (model_type 'roberta', 'xlm-roberta' or 'camembert')"
             )
+        data.pop("_name_or_path", None)  # from a transformers config object: not written back, as there
+        for key, default in _UNWRITTEN_DEFAULTS.items():
+            if key in data and data[key] == default:
+                del data[key]
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: data.pop(k) for k in list(data) if k in names}
         return cls(**known, extra=data)

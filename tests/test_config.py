@@ -80,3 +80,15 @@ def test_explicit_nulls_are_written_back(tmp_path):
     back = transformers.AutoConfig.from_pretrained(tmp_path / "ours")
     assert (back.bos_token_id, back.eos_token_id) == (None, None)
     assert not {"architectures", "dtype", "problem_type"} & set(rf.RobertaConfig().to_dict())
+
+
+def test_a_transformers_config_object_saves_as_transformers_saves_it(tmp_path):
+    """From a transformers config's to_dict, _name_or_path (a local path), chunk_size_feed_forward and
+    is_encoder_decoder were once written into config.json; transformers writes none of them."""
+    hf = transformers.RobertaConfig(vocab_size=123, hidden_size=48, num_attention_heads=3)
+    hf.name_or_path = str(tmp_path / "hf")  # as transformers' from_pretrained sets it
+    assert hf.to_dict()["_name_or_path"] == str(tmp_path / "hf")
+    rf.RobertaConfig.from_dict(hf.to_dict()).save_pretrained(tmp_path / "ours")
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert not {"_name_or_path", "chunk_size_feed_forward", "is_encoder_decoder"} & set(saved)
+    assert rf.RobertaConfig.from_dict({"chunk_size_feed_forward": 64}).to_dict()["chunk_size_feed_forward"] == 64
