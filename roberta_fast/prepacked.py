@@ -271,16 +271,23 @@ class TiedDecoder(nn.Module):
     plain table, 8.4 packed in fp32, 7.8 with fp16 weights and 2.9 in int8 (2-core AVX-512 VNNI
     CPU, docs/inference.md); ONNX Runtime packs it, and its quantize_dynamic quantizes it. The copy
     is not model state (the state_dict keeps the tied fp32 weight and lm_head.bias) nor a
-    submodule; an eager call rebuilds it when either tensor has been replaced or changed in place
-    since (load_state_dict, resize_token_embeddings, an edit through get_output_embeddings()).
+    submodule's. An eager call rebuilds it after a load_state_dict of the model or its lm_head,
+    and when either tensor has been replaced (resize_token_embeddings) or edited in place through
+    itself (e.g. get_output_embeddings().weight.mul_(2) under no_grad: its version counter moves).
+    It cannot see writes through `.data` (weight.data[i] = ...) nor other in-place edits of
+    inference tensors (made under inference_mode, they keep no version counter): seeing them would
+    take reading the whole table every call (6 ms for roberta-base's, 15% of a prepacked 1 x 16
+    forward), so after those call rf.prepack(model) or rf.quantize(model) again, which rebuild it.
     Export and torch.compile run the copy as it is."""
 
     def __init__(self, weight, bias, layer_class: type, **layer_kwargs):
         super().__init__()
         self.layer_class, self.layer_kwargs = layer_class, layer_kwargs
-        self._build(weight, bias)
+        self.rebuild(weight, bias)
 
-    def _build(self, weight, bias):
+    def rebuild(self, weight, bias):
+        """Pack the copy afresh from these tables, now (rf.prepack and rf.quantize do, when called
+        again: for the edits a call cannot see)."""
         linear = types.SimpleNamespace(weight=weight, bias=bias, in_features=weight.shape[1],
                                        out_features=weight.shape[0])  # (vocab, hidden): what Linear reads
         with torch.inference_mode(False):  # plain tensors, even when rebuilt inside a forward
@@ -291,9 +298,15 @@ class TiedDecoder(nn.Module):
     def forward(self, x, weight, bias):
         if not (torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.compiler.is_compiling()):
             if _identity(weight, bias) != self._source:
-                self._build(weight, bias)
+                self.rebuild(weight, bias)
         self.layer.training = self.training  # so that it refuses training as the encoder's layers do
         return self.layer(x)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        """A load of the model (or of lm_head) writes the tables in place, which inference tensors'
+        missing version counters would hide: rebuild on the next call."""
+        super()._load_from_state_dict(*args, **kwargs)
+        self._source = None
 
     def extra_repr(self) -> str:
         return f"tied to the word embeddings: {self.layer.extra_repr()}"
@@ -321,7 +334,8 @@ def prepack(model: nn.Module) -> nn.Module:
     oneDNN), in place, and run an MLM head's decoder on a packed copy of the word embeddings
     (TiedDecoder: 154 MB more for roberta-base, the lookup keeps the table); returns the model in
     eval mode, parameters frozen. Layers already packed (by rf.prepack or rf.quantize) are left as
-    they are. Save with save_pretrained as before: the state_dict is the plain model's."""
+    they are, but for the decoder's copy, packed afresh from the current tables. Save with
+    save_pretrained as before: the state_dict is the plain model's."""
     slots = encoder_linears(model, "rf.prepack")
     if not has_onednn_fp32():
         raise RuntimeError(f"rf.prepack runs oneDNN's fp32 matmul, which this torch ({torch.__version__}) lacks "
@@ -331,7 +345,11 @@ def prepack(model: nn.Module) -> nn.Module:
         if type(getattr(layer, name)) is nn.Linear:
             setattr(layer, name, PackedLinear(getattr(layer, name)))
     head = mlm_head(model)
-    if head is not None and head.packed_decoder is None:
-        head.packed_decoder = TiedDecoder(model.get_input_embeddings().weight, head.bias, PackedLinear)
+    if head is not None:
+        weight = model.get_input_embeddings().weight
+        if head.packed_decoder is None:
+            head.packed_decoder = TiedDecoder(weight, head.bias, PackedLinear)
+        else:  # packed before (perhaps quantized): afresh, for the edits a call cannot see (TiedDecoder)
+            head.packed_decoder.rebuild(weight, head.bias)
     model.requires_grad_(False)
     return model.eval()

@@ -496,7 +496,8 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     """Swap each encoder block's four Linear layers for Int8Linear (or, with dtype=torch.float16,
     Fp16WeightLinear), in place, and run an MLM head's decoder on such a copy of the word
     embeddings (prepacked.TiedDecoder); returns the model (eval mode, parameters frozen). A model
-    already quantized the same way is returned as it is.
+    already quantized the same way is returned as it is, but for the decoder's copy, quantized
+    afresh from the current tables.
 
     engine: the kernel library that packs and runs the int8 weights, one of
     torch.backends.quantized.supported_engines, or "auto"; None picks default_engine()
@@ -526,6 +527,9 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
             raise ValueError(f"rf.quantize(engine={engine!r}, dtype={dtype}, activation_bits={activation_bits}): "
                              f"this model is already quantized (engine={done[0]!r}, dtype={done[1]}, "
                              f"activation_bits={done[2]}); quantize a fresh fp32 copy instead")
+        head = mlm_head(model)
+        if head is not None:  # afresh, for the edits a call cannot see (prepacked.TiedDecoder)
+            head.packed_decoder.rebuild(model.get_input_embeddings().weight, head.bias)
         return model
     head = mlm_head(model)
     if dtype == torch.float16:  # every layer checked before any is swapped: a refused model is left as it was

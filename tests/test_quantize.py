@@ -499,8 +499,9 @@ def test_a_partial_state_dict_loads_into_a_quantized_model_as_into_the_plain_mod
 def assert_the_packed_decoder_follows_the_tied_weights(pack, layer_class):
     """`pack` (rf.quantize, rf.prepack) runs the MLM decoder on a `layer_class` copy of the word
     embeddings that is no state of its own: the state_dict and parameter count are the model's,
-    and after the tied weights change (loaded, edited in place, resized) the logits are those of
-    the changed fp32 model packed afresh."""
+    and after the tied weights change (loaded, inference tensors too, edited in place, resized)
+    the logits are those of the changed fp32 model packed afresh; after writes through `.data`,
+    which no call can see, once `pack` is called again."""
     fp32 = model_of("RobertaForMaskedLM")
     ids, mask = awkward_inputs("RobertaForMaskedLM")
     model = pack(copy.deepcopy(fp32))
@@ -508,13 +509,18 @@ def assert_the_packed_decoder_follows_the_tied_weights(pack, layer_class):
     assert not [key for key in model.state_dict() if "decoder" in key]
     assert model.num_parameters() == fp32.num_parameters()
 
-    def assert_logits_of(changed_fp32):
+    def assert_logits_of(changed_fp32, packed=model):
         want = outputs(pack(copy.deepcopy(changed_fp32)), ids, mask)[0]
-        torch.testing.assert_close(outputs(model, ids, mask)[0], want, rtol=0, atol=0)
+        torch.testing.assert_close(outputs(packed, ids, mask)[0], want, rtol=0, atol=0)
 
     other = model_of("RobertaForMaskedLM", seed=1)
     model.load_state_dict(pack(copy.deepcopy(other)).state_dict())
     assert_logits_of(other)
+    with torch.inference_mode():  # made here, its tensors keep no version counter: the load is seen all the same
+        frozen = pack(model_of("RobertaForMaskedLM"))
+        outputs(frozen, ids, mask)
+        frozen.load_state_dict(pack(copy.deepcopy(other)).state_dict())
+    assert_logits_of(other, frozen)
     with torch.no_grad():  # through transformers' view of the decoder: its weight is the embeddings'
         model.get_output_embeddings().weight.mul_(2)
         model.lm_head.bias.add_(1)
@@ -524,6 +530,11 @@ def assert_the_packed_decoder_follows_the_tied_weights(pack, layer_class):
     for m in (model, other):
         torch.manual_seed(2)  # resizing draws the new rows
         m.resize_token_embeddings(TINY["vocab_size"] + 7)
+    assert_logits_of(other)
+    for m in (model, other):  # transformers' idiom after resizing: unseen, until packed again
+        m.get_input_embeddings().weight.data[5] = 3.0
+        m.lm_head.bias.data.add_(1)
+    assert pack(model) is model
     assert_logits_of(other)
 
 
