@@ -592,8 +592,9 @@ class _PreTrained(nn.Module):
 
     def get_output_embeddings(self) -> nn.Linear | None:
         """The MLM decoder as transformers exposes it: a Linear whose weight IS the word embeddings'
-        parameter and whose bias is the head's (not a copy: changing either changes the model);
-        None for models without an MLM head."""
+        parameter and whose bias is the head's (not a copy: changing either changes the model; on a
+        prepacked or quantized model, `.data` writes are seen only after rf.prepack / rf.quantize
+        again, docs/inference.md); None for models without an MLM head."""
         head = getattr(self, "lm_head", None)
         if head is None:
             return None
