@@ -165,8 +165,8 @@ def _read_weights(path: str) -> dict:
 
 def _load_bin(file: str) -> dict:
     """A pytorch_model.bin's tensors, with weights_only=True: a file holding other Python objects,
-    which unpickling could run code from, is refused (torch's own message suggests
-    weights_only=False, which roberta_fast never does)."""
+    which unpickling could run code from, is refused (torch's own message suggests turning
+    weights_only off, which roberta_fast never does)."""
     import pickle
 
     try:
@@ -177,7 +177,8 @@ def _load_bin(file: str) -> dict:
         raise ValueError(
             f"refusing to load {file!r}: it holds Python objects beyond tensors and plain containers{found}, "
             "and unpickling them can run arbitrary code; roberta_fast "
-            "never does (weights_only=False has no effect). If you trust the file, re-save its state_dict as "
+            "never does (passing weights_only to from_pretrained changes nothing). If you trust the file, re-save "
+            "its state_dict as "
             "model.safetensors (safetensors.torch.save_file) and load that directory") from None
 
 
