@@ -33,6 +33,7 @@ _LAYER_RENAMES = {
 _QKV = ("query", "key", "value")
 _HEADS = ("lm_head.", "classifier.", "qa_outputs.", "sbo.")  # task heads: same names in HF and here
 # HF keys that carry no weights of ours: buffers, and the decoder tied to the embeddings.
+WEIGHT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # save_pretrained's shard file names
 _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_head\.decoder\.(weight|bias)$")
 
 
@@ -176,9 +177,8 @@ def _load_bin(file: str) -> dict:
         found = f" ({lines[0].strip()[:200]})" if lines else ""
         raise ValueError(
             f"refusing to load {file!r}: it holds Python objects beyond tensors and plain containers{found}, "
-            "and unpickling them can run arbitrary code; roberta_fast "
-            "never does (passing weights_only to from_pretrained changes nothing). If you trust the file, re-save "
-            "its state_dict as "
+            "and unpickling them can run arbitrary code; roberta_fast never does (passing weights_only to "
+            "from_pretrained changes nothing). If you trust the file, re-save its state_dict as "
             "model.safetensors (safetensors.torch.save_file) and load that directory") from None
 
 
@@ -442,7 +442,7 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
         write_text_atomic(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                             indent=2, sort_keys=True) + "\n")
     for stale in os.listdir(directory):  # an earlier save's weights, which loaders would read first
-        if (stale not in names and (re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale)
+        if (stale not in names and (WEIGHT_SHARD.fullmatch(stale)
                                     or stale == "model.safetensors" or (stale == os.path.basename(index)
                                                                         and len(shards) == 1))):
             os.remove(os.path.join(directory, stale))

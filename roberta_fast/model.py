@@ -797,7 +797,7 @@ class RobertaModel(_PreTrained):
             return t[rows] if t is not None and t.shape[0] == batch else t
 
         # a batch that runs padded (a row's first token masked: from_mask) runs padded in every group
-        unpad = attention_mask is None or bool(attention_mask[:, :1].bool().all())
+        unpad = attention_mask is None or _first_tokens_attended(attention_mask)
         outs = [self._encode(*(rows_of(t, rows) for t in (input_ids, attention_mask, token_type_ids, position_ids)),
                              output_hidden_states, output_attentions, inputs_embeds=rows_of(inputs_embeds, rows),
                              unpad=unpad)
@@ -814,7 +814,7 @@ class RobertaModel(_PreTrained):
                 or torch.compiler.is_compiling()
                 or ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) != "sdpa"):
             return None
-        if attention_mask is not None and self.unpad and bool(attention_mask[:, :1].bool().all()):  # (from_mask)
+        if attention_mask is not None and self.unpad and _first_tokens_attended(attention_mask):
             lengths = attention_mask.bool().sum(dim=1).expand(batch).tolist()
         else:
             lengths = [seqlen] * batch
@@ -888,6 +888,12 @@ def _cat_rows(parts: list):
     if parts[0]:
         return tuple(torch.cat(layer) for layer in zip(*parts))
     return parts[0]
+
+
+def _first_tokens_attended(attention_mask) -> bool:
+    """Whether every row's first token is attended: _Packing.from_mask's rule for a batch that may run
+    unpadded (left padding runs padded), which encode's row groups follow too."""
+    return bool(attention_mask[:, :1].bool().all())
 
 
 class _Packing:

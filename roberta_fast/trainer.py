@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import tempfile
@@ -47,6 +46,7 @@ from . import ops
 from .checkpoint import CheckpointManager, DiskSpaceError, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
 from .files import absolute_if_local
+from .hf import WEIGHT_SHARD
 from .hub import model_dir, tokenizer_dir
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
@@ -811,7 +811,7 @@ def check_export_target(directory) -> Path:
     if not directory.is_dir():
         raise ValueError(f"the export directory {str(directory)!r} is a file; pass a new directory for the model")
     other = sorted(p.name for p in directory.iterdir() if not (p.is_file() and (
-        p.name in EXPORT_FILES or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", p.name))))
+        p.name in EXPORT_FILES or WEIGHT_SHARD.fullmatch(p.name))))
     if other:
         raise ValueError(f"the export directory {str(directory)!r} holds {', '.join(other[:4])}"
                          f"{', ...' if len(other) > 4 else ''}, which an export does not write: the export replaces "
