@@ -184,6 +184,7 @@ class Finetuner:
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
         self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints)
         self.step, self.best = 0, None
+        self.epochs_evaluated = 0  # a stop on an epoch's last step leaves its evaluation to the resumed run
         self.export_pending = False  # the best epoch's export is not written yet (a full disk stopped it)
         self.lock = lock_out(self.out, log)  # one writer per --out, as the trainer (last: nothing can fail after)
 
@@ -193,7 +194,8 @@ class Finetuner:
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "best": self.best, "export_pending": self.export_pending,
+                "step": self.step, "best": self.best, "epochs_evaluated": self.epochs_evaluated,
+                "export_pending": self.export_pending,
                 "rng": rng_state(self.device),
                 "labels": self.names, "task": self.cfg.task,
                 "tokenizer_hash": self.tokenizer.tokenizer_hash,  # roberta_fast.export refuses another tokenizer
@@ -220,6 +222,8 @@ class Finetuner:
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.best = state["step"], state["best"]
+        # older checkpoints: assume all but the last finished epoch evaluated (evaluating one again is harmless)
+        self.epochs_evaluated = state.get("epochs_evaluated", max(0, self.step // self.steps_per_epoch - 1))
         self.export_pending = state.get("export_pending", False)
         set_rng_state(state["rng"], self.device)
 
@@ -261,6 +265,21 @@ class Finetuner:
         """Release --out."""
         self.lock.release()
 
+    def end_epoch(self, epoch: int, metrics: MetricsLogger) -> dict:
+        """Evaluate the epoch just finished, checkpoint, and export it if it is the best so far."""
+        result = self.evaluate()
+        metrics.log({"kind": "eval", "step": self.step, "epoch": epoch + 1, **result})
+        metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        key = self.task.best_metric
+        if self.best is None or result[key] > self.best[key]:
+            self.best = {"epoch": epoch + 1, **result}
+            self.export_pending = True
+        self.epochs_evaluated = epoch + 1
+        self.checkpoints.save(self.step, self.state_dict())
+        if self.export_pending:
+            self.export(self.out / "model")
+        return result
+
     def run(self) -> dict:
         latest = self.checkpoints.latest() if self.cfg.resume else None
         if latest is not None:
@@ -270,7 +289,6 @@ class Finetuner:
             if self.export_pending:  # its best epoch was never exported (the disk was full)
                 self.export(self.out / "model")
         total = self.steps_per_epoch * self.cfg.epochs
-        key = self.task.best_metric
         metrics = MetricsLogger(self.out, total, start_step=self.step)
         self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training {self.task.unit} "
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
@@ -278,6 +296,9 @@ class Finetuner:
         result = None
         try:
             with StopSignal() as stop:
+                finished = self.step // self.steps_per_epoch
+                if finished > self.epochs_evaluated:  # stopped on an epoch's last step: evaluate it now
+                    result = self.end_epoch(finished - 1, metrics)
                 while self.step < total:
                     epoch, position = divmod(self.step, self.steps_per_epoch)
                     order = self.order(epoch)[position * self.cfg.batch_size:]
@@ -294,15 +315,7 @@ class Finetuner:
                             self.log(f"{reason}: checkpoint saved at step {self.step}; rerun to resume")
                             return {"stopped": reason, "step": self.step,
                                     "signal": signal.Signals[stop.requested] if stop.requested else None}
-                    result = self.evaluate()
-                    metrics.log({"kind": "eval", "step": self.step, "epoch": epoch + 1, **result})
-                    metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-                    if self.best is None or result[key] > self.best[key]:
-                        self.best = {"epoch": epoch + 1, **result}
-                        self.export_pending = True
-                    self.checkpoints.save(self.step, self.state_dict())
-                    if self.export_pending:
-                        self.export(self.out / "model")
+                    result = self.end_epoch(epoch, metrics)
         finally:
             metrics.close()
         self.log(f"best epoch {self.best['epoch']}: " + ", ".join(

@@ -157,6 +157,18 @@ def test_resume_mid_run_matches_an_uninterrupted_run(task, tmp_path):
         assert torch.equal(resumed.model.state_dict()[key], value), key
 
 
+@pytest.mark.parametrize("stop_after", [13, 26])  # the last step of epoch 1, of the whole run
+def test_a_stop_on_an_epochs_last_step_evaluates_that_epoch_when_resumed(task, tmp_path, stop_after):
+    quiet = dict(log=lambda *_: None)
+    full = Finetuner(config(task, tmp_path / "full", epochs=2), **quiet).run()
+    Finetuner(config(task, tmp_path / "split", epochs=2, stop_after=stop_after), **quiet).run()
+    resumed = Finetuner(config(task, tmp_path / "split", epochs=2), **quiet).run()
+    assert resumed == full  # the same best epoch and last evaluation
+    evals = [r for r in rf.metrics.read_metrics(tmp_path / "split" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [(r["step"], r["epoch"]) for r in evals] == [(13, 1), (26, 2)]
+    assert (tmp_path / "split" / "model" / "config.json").is_file()
+
+
 def test_resume_reads_the_checkpoint_onto_the_cpu(task, tmp_path, monkeypatch):
     """On a GPU the checkpoint must still be read onto the CPU: its RNG states must stay
     CPU ByteTensors (torch.set_rng_state and torch.cuda.set_rng_state refuse others);
