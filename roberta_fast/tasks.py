@@ -591,12 +591,17 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
     if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
         raise ValueError(f"{path}: expected SQuAD's layout "
                          '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}')
-    examples, impossible = [], False
+    examples, impossible, seen = [], False, set()
     for article in squad["data"]:
         for paragraph in article.get("paragraphs", []):
             context = paragraph.get("context")
             for qa in paragraph.get("qas", []):
-                qid = qa.get("id", "?")
+                qid = qa.get("id")
+                if not isinstance(qid, (str, int)) or isinstance(qid, bool) or str(qid) in ("", *seen):
+                    problem = f"its id {qid!r} is used twice" if str(qid) in seen else "it has no \"id\""
+                    raise ValueError(f"{path}: question {len(examples) + 1} ({qa.get('question')!r}): {problem}. "
+                                     "Give every question an id of its own: predictions and scores are keyed by it")
+                seen.add(str(qid))
                 where = f"{path}: question {qid!r}"
                 if not isinstance(context, str) or not isinstance(qa.get("question"), str):
                     raise ValueError(f"{where}: needs a context and a question (strings)")

@@ -123,6 +123,20 @@ def test_squad_reader_names_the_bad_question(tmp_path):
         read_squad(bad)
 
 
+@pytest.mark.parametrize("ids, problem", [(["n1", None], 'it has no "id"'), (["n1", "n1"], "its id 'n1' is used twice")])
+def test_squad_questions_need_ids_of_their_own(tmp_path, ids, problem):
+    """Predictions and scores are keyed by id: shared or missing ids would score one answer for all."""
+    squad = json.loads(SQUAD.read_text())
+    for qa, qid in zip(squad["data"][0]["paragraphs"][0]["qas"], ids):
+        qa.pop("id")
+        if qid is not None:
+            qa["id"] = qid
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(squad))
+    with pytest.raises(ValueError, match=rf"bad.json: question 2 \(.*\): {problem}\. Give every question an id"):
+        read_squad(bad)
+
+
 def test_doc_stride_windows_match_transformers_and_label_a_split_answer_at_cls(tok, model_dir):
     """Windows as transformers' tokenizer(question, context, truncation="only_second", stride=...,
     return_overflowing_tokens=True) makes them (run_qa); an answer whole in a window is labelled with
