@@ -67,7 +67,7 @@ def data_file(path) -> Path:
 
 def json_lines(path: Path):
     """(location "file:line", object) of every non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, start=1):
             if line.strip():
                 try:
@@ -90,7 +90,7 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True):
     no quoting at all (csv.QUOTE_NONE, as GLUE's own loaders: SST-2 sentences hold quote characters).
     header=False: the file has no header row (GLUE's CoLA), and the columns are named "0", "1", ..."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         if header:
             reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
             for row in reader:
@@ -373,7 +373,7 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
             sentences.append((words, [str(t) for t in tags]))
     else:
         words, tags = [], []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for number, line in enumerate(f, start=1):
                 columns = line.split()
                 if columns and columns[0] == "-DOCSTART-":
@@ -584,7 +584,7 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
         if is_table(path):
             squad = {"data": [{"paragraphs": [_squad_paragraph(where, row)]} for where, row in table_rows(path)]}
         else:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 squad = json.load(f)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a JSON file ({err}); --task qa reads SQuAD's JSON") from err

@@ -54,6 +54,23 @@ def test_tagged_readers():
     assert read_tagged(TABS) == read_tagged(TAGS_JSONL)[:1] + [(["the", "EU"], ["O", "B-ORG"])]
 
 
+def test_every_reader_skips_a_utf8_byte_order_mark(tmp_path):
+    """Excel's "CSV UTF-8", pandas' utf-8-sig and Windows editors start files with a BOM."""
+    from roberta_fast.tasks import delimited_rows, json_lines
+
+    for source in (CONLL, TAGS_JSONL, SQUAD, RACE):
+        with_bom = tmp_path / source.name
+        with_bom.write_bytes(b"\xef\xbb\xbf" + source.read_bytes())
+        reader = {SQUAD: read_squad, RACE: read_choices}.get(source, read_tagged)
+        assert reader(with_bom) == reader(source), source.name
+    csv_file = tmp_path / "rows.csv"
+    csv_file.write_bytes("\ufefftext,label\nhello,pos\n".encode())
+    assert [row for _, row in delimited_rows(csv_file, ",")] == [{"text": "hello", "label": "pos"}]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes('\ufeff{"text": "hello"}\n'.encode())
+    assert [row for _, row in json_lines(jsonl)] == [{"text": "hello"}]
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
