@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .checkpoint import CheckpointManager, DiskSpaceError, RunLock, StopSignal, load_checkpoint
+from .checkpoint import CheckpointManager, DamagedCheckpoint, DiskSpaceError, RunLock, StopSignal, load_checkpoint
 from .config import RobertaConfig
 from .files import absolute_if_local
 from .hf import WEIGHT_SHARD
@@ -615,6 +615,12 @@ class Trainer:
         else:  # the one named: damaged is an error
             path = Path(resume)
             state = load_checkpoint(path, trust=self.cfg.trust_checkpoint, log=self.print)
+            newer = self._newer_in_out(int(state["step"]))
+            if newer is not None:  # a rerun of this command: the run went on in --out since PATH
+                self.print(f"note: {self.out} holds a newer checkpoint than --resume {resume} (step {state['step']}): "
+                           f"resuming from {newer[0]} instead (to go back to {resume}, use a new --out or move the newer "
+                           "checkpoints away)")
+                path, state, skipped = newer
         self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
         if skipped:
@@ -623,6 +629,20 @@ class Trainer:
                 for bad, kind in skipped:
                     self.print(f"set the {kind} checkpoint aside as {self.checkpoints.set_aside(bad, kind).name}")
         return True
+
+    def _newer_in_out(self, step: int) -> tuple[Path, dict, list] | None:
+        """load_latest()'s (path, state, skipped) if --out holds a good checkpoint past `step`, else None.
+
+        Rerunning a command with --resume PATH (after a stop, or from train_config.json) must go on
+        from where the run got to, not roll back to PATH and redo the steps since."""
+        steps = [s for s, _ in self.checkpoints.checkpoints()]
+        if not steps or steps[-1] <= step:
+            return None
+        try:
+            found = self.checkpoints.load_latest(trust=self.cfg.trust_checkpoint)
+        except DamagedCheckpoint:  # none of them is usable: PATH is
+            return None
+        return found if found is not None and int(found[1]["step"]) > step else None
 
     # ------------------------------------------------------------------ the run
     def _eval_line(self, step: int, result: dict) -> str:
@@ -634,8 +654,8 @@ class Trainer:
         """Train to max_steps (or stop_at / a stop signal); returns a summary dict."""
         cfg = self.cfg
         resumed = self.maybe_resume()
-        if self.dist.is_main:
-            cfg.save(self.out / "train_config.json")
+        if self.dist.is_main:  # resume "auto": a rerun from the file goes on from the latest checkpoint
+            dataclasses.replace(cfg, resume="auto").save(self.out / "train_config.json")
         self.print(self.describe())
         log = MetricsLogger(self.out, cfg.max_steps, self.step, enabled=self.dist.is_main,
                             progress=cfg.progress, tensorboard=cfg.tensorboard)

@@ -135,6 +135,24 @@ def test_resume_refuses_a_changed_lr_schedule(dataset, tmp_path, capsys):
     assert train_losses(tmp_path / "run")[-1][0] == 8 and (tmp_path / "run" / "final").is_dir()
 
 
+def test_rerunning_a_resume_path_command_goes_on_from_the_newer_checkpoint_in_out(dataset, tmp_path, capsys):
+    """--resume PATH, stopped later, then the same command again: it resumes the newer checkpoint
+    in --out, saying so, instead of rolling back to PATH and redoing the steps (as it once did,
+    from the command and from train_config.json); the saved config resumes "auto"."""
+    run(small_config(dataset, tmp_path / "src", stop_at=2))
+    source = tmp_path / "src" / "checkpoints" / "step_00000002.pt"
+    argv = small_argv(dataset) + ["--log-every", "1", "--out", str(tmp_path / "run"), "--resume", str(source)]
+    assert main(argv + ["--stop-at", "4"]) == 0
+    assert f"resumed from {source} at step 2" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["resume"] == "auto"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    newer = tmp_path / "run" / "checkpoints" / "step_00000004.pt"
+    assert f"holds a newer checkpoint than --resume {source} (step 2): resuming from {newer} instead" in out
+    assert f"resumed from {newer} at step 4" in out
+    assert [s for s, _ in train_losses(tmp_path / "run")] == [3, 4, 5, 6]
+
+
 def test_a_schedule_change_inside_the_shared_warmup_names_where_the_lr_changes():
     """Inside a warmup both schedules share, the next update's LR is the same: the message names
     the first update whose LR differs (it once read 'goes from 0.0004 to 0.0004')."""
