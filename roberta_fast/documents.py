@@ -8,7 +8,8 @@ Both `preprocess` (in chunks, in parallel) and `RobertaTokenizer.train` read thr
 
 Formats, told apart by their first bytes (magic), then by their extension:
 - text (.txt .text .md .rst): documents separated by blank lines (or one per file);
-- JSONL (.jsonl .ndjson .json.gz ...): one JSON object per line, the text under `text_field`;
+- JSONL (.jsonl .ndjson .json, as C4 ships): one JSON object per line, the text under `text_field`
+  (a .json holding one JSON array, or one object spread over lines, is refused by name);
 - either compressed: gzip (1f 8b), bzip2 ("BZh"), xz (fd "7zXZ" 00) with the standard library,
   zstd (28 b5 2f fd, frames read across; skippable frames, as pzstd writes, passed over) with
   `zstandard`: `.jsonl.gz`, `.txt.zst`, ...; a UTF-8 byte order mark at the start is dropped;
@@ -18,7 +19,8 @@ Formats, told apart by their first bytes (magic), then by their extension:
   memory-mapped), one document per row; a `datasets` `save_to_disk` directory is its
   .arrow files in order; a `datasets.Dataset` object is read from its cache files.
 A file whose bytes contradict its extension is read by its bytes (and said so), or refused
-by name when neither tells what it is. A missing optional library is one line naming the
+by name when neither tells what it is; a file named on its own with no known extension is read
+as its bytes tell (JSONL if it starts with "{", else text; said so too). A missing optional library is one line naming the
 extra that installs it (`pip install roberta_fast[data]`).
 
 Parallel units: byte ranges cut at document starts (plain files), runs of whole frames (a
@@ -124,13 +126,31 @@ def _claimed(name: str) -> tuple[str | None, str | None]:
     suffixes = [s.lower() for s in Path(name).suffixes]
     codec = CODEC_EXTS.get(suffixes[-1]) if suffixes else None
     inner = suffixes[-2] if codec and len(suffixes) > 1 else (suffixes[-1] if suffixes and not codec else "")
-    kind = "jsonl" if inner in JSONL_EXTS or (codec and inner == ".json") else \
+    kind = "jsonl" if inner in JSONL_EXTS or inner == ".json" else \
         "text" if inner in TEXT_EXTS else TABLE_EXTS.get(inner)
     return kind, codec
 
 
 def _sniff_kind(head: bytes) -> str:
     return "jsonl" if head.lstrip().startswith(b"{") else "text"
+
+
+def _not_jsonl(head: bytes, name: str) -> str | None:
+    """Why file `name`, starting with `head`, is not JSON lines (one JSON array, one object spread
+    over lines, text), with the fix; None when its first line is JSON or longer than the head."""
+    head = head.removeprefix(codecs.BOM_UTF8).lstrip(BLANK.encode())
+    stem = name.split(".")[0] or name
+    if head.startswith(b"["):
+        return (f"it holds one JSON array, not JSON lines (one object per line): convert it "
+                f"(jq -c '.[]' {name} > {stem}.jsonl)")
+    line, newline, _ = head.partition(b"\n")
+    try:
+        if newline:
+            json.loads(line.decode("utf-8", errors="replace"))
+    except ValueError:
+        return (f"its first line is not JSON, so it is not JSON lines (one object per line): convert one object "
+                f"spread over lines (jq -c . {name} > {stem}.jsonl), or name a text file .txt")
+    return None
 
 
 def identify(p: Path, head: bytes, explicit: bool, log: Callable) -> tuple[Source | None, str | None]:
@@ -148,6 +168,8 @@ def identify(p: Path, head: bytes, explicit: bool, log: Callable) -> tuple[Sourc
             if not explicit:  # e.g. a .tar.gz in a directory
                 return None, "unsupported_files"
             kind = _sniff_kind(decompressed_head(Source(str(p), "text", found)))
+            log(f"{p} holds {found}-compressed {'JSONL' if kind == 'jsonl' else 'text'} (its first bytes say so): "
+                "read as such")
         return Source(str(p), kind, found), None
     if b"\x00" in head:
         if codec or kind in ("parquet", "arrow"):
@@ -160,9 +182,12 @@ def identify(p: Path, head: bytes, explicit: bool, log: Callable) -> tuple[Sourc
         kind = kind if kind in ("text", "jsonl") else _sniff_kind(head)
         log(f"{p} is plain text, not {claimed}: read as {'JSONL' if kind == 'jsonl' else 'text'}")
         return Source(str(p), kind), None
-    if kind is None and not explicit:
-        return None, "unsupported_files"
-    return Source(str(p), kind or "text"), None
+    if kind is None:
+        if not explicit:
+            return None, "unsupported_files"
+        kind = _sniff_kind(head)  # a file named on its own, of no known extension: its bytes tell
+        log(f"{p} holds {'JSONL' if kind == 'jsonl' else 'text'} (its first bytes say so): read as such")
+    return Source(str(p), kind), None
 
 
 def decompressed_head(source: Source) -> bytes:
@@ -191,7 +216,7 @@ def find_sources(inputs, log: Callable[[str], None], cache_dir: Path | None = No
     skip_damaged refused as a damaged file."""
     sources, seen = [], set()
     refused = {"binary_files": [], "empty_files": [], "unreadable_files": [], "unsupported_files": [],
-               "mislabelled_files": [], "damaged_files": []}
+               "mislabelled_files": [], "not_jsonl_files": [], "damaged_files": []}
 
     def add(p: Path, explicit: bool):
         key = os.path.realpath(p)
@@ -215,9 +240,16 @@ def find_sources(inputs, log: Callable[[str], None], cache_dir: Path | None = No
             return
         try:
             source, why = identify(p, head, explicit, log)
-            if source is not None and source.codec and b"\x00" in decompressed_head(source):
-                source, why = None, "binary_files"
-                log(f"refusing binary file {p}: its decompressed bytes hold NUL bytes")
+            if source is not None and source.codec:
+                head = decompressed_head(source)
+                if b"\x00" in head:
+                    source, why = None, "binary_files"
+                    log(f"refusing binary file {p}: its decompressed bytes hold NUL bytes")
+            if source is not None and source.kind == "jsonl" and not JSONL_EXTS & {x.lower() for x in p.suffixes}:
+                problem = _not_jsonl(head, p.name)  # JSONL by a .json name or by its bytes: it may be one JSON document
+                if problem:
+                    source, why = None, "not_jsonl_files"
+                    log(f"refusing {p}: {problem}")
         except DamagedInputError as err:
             if not skip_damaged:
                 raise

@@ -350,3 +350,27 @@ def test_a_truncated_small_file_counts_the_documents_read(codec, tmp_path):
     (source,), _ = documents.find_sources([path], log=lambda msg: None)
     with pytest.raises(documents.DamagedInputError, match=r"after [1-9]\d* documents"):
         list(documents.SegmentReader(source, 0, source.size))
+
+
+def test_a_json_file_of_lines_is_jsonl_and_a_json_document_is_refused(tmp_path):
+    """C4's uncompressed shards (c4-train.00000-of-01024.json) are JSON lines: their text field is
+    read, in a directory too, not the raw lines; a .json holding one array or one object spread over
+    lines is refused by name; a file named on its own with no known extension is read by its bytes,
+    and the log says so."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "c4-train.00000-of-01024.json").write_bytes(jsonl_bytes(DOCS[:3]))
+    (d / "array.json").write_text(json.dumps([{"text": d} for d in DOCS[3:5]]))
+    (d / "pretty.json").write_text(json.dumps({"text": DOCS[5]}, indent=2))
+    (tmp_path / "noext").write_bytes(jsonl_bytes(DOCS[6:8]))
+    log = []
+    assert list(documents.read_documents([d / "c4-train.00000-of-01024.json"], log=log.append)) == DOCS[:3]
+    sources, refused = documents.find_sources([d, tmp_path / "noext"], log.append)
+    assert [(s.path, s.kind) for s in sources] == [(str(d / "c4-train.00000-of-01024.json"), "jsonl"),
+                                                    (str(tmp_path / "noext"), "jsonl")]
+    assert refused["not_jsonl_files"] == [str(d / "array.json"), str(d / "pretty.json")]
+    said = "\n".join(log)
+    assert f"refusing {d / 'array.json'}: it holds one JSON array" in said and "jq -c '.[]' array.json" in said
+    assert f"refusing {d / 'pretty.json'}: its first line is not JSON" in said
+    assert f"{tmp_path / 'noext'} holds JSONL (its first bytes say so)" in said
+    assert list(documents.read_documents([tmp_path / "noext"], log=log.append)) == DOCS[6:8]
