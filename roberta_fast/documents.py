@@ -898,8 +898,9 @@ def read_documents(inputs, text_field: str = "text", log: Callable[[str], None] 
                    skip_damaged: bool = False) -> Iterator[str]:
     """The text of `inputs` as preprocess reads it (every format above; a datasets.Dataset too),
     document by document (pieces of about PIECE_CHARS for longer ones): what
-    `RobertaTokenizer.train` learns from. Inputs are checked now; a ValueError names inputs
-    that hold no file to read, or (when the iterator ends) no document."""
+    `RobertaTokenizer.train` learns from. Inputs are checked now: the files skipped are logged,
+    one line per reason; a ValueError names inputs that hold no file to read, or (when the
+    iterator ends) no document."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     items = [inputs] if isinstance(inputs, (str, os.PathLike)) or _is_dataset(inputs) else list(inputs)
     datasets = [i for i in items if _is_dataset(i)]
@@ -907,6 +908,10 @@ def read_documents(inputs, text_field: str = "text", log: Callable[[str], None] 
     sources, refused = find_sources(files, log) if files or not datasets else ([], {})
     if not sources and not datasets:
         raise ValueError(nothing_to_read(inputs, refused))
+    for why, names in refused.items():  # (preprocess names them in its report and manifest instead)
+        if names:
+            more = f", ... ({len(names)} in all)" if len(names) > MAX_EXAMPLES else ""
+            log(f"skipped {len(names)} {why.replace('_', ' ')}: {', '.join(names[:MAX_EXAMPLES])}{more}")
 
     def documents() -> Iterator[str]:
         stats, n = new_stats(), 0

@@ -174,6 +174,19 @@ def test_train_reads_jsonl_text_and_directories_as_preprocess_does(tmp_path):
     assert tok.tokenizer_hash == expected.tokenizer_hash
 
 
+
+def test_train_names_the_files_it_skips_on_stderr(tmp_path, capsys):
+    """A directory's files of no known type (an archive, an image) are skipped silently by the reader
+    (preprocess names them in its report): train names them, one line per reason."""
+    (tmp_path / "a.txt").write_text("\n\n".join(iter_documents(max_bytes=5_000)), encoding="utf-8")
+    (tmp_path / "c4.json.tar").write_bytes(b"not text")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    RobertaTokenizer.train([tmp_path], vocab_size=300)
+    err = capsys.readouterr().err
+    assert f"skipped 2 unsupported files: {tmp_path / 'c4.json.tar'}, {tmp_path / 'image.png'}" in err
+    assert f"skipped 1 empty files: {tmp_path / 'empty.txt'}" in err
+
 def test_a_vocabulary_smaller_than_asked_is_reported():
     with pytest.warns(UserWarning, match=r"the tokenizer has (\d+) ids, fewer than vocab_size=50265") as record:
         tok = RobertaTokenizer.train_from_iterator(["a small corpus, a small vocabulary"] * 3, vocab_size=50265)
