@@ -32,6 +32,7 @@ _LAYER_RENAMES = {
 }
 _QKV = ("query", "key", "value")
 _HEADS = ("lm_head.", "classifier.", "qa_outputs.", "sbo.")  # task heads: same names in HF and here
+_LAYER_KEY = re.compile(rf"layers\.\d+\.(qkv|{'|'.join(_LAYER_RENAMES)})\.(weight|bias)")  # a layer's native keys
 # HF keys that carry no weights of ours: buffers, and the decoder tied to the embeddings.
 WEIGHT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # save_pretrained's shard file names
 _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_head\.decoder\.(weight|bias)$")
@@ -62,9 +63,15 @@ def _hf_names(key: str, prefix: str = "") -> list[str]:
 
 
 def native_to_hf(state_dict: dict, prefix: str = "") -> dict:
-    """Native state dict -> HF names; `prefix` ("roberta.") marks where the encoder starts."""
+    """Native state dict -> HF names; `prefix` ("roberta.") marks where the encoder starts. An encoder
+    layer's key that is no Linear's or LayerNorm's weight or bias (e.g. rf.quantize's `weight_int8`)
+    is refused: HF has no name for it, and passed through it would load as a missing weight."""
     out = {}
     for key, value in state_dict.items():
+        rest = key[len(prefix):]
+        if key.startswith(prefix) and rest.startswith("layers.") and not _LAYER_KEY.fullmatch(rest):
+            raise ValueError(f"state_dict key {key!r} is not an encoder layer's weight or bias, so it has no HF "
+                             "name (a quantized or packed model's state?): save the fp32 model's state_dict")
         names = _hf_names(key, prefix)
         if len(names) == 1:
             out[names[0]] = value
@@ -420,15 +427,15 @@ def save_pretrained(model, directory: str | os.PathLike, exclude_prefix: str | N
     from .files import atomic_path, write_text_atomic
     from .quantization import refuse_quantized
 
-    refuse_quantized(model, "save_pretrained")
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    refuse_quantized(model, "save_pretrained", state_dict)
     prefix = "roberta." if hasattr(model, "roberta") else ""
     state = model.state_dict() if state_dict is None else state_dict
     if exclude_prefix:
         state = {k: v for k, v in state.items() if not k.startswith(exclude_prefix)}
-    hf_state = native_to_hf(state, prefix)
+    hf_state = native_to_hf(state, prefix)  # (before the directory is made: it may refuse the state)
     hf_state = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
     shards = _shards(hf_state, _size_in_bytes(max_shard_size))
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]

@@ -602,8 +602,18 @@ def _quantized_as(model: nn.Module) -> tuple[str, torch.dtype, int | None]:
     return layer._kernel.engine, torch.qint8, layer.activation_bits
 
 
-def refuse_quantized(model: nn.Module, action: str):
-    """ValueError when `model` is quantized: `action` (e.g. saving) needs the fp32 weights."""
+# a quantized layer's state_dict names (its bias is named as nn.Linear's)
+QUANTIZED_STATE = tuple(sorted({name for layer in QUANTIZED_LAYERS for name in layer.STATE} - {"bias"}))
+
+
+def refuse_quantized(model: nn.Module, action: str, state_dict: dict | None = None):
+    """ValueError when `model`, or a `state_dict` given in place of its own (by its key names), is
+    quantized: `action` (e.g. saving) needs the fp32 weights."""
     if is_quantized(model):
         raise ValueError(f"cannot {action} a quantized model: its Linear layers hold int8 or fp16 weights, which "
                          "transformers and the fp32 classes do not read; keep the fp32 model and quantize after loading")
+    quantized = [key for key in state_dict or {} if key.rsplit(".", 1)[-1] in QUANTIZED_STATE]
+    if quantized:
+        raise ValueError(f"cannot {action} a quantized model's state_dict (it holds {quantized[0]!r} and "
+                         f"{len(quantized) - 1} more such keys): transformers and the fp32 classes read no int8 or "
+                         "fp16 weights; pass the fp32 model's state_dict and quantize after loading")

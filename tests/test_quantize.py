@@ -434,6 +434,24 @@ def test_quantized_models_refuse_training_gradients_and_saving(tmp_path, dtype):
             model.to(torch.bfloat16)(ids, attention_mask=mask)  # the int8 layers hold no tensor .to() could cast
 
 
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_a_quantized_state_dict_is_not_saved_under_a_plain_models_names(tmp_path, dtype):
+    """fp32_model.save_pretrained(d, state_dict=quantized.state_dict()) once wrote the int8 keys as they
+    were and no Linear weights (transformers then loaded a random encoder): refused, nothing written."""
+    fp32 = model_of("RobertaForSequenceClassification")
+    state = rf.quantize(copy.deepcopy(fp32), dtype=dtype).state_dict()
+    with pytest.raises(ValueError, match=r"quantized model's state_dict \(it holds 'roberta\.layers\.0\.qkv\.weight_"
+                                         r".*pass the fp32 model's state_dict"):
+        fp32.save_pretrained(tmp_path / "out", state_dict=state)
+    assert not (tmp_path / "out").exists()
+    # any other key of an encoder layer has no HF name either: refused by name, not passed through
+    state = {**fp32.state_dict(), "roberta.layers.1.ffn_in.weight_packed": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"'roberta\.layers\.1\.ffn_in\.weight_packed' is not an encoder layer's "
+                                         r"weight or bias.*save the fp32 model's state_dict"):
+        fp32.save_pretrained(tmp_path / "out", state_dict=state)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("engine", [None, "auto"])
 def test_a_quantized_state_dict_loads_into_a_quantized_model(engine):
     if not has_engine(engine or default_engine()):
