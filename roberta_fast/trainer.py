@@ -470,17 +470,18 @@ class Trainer:
         model = self.ddp or self.model
         model.train()
         per_micro = cfg.batch_size * w  # sequences of one micro-step over all ranks
-        # counts and loss sums: (MLM, SBO); each loss is a mean over its own predicted tokens
-        masked, counts = [], torch.zeros(2, dtype=torch.float32, device=self.device)
+        # counts: (MLM predicted, SBO predicted, non-pad tokens); each loss is a mean over its own predicted tokens
+        masked, counts = [], torch.zeros(3, dtype=torch.float32, device=self.device)
         tokens = 0
         for m, batch in enumerate(micro_batches):
             offset = m * per_micro + self.dist.rank * cfg.batch_size  # the row's position in the step (BatchLoader)
             inputs, labels, extra = self.mask(batch, self.step, offset, cfg.seed)
-            counts += self.predicted_counts(labels, extra)
+            counts[:2] += self.predicted_counts(labels, extra)
             tokens += int(batch["attention_mask"].sum())
             masked.append((inputs, labels, extra))
-        self.dist.all_reduce(counts)  # predicted tokens of the whole step, all ranks
-        factors = (w * self.scaler.scale) / counts.clamp_min(1.0)  # DDP averages: x world_size
+        counts[2] = tokens  # this rank's; ranks' rows differ in padding (exact below 2^24 tokens a step)
+        self.dist.all_reduce(counts)  # the whole step's counts, all ranks
+        factors = (w * self.scaler.scale) / counts[:2].clamp_min(1.0)  # DDP averages: x world_size
         loss_sums = torch.zeros(2, dtype=torch.float32, device=self.device)
         for m, (inputs, labels, extra) in enumerate(masked):
             last = m == len(masked) - 1
@@ -498,9 +499,10 @@ class Trainer:
         if not found_inf:
             self.schedule.step()
         self.step += 1
-        self.tokens_seen += tokens * w
+        tokens = int(counts[2])  # all ranks' non-pad tokens (read after the optimizer's sync: no extra wait)
+        self.tokens_seen += tokens
         return {"loss_sum": loss_sums[0], "count": counts[0], "sbo_loss_sum": loss_sums[1], "sbo_count": counts[1],
-                "lr": lr, "grad_norm": grad_norm, "skipped": found_inf, "tokens": tokens * w}
+                "lr": lr, "grad_norm": grad_norm, "skipped": found_inf, "tokens": tokens}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -294,19 +294,23 @@ def _ddp_worker(rank, world, port, dataset, out, steps, result):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    trainer = Trainer(small_config(dataset, out, batch_size=2, grad_accum=2, dropout=0.0), log=lambda *a: None)
+    trainer = Trainer(small_config(dataset, out, batch_size=2, grad_accum=2, dropout=0.0, mode="doc", seq_len=64),
+                      log=lambda *a: None)
     grads = _record_grads(trainer)
     try:
         assert trainer.ddp is not None and trainer.global_batch == 8
-        rows, norms = [], []
+        rows, norms, tokens = [], [], []
         for _ in range(steps):  # each rank's own rows, from its own loader (no_sync on micro-step 0)
             micro = trainer.next_micro_batches()
             rows.append([batch["input_ids"] for batch in micro])
-            norms.append(trainer.train_step(micro)["grad_norm"])
+            stats = trainer.train_step(micro)
+            norms.append(stats["grad_norm"])
+            tokens.append(stats["tokens"])
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, rows)
         if rank == 0:
-            torch.save({"params": _params(trainer), "norms": norms, "grads": grads, "rows": everyone}, result)
+            torch.save({"params": _params(trainer), "norms": norms, "grads": grads, "rows": everyone, "tokens": tokens,
+                        "tokens_seen": trainer.tokens_seen}, result)
         trainer.dist.barrier()  # leave the group together: a rank gone early aborts gloo's other rank
     finally:
         trainer.close()
@@ -315,11 +319,15 @@ def _ddp_worker(rank, world, port, dataset, out, steps, result):
 def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
     """2 gloo processes x 2 accumulated micro-batches of 2 == 1 process with batches of 8: the same
     rows in each step, masked alike (a mask follows the row's position in its step, which once
-    differed between the ranks' interleaved rows and one process's), so the same update."""
-    single = Trainer(small_config(dataset, tmp_path / "single", batch_size=8, dropout=0.0))
+    differed between the ranks' interleaved rows and one process's), so the same update. DOC-SENTENCES
+    rows end in padding, so the ranks' non-pad tokens differ: tokens (tokens_seen, tokens/s, MFU) are
+    their sum, not rank 0's times 2 as they once were."""
+    single = Trainer(small_config(dataset, tmp_path / "single", batch_size=8, dropout=0.0, mode="doc", seq_len=64))
     grads = _record_grads(single)
     batches = [single.next_micro_batches()[0] for _ in range(2)]
-    norms = [single.train_step([batch])["grad_norm"] for batch in batches]
+    stats = [single.train_step([batch]) for batch in batches]
+    norms, tokens = [s["grad_norm"] for s in stats], [s["tokens"] for s in stats]
+    assert tokens == [int(batch["attention_mask"].sum()) for batch in batches] and sum(tokens) < 2 * 8 * 64
     result = str(tmp_path / "ddp.pt")
     mp.spawn(_ddp_worker, args=(2, _free_port(), dataset, str(tmp_path / "ddp"), 2, result), nprocs=2)
     ddp = torch.load(result)
@@ -327,6 +335,7 @@ def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
         ranks = [ddp["rows"][rank][step] for rank in range(2)]
         assert torch.equal(torch.cat([ranks[r][m] for m in range(2) for r in range(2)]), batch["input_ids"])
     assert ddp["norms"] == pytest.approx(norms, rel=1e-5)
+    assert ddp["tokens"] == tokens and ddp["tokens_seen"] == single.tokens_seen == sum(tokens)
     _assert_same_training(ddp["grads"], ddp["params"], grads, _params(single), single.cfg.lr)
 
 
