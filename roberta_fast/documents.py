@@ -31,6 +31,10 @@ one long document reads nothing), whole files
 one worker, streaming, in bounded memory), row groups (Parquet: memory holds one row group's
 text column at a time) and record batches (Arrow, memory-mapped).
 
+NUL bytes: in the first SNIFF_BYTES they mark a binary file, refused by name; past them (a log
+zero-filled after a crash) each line (JSONL: record) holding one is dropped and counted as
+`nul_lines` (a line longer than READ_BLOCK from the block holding the NUL on).
+
 Locations: a counted problem names `file@byteN` (text and JSONL, offsets into the
 decompressed text) or `file@rowN` (tables). A damaged file (truncated gzip, corrupt zstd
 frame, unreadable Parquet) raises `DamagedInputError` naming the file, the format and how far
@@ -708,6 +712,9 @@ class SegmentReader:
             pos += len(raw)
             if offset[0] == 0 and self.start == 0:  # a UTF-8 byte order mark marks the encoding: not text
                 raw = raw.removeprefix(codecs.BOM_UTF8)
+            if b"\x00" in raw:  # a zero-filled region (a log after a crash): not JSON, not text
+                note(stats, "nul_lines", where())
+                continue
             if _is_blank(raw):
                 stats["blank_jsonl_lines"] += 1
                 continue
@@ -728,6 +735,7 @@ class SegmentReader:
         in_doc = first = False
         newline = ""  # "\n" owed before the next line of the document
         at_line_start = True
+        dropping = False  # the rest of a line holding a NUL byte is dropped too
         while not exact or pos < end:
             offset[0] = pos
             raw = f.readline(READ_BLOCK)
@@ -736,6 +744,15 @@ class SegmentReader:
             pos += len(raw)
             if offset[0] == 0 and self.start == 0:  # a UTF-8 byte order mark marks the encoding: not text
                 raw = raw.removeprefix(codecs.BOM_UTF8)
+            if dropping or b"\x00" in raw:  # a zero-filled region (a log after a crash): not text
+                if not dropping:
+                    note(stats, "nul_lines", self._where())
+                    dec.reset()  # (a character cut at the block before belongs to the line dropped)
+                at_line_start = raw.endswith(b"\n")
+                dropping = not at_line_start
+                if at_line_start and in_doc:
+                    newline = "\n"  # the line ended: the next one starts a line of its own
+                continue
             whole_line = at_line_start and raw.endswith(b"\n")
             at_line_start = raw.endswith(b"\n")
             text = dec.decode(raw)
@@ -799,7 +816,7 @@ def new_stats() -> dict:
     """The counts a reading keeps (and the preprocess manifest reports)."""
     keys = ["bytes", "documents", "tokens", "pieces", "hard_splits", "invalid_utf8_replaced",
             "lone_surrogates_replaced", "empty_documents", "blank_files", "bad_json_lines", "records_without_text",
-            "blank_jsonl_lines", "valid_added"]
+            "blank_jsonl_lines", "nul_lines", "valid_added"]
     return {**{k: 0 for k in keys}, "examples": {}}
 
 
@@ -887,7 +904,7 @@ def nothing_to_read(inputs, refused: dict, counts: dict | None = None) -> str:
     why = [f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
            for k, v in refused.items() if v]
     why += [f"{v} {k.replace('_', ' ')}" for k, v in (counts or {}).items()
-            if v and k in ("empty_documents", "blank_files", "bad_json_lines", "records_without_text")]
+            if v and k in ("empty_documents", "blank_files", "bad_json_lines", "records_without_text", "nul_lines")]
     return (f"no document to read in {', '.join(names)}" + (f": {'; '.join(why)}" if why else "")
             + f"; pass text files ({', '.join(sorted(TEXT_EXTS))}, documents separated by blank lines), JSONL "
               "(the text under --text-field), either compressed (.gz .bz2 .xz .zst), Parquet or Arrow files "

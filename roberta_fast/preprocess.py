@@ -51,9 +51,11 @@ different inputs or options are refused unless --overwrite.
 
 Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced by
 U+FFFD and counted, naming the files (as are lone surrogates escaped in JSON), empty files
-and empty documents are skipped and counted, files with NUL bytes (binary) are refused by
-name, undecodable JSONL lines are counted with their byte offsets; the final report prints
-every count and the manifest keeps them. A damaged file (a truncated .gz, a corrupt zstd
+and empty documents are skipped and counted, files with NUL bytes in their first 8 KiB (binary)
+are refused by name, lines (JSONL records) holding a NUL byte further on (a log zero-filled after
+a crash) are dropped and counted (nul_lines), undecodable JSONL lines are counted with their byte
+offsets; the final report prints every count
+and the manifest keeps them. A damaged file (a truncated .gz, a corrupt zstd
 frame, an unreadable Parquet file) stops the run with an error naming it and how far it got
 (documents, byte or row); the chunks already finished are kept, so the rerun resumes. With
 --skip-damaged it is left out instead (for a zstd file of several frames: the runs of frames

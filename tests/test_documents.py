@@ -374,3 +374,27 @@ def test_a_json_file_of_lines_is_jsonl_and_a_json_document_is_refused(tmp_path):
     assert f"refusing {d / 'pretty.json'}: its first line is not JSON" in said
     assert f"{tmp_path / 'noext'} holds JSONL (its first bytes say so)" in said
     assert list(documents.read_documents([tmp_path / "noext"], log=log.append)) == DOCS[6:8]
+
+
+def test_nul_bytes_past_the_sniffed_head_are_dropped_and_counted(tok, tmp_path):
+    """NUL bytes after the first 8 KiB (a log zero-filled after a crash) never reach the shards: each
+    line (or JSONL record) holding one is dropped, counted as nul_lines and located, the rest read."""
+    text = txt_bytes(DOCS)
+    assert len(text) > documents.SNIFF_BYTES  # the NULs lie past the head that marks binary files
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "crashed.txt").write_bytes(text + b"\n" + b"\x00" * 65536 + b"\n")
+    lines = b"a line\n" * 2000  # a document running on past the NUL line
+    (d / "mid.txt").write_bytes(lines + b"\x00\x00 half written\nlast line\n\nnext document\n")
+    (d / "records.jsonl").write_bytes(jsonl_bytes(DOCS[:2]) + b"\x00" * 100 + b"\n" + jsonl_bytes(DOCS[2:3]))
+    m, log = run([d], tok, tmp_path / "out", valid_fraction=0.0)
+    assert m["counts"]["nul_lines"] == 3 and "nul_lines: 3" in log
+    assert m["examples"]["nul_lines"] == [f"crashed.txt@byte{len(text) + 1}", f"mid.txt@byte{len(lines)}",
+                                          f"records.jsonl@byte{len(jsonl_bytes(DOCS[:2]))}"]
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "clean" / "crashed.txt").write_bytes(text)
+    (tmp_path / "clean" / "mid.txt").write_bytes(lines + b"last line\n\nnext document\n")
+    (tmp_path / "clean" / "records.jsonl").write_bytes(jsonl_bytes(DOCS[:3]))
+    want, _ = run([tmp_path / "clean"], tok, tmp_path / "want", valid_fraction=0.0)
+    assert shard_docs(tmp_path / "out") == shard_docs(tmp_path / "want")
+    assert m["counts"]["documents"] == want["counts"]["documents"] == len(DOCS) + 2 + 3
