@@ -2,7 +2,7 @@
 heads (sequence and token classification, question answering, multiple choice).
 
 Computes exactly Hugging Face's `RobertaModel`, `RobertaForMaskedLM` and `RobertaFor*` heads
-(tested against `transformers` itself; outputs are pytree dataclasses, so torch.export takes them), with two layout differences that `roberta_fast.hf` converts:
+(tested against `transformers` itself; outputs are dicts as transformers', and pytree nodes, so torch.export takes them), with two layout differences that `roberta_fast.hf` converts:
 Q, K and V are one fused (3·hidden, hidden) projection, and the MLM decoder has no
 weight of its own (it reads the word embeddings, i.e. is tied by construction).
 
@@ -11,8 +11,12 @@ reference or the fused Triton kernels (`backend`); the weights are the same eith
 """
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,55 +33,77 @@ CPU_GROUP_TOKENS = 1024  # RobertaModel.encode: CPU inference runs larger batche
 
 
 # ----------------------------------------------------------------------- outputs
-class ModelOutput:
-    """transformers' ModelOutput behaviour on a dataclass, over the fields that are not None:
-    attributes, out["logits"], out[0] and slices, keys() / values() / items(), iteration over
-    the keys, "logits" in out, len(out) and to_tuple(). Not a dict (as transformers' is), so
-    torch.export takes it as a pytree dataclass; under torch.jit.trace the models return
-    to_tuple() instead (TorchScript takes tuples; _PreTrained._result)."""
+class DictOutput(collections.OrderedDict):
+    """transformers' ModelOutput where transformers is not installed: a dataclass that is also a
+    dict of its fields that are not None. Attributes, out["logits"], out[0] and slices, keys() /
+    values() / items(), "logits" in out, len(out), to_tuple(), out["key"] = value."""
 
-    def items(self):
-        return [(k, v) for k, v in self.__dict__.items() if v is not None]
+    def __post_init__(self):  # the dataclass __init__ has filled the dict through __setattr__
+        names = list(self.__dataclass_fields__)
+        first = getattr(self, names[0])
+        if isinstance(first, Mapping) and all(getattr(self, n) is None for n in names[1:]):
+            setattr(self, names[0], None)  # Output({"logits": ...}), as transformers' pipelines rebuild one
+            for key, value in first.items():
+                if key not in names:
+                    raise TypeError(f"{type(self).__name__} has no field {key!r}")
+                setattr(self, key, value)
 
-    def keys(self):
-        return [k for k, _ in self.items()]
+    def __setattr__(self, name, value):
+        if name in self.__dataclass_fields__:
+            if value is None:
+                self.pop(name, None)
+            else:
+                super().__setitem__(name, value)
+        super().__setattr__(name, value)
 
-    def values(self):
-        return [v for _, v in self.items()]
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)  # as transformers': a key that is no field is kept in the dict only
+        if key in self.__dataclass_fields__:
+            super().__setattr__(key, value)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return super().__getitem__(key)  # KeyError for a field that is None, as transformers'
+        return self.to_tuple()[key]
+
+    def __reduce__(self):  # pickle / copy by fields (a dict's reduce would call cls() and set items)
+        return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def to_tuple(self):
         return tuple(self.values())
 
-    def get(self, key, default=None):
-        return self[key] if key in self else default
 
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            if key not in self:  # transformers' KeyError for a field that is None
-                raise KeyError(key)
-            return getattr(self, key)
-        return self.to_tuple()[key]
+try:  # transformers' own base where installed: its Trainer and pipelines test isinstance(out, ModelOutput)
+    from transformers.utils import ModelOutput as _OutputBase
+except ImportError:
+    _OutputBase = DictOutput
 
-    def __iter__(self):
-        return iter(self.keys())
 
-    def __contains__(self, key):
-        return key in self.keys()
-
-    def __len__(self):
-        return len(self.keys())
+class ModelOutput(_OutputBase):
+    """The models' outputs: dataclasses that are dicts of their fields that are not None, on
+    transformers' ModelOutput (DictOutput without transformers), so what transformers' code does
+    with an output (out.logits, out["logits"], out[0], isinstance(out, dict), rebuilding one from
+    a dict) works. Pytree nodes, so torch.export returns them; under torch.jit.trace the models
+    return to_tuple() instead (TorchScript takes tuples; _PreTrained._result)."""
 
 
 def _output(cls):
-    """@dataclass, and registered as a pytree node so torch.export / torch.onnx.export can return it."""
+    """@dataclass, registered as a pytree node so torch.export / torch.onnx.export can return it
+    (transformers' ModelOutput registers its subclasses itself)."""
     cls = dataclass(cls)
-    torch.utils._pytree.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    if cls not in torch.utils._pytree.SUPPORTED_NODES:
+        torch.utils._pytree.register_pytree_node(
+            cls, lambda out: (list(out.values()), list(out.keys())),
+            lambda values, keys: cls(**dict(zip(keys, values))),
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+            flatten_with_keys_fn=lambda out: ([(torch.utils._pytree.MappingKey(k), v) for k, v in out.items()],
+                                              list(out.keys())))
     return cls
 
 
 @_output
 class BaseModelOutput(ModelOutput):
-    last_hidden_state: torch.Tensor
+    last_hidden_state: torch.Tensor | None = None
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
@@ -587,8 +613,16 @@ class _PreTrained(nn.Module):
         return self.base_model.embeddings.word_embeddings
 
     def set_input_embeddings(self, value: nn.Embedding):
-        """Replace the word embeddings; the MLM decoder reads them, so it stays tied."""
+        """Replace the word embeddings; the MLM decoder reads them, so it stays tied, and its bias
+        follows their size (kept entries, zeros added), as transformers' re-tied bias."""
         self.base_model.embeddings.word_embeddings = value
+        for name in self._vocab_bias_heads:
+            head = getattr(self, name, None)
+            if head is not None and head.bias.shape[0] != value.num_embeddings:  # (vocab,) -> (new vocab,)
+                with torch.no_grad():
+                    bias = F.pad(head.bias.detach()[:value.num_embeddings],
+                                 (0, max(value.num_embeddings - head.bias.shape[0], 0)))
+                head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
 
     def get_output_embeddings(self) -> nn.Linear | None:
         """The MLM decoder as transformers exposes it: a Linear whose weight IS the word embeddings'
@@ -630,23 +664,24 @@ class _PreTrained(nn.Module):
             new.weight[:kept] = old.weight[:kept]
             if added > 0:
                 new.weight[kept:] = _added_embeddings(old.weight, added, mean_resizing, self.config.initializer_range)
-            for name in self._vocab_bias_heads:
-                head = getattr(self, name, None)
-                if head is not None:  # (vocab,) -> (new_num_tokens,), zeros added
-                    bias = F.pad(head.bias.detach()[:kept], (0, max(added, 0)))
-                    head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
         new.weight.requires_grad_(old.weight.requires_grad)
-        self.set_input_embeddings(new)
+        self.set_input_embeddings(new)  # resizes the decoder bias too
         self.config.vocab_size = new_num_tokens
         return new
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
-                                      activation_checkpointing_kwargs: dict | None = None):
-        """Recompute each encoder layer's activations in the backward pass instead of storing them:
+                                      activation_checkpointing_kwargs: dict | None = None,
+                                      every_n_layers: int = 1, offload: bool = False):
+        """Recompute encoder layers' activations in the backward pass instead of storing them:
         the same gradients (dropout replays the same RNG state), less activation memory.
-        torch.utils.checkpoint with use_reentrant=False unless the kwargs (either name) say."""
+        torch.utils.checkpoint with use_reentrant=False unless the kwargs (either name) say. As
+        transformers 5: every_n_layers=n checkpoints layers 0, n, 2n, ... only; offload=True keeps
+        the inputs saved for the recompute in host memory (torch.autograd.graph.save_on_cpu)."""
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}")
         kwargs = gradient_checkpointing_kwargs or activation_checkpointing_kwargs or {}
         self.base_model.checkpointing = {"use_reentrant": False, **kwargs}
+        self.base_model.checkpoint_every, self.base_model.checkpoint_offload = every_n_layers, bool(offload)
 
     def gradient_checkpointing_disable(self):
         self.base_model.checkpointing = None
@@ -745,6 +780,7 @@ class RobertaModel(_PreTrained):
         self.cpu_group_tokens = CPU_GROUP_TOKENS  # None: CPU inference runs each batch whole
         # torch.utils.checkpoint's kwargs while gradient checkpointing is on (transformers' config flag too)
         self.checkpointing = {"use_reentrant": False} if config.extra.get("gradient_checkpointing") else None
+        self.checkpoint_every, self.checkpoint_offload = 1, False  # gradient_checkpointing_enable's options
         self.apply(self._init_weights)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -865,8 +901,11 @@ class RobertaModel(_PreTrained):
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1  # the head casts its own (fewer) rows
             args = (x, attention_mask, backend, packed, output_attentions, x_cast, None if last else cast_dtype)
-            if self.checkpointing is not None and self.training and torch.is_grad_enabled():
-                x, x_cast, probs = torch.utils.checkpoint.checkpoint(layer, *args, **self.checkpointing)
+            if (self.checkpointing is not None and self.training and torch.is_grad_enabled()
+                    and i % self.checkpoint_every == 0):
+                with (torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if self.checkpoint_offload
+                      else contextlib.nullcontext()):
+                    x, x_cast, probs = torch.utils.checkpoint.checkpoint(layer, *args, **self.checkpointing)
             else:
                 x, x_cast, probs = layer(*args)
             states.append(x)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ from torch import nn
 from . import hub, ops
 from .config import RobertaConfig
 from .hf import _DOWNLOAD_KWARGS
-from .model import ModelOutput, RobertaForMaskedLM, check_inputs
+from .model import ModelOutput, RobertaForMaskedLM, _output, check_inputs
 
 SBO_WEIGHTS = "sbo.safetensors"
 _WORDS = "roberta.embeddings.word_embeddings.weight"
@@ -111,12 +110,12 @@ class SpanBoundaryHead(nn.Module):
         return ops.cross_entropy(logits, target, reduction, backend), index.numel()
 
 
-@dataclass
+@_output
 class SpanBertOutput(ModelOutput):
     loss: torch.Tensor | None = None  # mlm_loss + sbo_loss ("mean"); None with "sum" (normalise each yourself)
     mlm_loss: torch.Tensor | None = None
     sbo_loss: torch.Tensor | None = None
-    sbo_targets: int = 0  # tokens the SBO predicted (the MLM predicts every labelled one)
+    sbo_targets: int | None = None  # tokens the SBO predicted (the MLM predicts every labelled one)
     logits: torch.Tensor | None = None  # MLM logits, (num_predicted, vocab)
 
 

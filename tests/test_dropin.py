@@ -457,6 +457,7 @@ def label_kwargs(cls, seed=0):
 
 def assert_same_outputs(got, want):
     """got behaves as transformers' ModelOutput `want`: the same keys, in order, and values."""
+    assert isinstance(got, transformers.utils.ModelOutput)  # Trainer and pipelines test it
     assert list(got.keys()) == list(want.keys()) == list(got) == [k for k, _ in got.items()]
     assert len(got) == len(want) and len(got.to_tuple()) == len(want.to_tuple()) == len(got.values())
     for key, value in want.items():
@@ -470,6 +471,12 @@ def assert_same_outputs(got, want):
         assert key not in got and got.get(key) is None
         with pytest.raises(KeyError):
             got[key]
+
+
+def test_outputs_are_dicts_and_export_without_transformers_installed():
+    script = os.path.join(os.path.dirname(__file__), "dropin_without_transformers.py")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("cls", DROPIN)
@@ -584,3 +591,48 @@ def test_gradient_checkpointing_gives_the_same_gradients(backend):
     with torch.no_grad():  # inference never checkpoints
         model(ids, attention_mask=mask)
     assert len(calls) == 4
+
+
+def test_checkpointing_every_n_layers_and_offloaded_as_transformers_5():
+    """transformers 5's Trainer passes every_n_layers and offload: every_n_layers=2 recomputes layers
+    0, 2, ... only; offload keeps the saved inputs on the host; the gradients stay the same."""
+    config = rf.RobertaConfig(**{**FIELDS, "num_hidden_layers": 3})
+    model = rf.RobertaForMaskedLM(config, backend="reference").train()
+    ids, mask = padded_batch("right", seed=10)
+    labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
+    calls = [0] * 3
+    for i, layer in enumerate(model.roberta.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    grads = []
+    for options in ({}, {"every_n_layers": 2}, {"every_n_layers": 2, "offload": True}):
+        calls[:] = [0] * 3
+        model.activation_checkpointing_enable(**options)
+        model.zero_grad()
+        torch.manual_seed(1)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        assert calls == ([2, 2, 2] if not options else [2, 1, 2]), options
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for other in grads[1:]:
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(other[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="every_n_layers must be a positive integer, got 0"):
+        model.gradient_checkpointing_enable(every_n_layers=0)
+
+
+@pytest.mark.parametrize("new_size", [FIELDS["vocab_size"] + 9, FIELDS["vocab_size"] - 5])
+def test_set_input_embeddings_resizes_the_tied_decoder_bias_as_transformers(new_size):
+    """A new embedding table of another size: the MLM decoder reads it, so its bias follows
+    (kept entries, zeros added), as transformers' tie_weights pads or cuts the re-tied bias."""
+    hf = hf_model("RobertaForMaskedLM")
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf, backend="reference").eval()
+    torch.manual_seed(3)
+    table = torch.randn(new_size, FIELDS["hidden_size"])
+    for model in (hf, ours):
+        model.set_input_embeddings(torch.nn.Embedding.from_pretrained(table.clone(), freeze=False, padding_idx=1))
+    hf.tie_weights()
+    ids = torch.randint(3, min(new_size, FIELDS["vocab_size"]), (2, 9))
+    with torch.no_grad():
+        want, got = hf(input_ids=ids).logits, ours(ids).logits
+    assert got.shape == want.shape == (2, 9, new_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ours.lm_head.bias.requires_grad

@@ -133,3 +133,77 @@ def test_a_lora_adapter_trained_on_transformers_model_comes_over_merged(tmp_path
     ours.roberta.unpad = False
     with torch.no_grad():
         torch.testing.assert_close(ours(**data).logits, merged(**data).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer of FIELDS' vocab size, saved where transformers' AutoTokenizer reads it."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    text = ["the cat sat on the mat", "a much longer sentence with more words in it", "short"] * 20
+    rf.RobertaTokenizer.train_from_iterator(text, vocab_size=300, min_frequency=1).save(path)
+    return path
+
+
+def twins(cls, tokenizer_dir, **extra):
+    """transformers' `cls` with random weights (vocab sized to the tokenizer) and the drop-in loaded from it."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls)(transformers.RobertaConfig(**{**FIELDS, "vocab_size": len(tok), **extra})).eval()
+    return tok, hf, getattr(rf, cls).from_pretrained(hf, backend="reference").eval()
+
+
+@pytest.mark.parametrize("task, cls, call", [
+    ("fill-mask", "RobertaForMaskedLM", lambda p: p("the cat <mask> on the mat", top_k=3)),
+    ("text-classification", "RobertaForSequenceClassification",
+     lambda p: p(["short", "a much longer sentence"], batch_size=2, top_k=None)),
+    ("feature-extraction", "RobertaModel", lambda p: p(["short", "a much longer sentence"], batch_size=2)),
+])
+def test_pipelines_take_the_dropin_as_transformers_model(tokenizer_dir, task, cls, call):
+    """Pipelines assign into outputs, rebuild them from dicts per row (batch_size > 1) and read them by
+    position: the outputs must be transformers' ModelOutputs, not only behave like them."""
+    tok, hf, ours = twins(cls, tokenizer_dir)
+    want, got = (call(transformers.pipeline(task, model=m, tokenizer=tok, device="cpu")) for m in (hf, ours))
+    if task == "feature-extraction":  # at the real tokens (the unpadded path leaves zeros at pads)
+        for text, g, w in zip(["short", "a much longer sentence"], got, want, strict=True):
+            real = len(tok(text).input_ids)
+            torch.testing.assert_close(torch.tensor(g)[:, :real], torch.tensor(w)[:, :real], rtol=1e-4, atol=1e-5)
+        return
+    flat = [r for rows in (want, got) for r in (rows if isinstance(rows[0], dict) else sum(rows, []))]
+    half = len(flat) // 2
+    assert [r["label" if "label" in r else "token"] for r in flat[:half]] == [
+        r["label" if "label" in r else "token"] for r in flat[half:]]
+    assert [r["score"] for r in flat[half:]] == pytest.approx([r["score"] for r in flat[:half]], rel=1e-4)
+
+
+def test_trainer_predict_with_label_smoothing_returns_the_logits(tmp_path, tokenizer_dir):
+    """With label smoothing the Trainer pops the labels, so the output has no loss; it then reads the
+    logits from the output as a dict (it took out[1:] of a non-dict, which dropped them)."""
+    _, hf, ours = twins("RobertaForSequenceClassification", tokenizer_dir, num_labels=3)
+    rows = batch(rows=6)
+    rows["labels"] %= 3
+    dataset = [{k: v[i] for k, v in rows.items()} for i in range(6)]
+    predictions = []
+    for model in (hf, ours):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, report_to=[],
+                                              use_cpu=True, per_device_eval_batch_size=4)
+        predictions.append(transformers.Trainer(model=model, args=args).predict(dataset).predictions)
+    assert predictions[1].shape == (6, 3)
+    torch.testing.assert_close(torch.as_tensor(predictions[1]), torch.as_tensor(predictions[0]), rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_with_gradient_checkpointing_trains_as_without(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): transformers 5's Trainer calls
+    activation_checkpointing_enable(..., every_n_layers=, offload=); the steps equal those without."""
+    rows = batch(rows=8)
+    dataset = [{k: v[i] for k, v in rows.items()} for i in range(8)]
+    stepped = []
+    for checkpointing in (False, True):
+        _, model = classifier()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(checkpointing)), max_steps=2, learning_rate=1e-2,
+            per_device_train_batch_size=4, gradient_checkpointing=checkpointing, report_to=[], save_strategy="no",
+            use_cpu=True, seed=0)
+        transformers.Trainer(model=model, args=args, train_dataset=dataset).train()
+        assert model.is_gradient_checkpointing == checkpointing
+        stepped.append(model.classifier.out_proj.weight.detach().clone())
+    torch.testing.assert_close(stepped[1], stepped[0], rtol=1e-5, atol=1e-6)
