@@ -94,7 +94,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start_step or None)
+                # purge what a resumed run redoes: the steps after its checkpoint's, not that step's own records
+                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"),
+                                            purge_step=start_step + 1 if start_step else None)
             except ImportError:  # tensorboard not installed: JSONL only
                 self.writer = None
 

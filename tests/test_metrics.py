@@ -48,6 +48,22 @@ def test_resume_appends_and_never_rewrites(tmp_path):
     assert {"kind": "train", "step": 4, "loss": 2.0} in read_metrics(tmp_path / "metrics.jsonl", raw=True)
 
 
+def test_tensorboard_purges_only_the_steps_a_resume_redoes(tmp_path, monkeypatch):
+    """Resumed from step 4, TensorBoard drops the records of steps 5 on (redone), not step 4's own
+    (its train line and eval come before the checkpoint and are not logged again): purge_step 5."""
+    import sys
+    import types
+
+    made = []
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = lambda log_dir, purge_step=None: made.append(purge_step) or types.SimpleNamespace(
+        add_scalar=lambda *a: None, close=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    MetricsLogger(tmp_path, total_steps=10, progress=False).close()
+    MetricsLogger(tmp_path, total_steps=10, start_step=4, progress=False).close()
+    assert made == [None, 5]
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     log = MetricsLogger(tmp_path / "rank1", total_steps=5, enabled=False)
     log.log({"kind": "train", "step": 1, "loss": 1.0})
