@@ -141,6 +141,11 @@ def _check_activation_range(engine: str, qmax: int):
     """ValueError unless `engine`'s kernels compute activations in [0, qmax] exactly on this CPU."""
     if qmax not in (ACTIVATION_QMAX, 255):
         raise ValueError(f"int8 activations take 7 or 8 bits (qmax 127 or 255), got qmax {qmax}")
+    if engine == "qnnpack" and qmax != 255:  # it ignores reduce_range: eager would differ from its export
+        raise ValueError("7-bit int8 activations on the qnnpack engine: its kernels quantize activations to 8 bits "
+                         "whatever is asked (they ignore reduce_range), so the model would not compute what it reports "
+                         "and exports; quantize the fp32 model with activation_bits=8 or None on qnnpack, or on "
+                         "another engine (fbgemm, onednn) for 7 bits")
     if qmax == 255 and not sums_8bit_activations_exactly(engine):
         raise ValueError(f"8-bit int8 activations would saturate on this CPU's {engine} kernels: without VNNI or "
                          "AMX (or under an ISA cap such as ONEDNN_MAX_CPU_ISA) they add u8*s8 product pairs into "
@@ -161,8 +166,10 @@ def sums_8bit_activations_exactly(engine: str) -> bool:
     them (`vpdpbusd`, AMX tiles) products add into int32. Two checks must both pass: the CPU's
     flags, and a worst-case matmul (every product 255 * 127, paired) run on the kernels. The
     matmul catches an ISA cap such as ONEDNN_MAX_CPU_ISA; the flags catch a CPU whose library
-    picks a non-saturating kernel for the probe's small shape but not for a layer's."""
-    if not has_int8_dot_products():
+    picks a non-saturating kernel for the probe's small shape but not for a layer's. qnnpack needs no
+    VNNI (its kernels widen u8 and s8 to int16 before multiplying, pmaddwd / vmlal into int32), and
+    runs 8 bits anyway: the probe alone decides there."""
+    if not has_int8_dot_products() and engine != "qnnpack":
         return False
     if engine == "auto":
         return sums_8bit_activations_exactly("onednn") and sums_8bit_activations_exactly("fbgemm")
@@ -513,7 +520,8 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     engine None or "fbgemm").
     activation_bits: 8, 7, or None (the default): 8 where this CPU's kernels sum 8-bit u8*s8
     products exactly (VNNI or AMX; sums_8bit_activations_exactly), else 7. An ONNX export keeps
-    the bits: for CPUs without VNNI, export a model quantized with 7.
+    the bits: for CPUs without VNNI, export a model quantized with 7. qnnpack runs 8 on every
+    CPU (it ignores reduce_range): its default is 8, and 7 is refused there.
     """
     slots = encoder_linears(model, "rf.quantize")
     if dtype not in (torch.qint8, torch.float16):

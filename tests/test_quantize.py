@@ -617,6 +617,29 @@ def test_8bit_activations_are_refused_where_the_kernels_would_saturate(monkeypat
             copy.deepcopy(eight)
 
 
+@pytest.mark.skipif(not has_engine("qnnpack"), reason="this torch build has no qnnpack quantized engine")
+def test_the_qnnpack_engine_runs_8bit_activations_on_every_cpu(monkeypatch):
+    """qnnpack ignores reduce_range: a layer asked for 7 bits reported 7 and ran 8, so eager differed
+    from its own export (int8_linear_ref at qmax 127). 7 is refused there, and the default is 8 even
+    on a CPU without VNNI, where the other engines' default is 7; eager then computes its export's 8 bits."""
+    with pytest.raises(ValueError, match="7-bit int8 activations on the qnnpack engine.*activation_bits=8 or None"):
+        rf.quantize(model_of("RobertaModel"), engine="qnnpack", activation_bits=7)
+    monkeypatch.setattr(rf.quantization, "has_int8_dot_products", lambda: False)  # a CPU without VNNI
+    sums_8bit_activations_exactly.cache_clear()
+    try:
+        assert not sums_8bit_activations_exactly("fbgemm")
+        model = rf.quantize(model_of("RobertaModel"), engine="qnnpack")
+        assert {m.activation_bits for m in model.modules() if isinstance(m, Int8Linear)} == {8}
+    finally:
+        sums_8bit_activations_exactly.cache_clear()  # the real CPU's answers for the other tests
+    torch.manual_seed(0)
+    q = model.layers[0].ffn_in
+    x = torch.randn(16, TINY["hidden_size"])
+    with torch.inference_mode():
+        torch.testing.assert_close(q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias, 255),
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_the_saturation_probe_sees_an_isa_without_vnni():
     """oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA) adds u8*s8 pairs into int16 whatever the CPU: the
     probe must see it (measured here: 8-bit activations 9% off on that kernel), so the default is 7
