@@ -12,8 +12,10 @@ checkpoint's step s and redoes the steps after it, so `MetricsLogger(..., start_
 appends a marker line {"kind": "resume", "step": s}; `read_metrics` drops the records
 before a marker whose step is past s (the steps redone), so the file reads as if the run
 had never stopped, while the raw file (`read_metrics(path, raw=True)`) keeps every line
-ever written, the abandoned steps included. TensorBoard scalars are
-written when the `tensorboard` package is installed, the PNG plot when matplotlib is.
+ever written, the abandoned steps included. A run that starts over (`from_scratch=True`: no
+checkpoint, so it redoes step 0's evaluation too) marks step -1, dropping every earlier record.
+TensorBoard scalars are written when the `tensorboard` package is installed, the PNG plot when
+matplotlib is.
 Only rank 0 reports; other ranks construct the logger with enabled=False.
 """
 from __future__ import annotations
@@ -76,7 +78,7 @@ class MetricsLogger:
     """Progress bar, JSONL log and TensorBoard writer of one (rank-0) training process."""
 
     def __init__(self, out_dir: str | os.PathLike, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, progress: bool = True, tensorboard: bool = True):
+                 enabled: bool = True, progress: bool = True, tensorboard: bool = True, from_scratch: bool = False):
         self.enabled = enabled
         self.path = Path(out_dir) / METRICS_FILE
         self.bar = self.writer = self._file = None
@@ -84,7 +86,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
-        self._mark_resume(start_step)
+        self._mark_resume(-1 if from_scratch else start_step)  # from scratch: step 0's records are redone too
         if progress:
             from tqdm import tqdm
 
@@ -95,8 +97,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # purge what a resumed run redoes: the steps after its checkpoint's, not that step's own records
-                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"),
-                                            purge_step=start_step + 1 if start_step else None)
+                purge = 0 if from_scratch else start_step + 1 if start_step else None
+                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=purge)
             except ImportError:  # tensorboard not installed: JSONL only
                 self.writer = None
 

@@ -660,7 +660,7 @@ class Trainer:
             dataclasses.replace(cfg, resume="auto").save(self.out / "train_config.json")
         self.print(self.describe())
         log = MetricsLogger(self.out, cfg.max_steps, self.step, enabled=self.dist.is_main,
-                            progress=cfg.progress, tensorboard=cfg.tensorboard)
+                            progress=cfg.progress, tensorboard=cfg.tensorboard, from_scratch=not resumed)
         first_eval = last_eval = None
         status, stopped_by = "finished", None
         try:

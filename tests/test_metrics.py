@@ -31,6 +31,20 @@ def test_records_and_resume_rollback(tmp_path):
     assert lines[-3] == '{"kind": "train", "st'  # the torn line was ended, not glued to the marker
 
 
+def test_a_run_started_over_drops_every_earlier_record(tmp_path):
+    """A run with no checkpoint to resume (killed before its first one) redoes step 0's evaluation:
+    from_scratch marks step -1, so read_metrics holds that evaluation once, not twice."""
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False)
+    log.log({"kind": "eval", "step": 0, "loss": 7.0})
+    log.log({"kind": "train", "step": 1, "loss": 6.0})
+    log.close()
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False, from_scratch=True)
+    log.log({"kind": "eval", "step": 0, "loss": 7.5})
+    log.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"kind": "eval", "step": 0, "loss": 7.5}]
+    assert len(read_metrics(tmp_path / "metrics.jsonl", raw=True)) == 4
+
+
 def test_resume_appends_and_never_rewrites(tmp_path):
     """A resumed logger appends: lines another process writes through its open file
     (e.g. a run still going) land in the same file, and the earlier bytes stay as they were."""
@@ -61,7 +75,8 @@ def test_tensorboard_purges_only_the_steps_a_resume_redoes(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     MetricsLogger(tmp_path, total_steps=10, progress=False).close()
     MetricsLogger(tmp_path, total_steps=10, start_step=4, progress=False).close()
-    assert made == [None, 5]
+    MetricsLogger(tmp_path, total_steps=10, progress=False, from_scratch=True).close()  # all redone
+    assert made == [None, 5, 0]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):

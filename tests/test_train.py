@@ -95,6 +95,22 @@ def test_stop_at_between_log_lines_logs_as_a_straight_run(dataset, tmp_path):
     assert train_losses(tmp_path / "split") == train_losses(tmp_path / "whole")
 
 
+def test_a_run_killed_before_its_first_checkpoint_logs_step_0_once(dataset, tmp_path):
+    """Killed before any checkpoint, the rerun starts over and evaluates step 0 again: the history
+    (read_metrics, the final report) holds that evaluation once, as a straight run's does."""
+    def kill(trainer):
+        if trainer.step == 2:
+            raise KeyboardInterrupt  # as a SIGKILL: no checkpoint saved
+
+    with pytest.raises(KeyboardInterrupt):
+        run(small_config(dataset, tmp_path / "run"), on_step=kill)
+    run(small_config(dataset, tmp_path / "run"))
+    run(small_config(dataset, tmp_path / "whole"))
+    history = lambda out: [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")]  # noqa: E731
+    assert history(tmp_path / "run") == history(tmp_path / "whole")
+    assert history(tmp_path / "run").count(("eval", 0)) == 1
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tmp_path, monkeypatch, capsys, sig):
     """Scripts and schedulers tell an interrupted run (checkpoint saved) from a finished one
