@@ -981,6 +981,23 @@ def _named(value, names: list):
     return names[value] if isinstance(value, int) and 0 <= value < len(names) else value
 
 
+def table_label_names(path) -> dict[str, list[str]]:
+    """column -> its ClassLabel names in id order, of a Parquet / Arrow file or save_to_disk directory:
+    the dataset's own label order (MNLI's 0 entailment, 1 neutral, 2 contradiction), which run_glue keeps."""
+    path = Path(path)
+    file = (_dataset_dir_files(path) if path.is_dir() else [path])[0]
+    with open(file, "rb") as f:
+        parquet = magic(f.read(8)) == "parquet"
+    if parquet:
+        schema = _need("pyarrow.parquet").read_schema(str(file))
+    else:
+        mm, reader = _arrow_reader(str(file))
+        schema = reader.schema
+        mm.close()
+    meta = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
+    return _label_names(meta.get("info", {}).get("features"))
+
+
 def table_rows(path) -> Iterator[tuple[str, dict]]:
     """(location "file@rowN", row as a dict) of a Parquet / Arrow file or a save_to_disk directory,
     in batches; ClassLabel ids (datasets' labels) become their names."""

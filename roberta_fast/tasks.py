@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .documents import is_table, table_rows
+from .documents import is_table, table_label_names, table_rows
 from .files import write_text_atomic
 from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, RobertaForSequenceClassification,
                     RobertaForTokenClassification)
@@ -120,9 +120,12 @@ def pad(rows, pad_id: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def label_names(labels) -> list[str]:
-    """Class names in id order: numerically sorted when every label is an integer."""
+def label_names(labels, declared: list[str] | None = None) -> list[str]:
+    """Class names in id order: a dataset's ClassLabel names (`declared`) when they hold every label,
+    as run_glue keeps them; else numerically sorted when every label is an integer, else sorted."""
     names = set(labels)
+    if declared and names <= set(declared):
+        return list(declared)
     if all(n.lstrip("-").isdigit() for n in names):
         return sorted(names, key=int)
     return sorted(names)
@@ -291,7 +294,8 @@ class ClassifyTask(Task):
             check_known_labels(label_names([e[2] for e in train]), [e[2] for e in valid], "labels",
                                cfg.valid, cfg.train)
         self.train, self.valid = train, valid
-        self.names = [] if self.regression else label_names([e[2] for e in train + valid])
+        declared = table_label_names(cfg.train).get(cfg.label_field) if is_table(cfg.train) else None
+        self.names = [] if self.regression else label_names([e[2] for e in train + valid], declared)
         self.best_metric = "pearson" if self.regression else "accuracy"
 
     def model_kwargs(self):
@@ -469,7 +473,9 @@ class TokenTask(Task):
             check_known_labels(label_names([t for _, tags in train for t in tags]),
                                [t for _, tags in valid for t in tags], "tags", cfg.valid, cfg.train)
         self.train, self.valid = train, valid
-        self.names = label_names([t for _, tags in train + valid for t in tags])
+        declared = table_label_names(cfg.train) if is_table(cfg.train) else {}
+        self.names = label_names([t for _, tags in train + valid for t in tags],
+                                 declared.get("tags", declared.get("ner_tags")))
         self.chunked = is_chunked(self.names)
         self.best_metric = "f1" if self.chunked else "accuracy"
 

@@ -374,6 +374,26 @@ def test_every_task_reads_parquet_and_datasets_directories_in_the_hubs_layouts(t
         assert read_examples(path, cfg) == [("a fine film", None, "positive"), ("dull", None, "negative")], path
 
 
+def test_a_datasets_classlabel_keeps_its_id_order_as_run_glue(tmp_path):
+    """Logit i is ClassLabel i (MNLI's 0 entailment, 1 neutral, 2 contradiction; conll2003's O first), as
+    run_glue / run_ner take features[...].names: the ids then match the dataset's and other checkpoints'."""
+    datasets = pytest.importorskip("datasets", reason="writing Hub-layout files needs datasets (the [data] extra)")
+    from roberta_fast.tasks import ClassifyTask, TokenTask
+
+    names = ["entailment", "neutral", "contradiction"]
+    features = datasets.Features({"premise": datasets.Value("string"), "label": datasets.ClassLabel(names=names)})
+    mnli = datasets.Dataset.from_list([{"premise": f"sentence {i}", "label": i % 3} for i in range(30)], features=features)
+    mnli.to_parquet(str(tmp_path / "mnli.parquet"))
+    cfg = FinetuneConfig(train=str(tmp_path / "mnli.parquet"), text_field="premise", label_field="label")
+    assert ClassifyTask(cfg).names == names
+    tags = ["O", "B-PER", "I-PER"]
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                  "ner_tags": datasets.Sequence(datasets.ClassLabel(names=tags))})
+    conll = datasets.Dataset.from_list([{"tokens": ["Ann", "Lee", "ran"], "ner_tags": [1, 2, 0]}] * 20, features=features)
+    conll.save_to_disk(str(tmp_path / "conll"))
+    assert TokenTask(FinetuneConfig(train=str(tmp_path / "conll"))).names == tags
+
+
 def test_qa_runs_at_every_default_on_a_small_model(model_dir, tmp_path):
     """--doc-stride defaults to a third of --max-len (run_qa's 128 of 384): the model's 64 positions
     give windows of 64 tokens sharing 21, where a fixed 128 was refused."""
