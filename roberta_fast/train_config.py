@@ -393,7 +393,8 @@ def load_config(argv=None) -> TrainConfig:
         if key in file_values:
             raise ValueError(f"{key} cannot be set in a --config file: pass --{key.replace('_', '-')} on the "
                              "command line for this run")
-    preset = args.pop("preset") or file_values.pop("preset", None) or "tiny"
+    file_preset = file_values.pop("preset", None)  # not a field: popped even when --preset overrides it
+    preset = args.pop("preset") or file_preset or "tiny"
     if preset not in TRAIN_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
     flags = {k: v for k, v in args.items() if v is not None}

@@ -41,6 +41,8 @@ def test_precedence_preset_file_flags(tmp_path):
     assert cfg.model == "base" and cfg.seq_len == 512  # from the preset
     assert cfg.lr == 1e-4  # from the file
     assert cfg.max_steps == 2000 and cfg.precision == "bf16" and cfg.progress is False  # flags win
+    cfg = load_config(["--config", str(f), "--preset", "base_fairseq"])  # the flag's preset wins over the file's
+    assert cfg.global_batch_size == 2048 and cfg.lr == 1e-4  # (that once failed: "unknown ... keys ['preset']")
     y = tmp_path / "run.yaml"
     y.write_text("lr: 2.0e-4\ngrad_accum: 4\nmasking: whole_word\nstop_at: null\n")
     pytest.importorskip("yaml")
