@@ -702,6 +702,10 @@ class Trainer:
                     self.export(self.out / "final")
             elif status == "finished":
                 status = f"stopped at step {self.step} (stop_at)"
+                checkpoint = self.checkpoints.latest() if self.dist.is_main else None  # saved at this step
+                log.write(f"stopped at step {self.step} (--stop-at {cfg.stop_at})"
+                          + (f"; checkpoint {checkpoint}" if checkpoint else "")
+                          + "; rerun with a later --stop-at, or without it, to go on")
         finally:
             log.close()
         if self.dist.is_main and cfg.plot and status == "finished":

@@ -131,6 +131,16 @@ def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tm
     assert main(argv) == 0 and (tmp_path / "run" / "final").is_dir()
 
 
+def test_stop_at_says_where_it_stopped_and_the_checkpoint(dataset, tmp_path, capsys):
+    """--stop-at ends (status 0) with one line, as a signal's stop does: the step, the checkpoint and
+    how to go on (it once ended silently)."""
+    argv = small_argv(dataset) + ["--out", str(tmp_path / "run")]
+    assert main(argv + ["--stop-at", "3"]) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003.pt"
+    assert (f"stopped at step 3 (--stop-at 3); checkpoint {checkpoint}; rerun with a later --stop-at, or without "
+            "it, to go on") in capsys.readouterr().err
+
+
 def test_resume_refuses_a_changed_lr_schedule(dataset, tmp_path, capsys):
     """Resuming with another --max-steps (or warmup, lr, min_lr) would start a new LR schedule
     mid-run (here the LR of update 3 jumps from 0.00225 to 0.0027): refused with the old and new
