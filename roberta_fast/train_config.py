@@ -72,10 +72,10 @@ class TrainConfig:
     grad_accum: int | None = None  # micro-steps per optimizer step (None: from global_batch_size)
     global_batch_size: int | None = None  # sequences per optimizer step over all processes
     # optimisation
-    max_steps: int = 300  # optimizer steps of the whole run (the LR reaches min_lr here)
+    max_steps: int = 300  # optimizer steps of the whole run, fp16 overflow-skipped ones included (as transformers' Trainer counts): the LR reaches min_lr here only if none was skipped
     lr: float = 2e-3  # peak learning rate
     warmup_steps: int = 30  # linear warmup to the peak
-    min_lr: float = 0.0  # the linear decay ends here at max_steps
+    min_lr: float = 0.0  # the linear decay ends here, after max_steps applied (not skipped) updates
     weight_decay: float = 0.01  # decoupled (AdamW), not on biases and LayerNorm
     beta1: float = 0.9  # Adam beta1
     beta2: float = 0.98  # Adam beta2

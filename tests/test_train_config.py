@@ -32,6 +32,10 @@ def test_every_field_has_a_flag_and_a_help_text():
     actions = {a.dest for a in build_parser()._actions}
     assert set(TrainConfig.__dataclass_fields__) <= actions
     assert set(field_help()) == set(TrainConfig.__dataclass_fields__)
+    # fp16 overflow-skipped steps count toward max_steps but do not advance the LR schedule: the help
+    # once promised that "the LR reaches min_lr here", which skipped steps break
+    help_text = field_help()["max_steps"]
+    assert "skipped ones included" in help_text and "only if none was skipped" in help_text
 
 
 def test_precedence_preset_file_flags(tmp_path):
