@@ -756,9 +756,30 @@ class _PreTrained(nn.Module):
         if asked:
             raise ValueError(f"save_pretrained({', '.join(asked)}) is not supported: roberta_fast writes "
                              "model.safetensors (sharded past max_shard_size) in transformers' names, locally; "
-                             "push the directory with huggingface_hub's upload_folder")
+                             "push with model.push_to_hub(repo_id)")
         if is_main_process:
             self._write_pretrained(save_directory, state_dict, max_shard_size)
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
+                    private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
+                    create_pr: bool = False, max_shard_size: int | str | None = "50GB", tags: list[str] | None = None):
+        """Upload save_pretrained's files (what transformers loads) to the Hub repository `repo_id`,
+        created if missing, as transformers' push_to_hub; returns the commit. `tags` need a model
+        card, which roberta_fast does not write: they are refused."""
+        if tags:
+            raise ValueError("push_to_hub(tags=...) is not supported: roberta_fast writes no model card; "
+                             "add a README.md with the tags to the repository instead")
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as directory:
+            self.save_pretrained(directory, max_shard_size=max_shard_size or "50GB")
+            return api.upload_folder(repo_id=repo_id, folder_path=directory, revision=revision, create_pr=create_pr,
+                                     commit_message=commit_message or "Upload model",
+                                     commit_description=commit_description)
 
     def _write_pretrained(self, directory, state_dict: dict | None, max_shard_size: int | str):
         """save_pretrained's writing, once its arguments are checked (a model with extra files extends it)."""

@@ -636,3 +636,39 @@ def test_set_input_embeddings_resizes_the_tied_decoder_bias_as_transformers(new_
     assert got.shape == want.shape == (2, 9, new_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert ours.lm_head.bias.requires_grad
+
+
+def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
+    """push_to_hub creates the repository and uploads save_pretrained's files (a fake Hub API here:
+    no network), which transformers loads to the same logits."""
+    import shutil
+
+    import huggingface_hub
+
+    calls = {}
+
+    class FakeHub:
+        def __init__(self, token=None):
+            calls["token"] = token
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls["repo"] = (repo_id, private, exist_ok)
+            return huggingface_hub.RepoUrl(f"https://huggingface.co/me/{repo_id}")
+
+        def upload_folder(self, repo_id, folder_path, **options):
+            calls["upload"] = (repo_id, options)
+            shutil.copytree(folder_path, tmp_path / "hub")
+            return "commit"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
+    hf = hf_model("RobertaForSequenceClassification", num_labels=3)
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
+    assert ours.push_to_hub("my-model", private=True, token="t", commit_message="first") == "commit"
+    assert calls["token"] == "t" and calls["repo"] == ("my-model", True, True)
+    assert calls["upload"][0] == "me/my-model" and calls["upload"][1]["commit_message"] == "first"
+    ids = torch.randint(3, FIELDS["vocab_size"], (2, 7))
+    with torch.no_grad():
+        want = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hub")(input_ids=ids).logits
+        torch.testing.assert_close(ours(ids).logits, want)
+    with pytest.raises(ValueError, match="tags=.* is not supported"):
+        ours.push_to_hub("my-model", tags=["roberta"])
