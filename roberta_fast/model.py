@@ -186,6 +186,9 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
             "for a single sequence use input_ids.unsqueeze(0)"
         )
     batch, seqlen = input_ids.shape
+    if batch == 0 or seqlen == 0:
+        raise ValueError(f"the batch is empty: input_ids has shape {tuple(input_ids.shape)}; pass at least one row "
+                         "of at least one token")
     if seqlen > config.max_seq_len:
         raise ValueError(
             f"sequence length {seqlen} exceeds the position table: this model takes at most "

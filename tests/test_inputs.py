@@ -22,6 +22,8 @@ def ids(batch=2, seqlen=8, high=50):
     (lambda: ids().float(), "integer token ids"),
     (lambda: ids()[0], r"shape \(batch, seqlen\)"),
     (lambda: [[1, 2, 3]], "must be a torch.Tensor"),
+    (lambda: ids(batch=0), r"the batch is empty: input_ids has shape \(0, 8\)"),
+    (lambda: ids(seqlen=0), r"the batch is empty: input_ids has shape \(2, 0\)"),
 ])
 def test_bad_input_ids(model, make, message):
     with pytest.raises(ValueError, match=message):
