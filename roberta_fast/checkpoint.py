@@ -52,6 +52,7 @@ per step (it then saves and exits); a second SIGINT interrupts at once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -456,10 +457,18 @@ class RunLock:
                 f.close()
                 log(f"note: cannot lock {self.path} ({err.strerror}): nothing stops a second run on this --out")
                 return self
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+        except OSError as err:
+            if not is_no_space(err):
+                raise
+            with contextlib.suppress(OSError):  # the unwritten line stays in the buffer: close may fail again
+                f.close()
+            raise ValueError(f"no space left on the disk of {str(self.path.parent)!r} (writing its {self.NAME}): "
+                             "free some space, or pass another --out") from None
         self._file = f
         return self
 

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import DiskSpaceError
 from .files import atomic_path
+from .integrity import is_no_space
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -111,16 +113,26 @@ class MetricsLogger:
         with open(self.path, "rb") as f:
             f.seek(size - 1)
             torn = f.read(1) != b"\n"
-        self._file.write(("\n" if torn else "") + json.dumps({"kind": "resume", "step": step}) + "\n")
-        self._file.flush()
+        self._append(("\n" if torn else "") + json.dumps({"kind": "resume", "step": step}) + "\n")
+
+    def _append(self, text: str) -> None:
+        """Write and flush `text`; a full disk is DiskSpaceError in one line, not an OSError traceback."""
+        try:
+            self._file.write(text)
+            self._file.flush()
+        except OSError as err:
+            if not is_no_space(err):
+                raise
+            raise DiskSpaceError(f"no space left on the disk of {str(self.path.parent)!r} (writing {self.path.name}): "
+                                 "free some space, then rerun the same command to go on from the last "
+                                 "checkpoint") from None
 
     def log(self, record: dict) -> None:
         """Append one record (needs "kind" and "step") to the JSONL file and TensorBoard."""
         if not self.enabled:
             return
         record = {k: _clean(v) for k, v in record.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(json.dumps(record) + "\n")
         if self.writer is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
@@ -154,7 +166,11 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as err:  # the line a full disk refused is still buffered: already reported
+                if not is_no_space(err):
+                    raise
         self.bar = self.writer = self._file = None
 
 

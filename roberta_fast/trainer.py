@@ -48,6 +48,7 @@ from .config import RobertaConfig
 from .files import absolute_if_local
 from .hf import WEIGHT_SHARD
 from .hub import model_dir, tokenizer_dir
+from .integrity import is_no_space
 from .metrics import MetricsLogger, memory_gb, plot_losses, read_metrics
 from .model import IGNORE_INDEX, RobertaForMaskedLM, estimate_mfu
 from .sbo import RobertaForSpanBERT
@@ -243,9 +244,9 @@ class Trainer:
         self.out = cfg.out_dir
         self.lock = None
         made_out = not self.out.exists()
-        if self.dist.is_main:  # one writer per --out (only rank 0 writes: the lock must not stop the others)
-            self.lock = lock_out(self.out, self.print)
         try:
+            if self.dist.is_main:  # one writer per --out (only rank 0 writes: the lock must not stop the others)
+                self.lock = lock_out(self.out, self.print)
             self._build()
         except BaseException:  # a failed start leaves no --out behind that it made (its lock file alone)
             self.close()
@@ -657,7 +658,13 @@ class Trainer:
         cfg = self.cfg
         resumed = self.maybe_resume()
         if self.dist.is_main:  # resume "auto": a rerun from the file goes on from the latest checkpoint
-            dataclasses.replace(cfg, resume="auto").save(self.out / "train_config.json")
+            try:
+                dataclasses.replace(cfg, resume="auto").save(self.out / "train_config.json")
+            except OSError as err:
+                if not is_no_space(err):
+                    raise
+                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing train_config.json): "
+                                     "free some space, then rerun the same command") from None
         self.print(self.describe())
         log = MetricsLogger(self.out, cfg.max_steps, self.step, enabled=self.dist.is_main,
                             progress=cfg.progress, tensorboard=cfg.tensorboard, from_scratch=not resumed)

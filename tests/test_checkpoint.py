@@ -71,6 +71,30 @@ def test_failed_write_removes_its_temp_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_run_lock_on_a_full_disk_is_one_line_naming_the_directory(tmp_path, monkeypatch):
+    """No room for run.lock's line (a full disk at start): a ValueError (exit 2) naming --out and
+    the way out, not an OSError traceback."""
+    import builtins
+    import errno
+
+    from roberta_fast import checkpoint
+
+    class FullDisk:  # a real file (flock works on it) whose writes hit ENOSPC
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "open", lambda *a, **k: FullDisk(builtins.open(*a, **k)), raising=False)
+    with pytest.raises(ValueError, match=r"no space left on the disk of '.*' \(writing its run.lock\): free some "
+                                         r"space, or pass another --out"):
+        checkpoint.RunLock(tmp_path).acquire()
+
+
 def test_load_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")

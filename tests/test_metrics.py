@@ -1,6 +1,7 @@
 """MetricsLogger: JSONL records (exact floats, NaN -> null), append-only resume, plot."""
 import json
 import math
+import os
 
 import pytest
 
@@ -77,6 +78,20 @@ def test_tensorboard_purges_only_the_steps_a_resume_redoes(tmp_path, monkeypatch
     MetricsLogger(tmp_path, total_steps=10, start_step=4, progress=False).close()
     MetricsLogger(tmp_path, total_steps=10, progress=False, from_scratch=True).close()  # all redone
     assert made == [None, 5, 0]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_is_one_disk_space_error(tmp_path):
+    """metrics.jsonl on a full disk (/dev/full: every write is ENOSPC): DiskSpaceError in one line
+    naming the directory (the trainer's exit 1), and close() does not raise the same error again."""
+    from roberta_fast.checkpoint import DiskSpaceError
+
+    os.symlink("/dev/full", tmp_path / "metrics.jsonl")
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False)
+    with pytest.raises(DiskSpaceError, match=r"no space left on the disk of '.*' \(writing metrics.jsonl\): free "
+                                             "some space, then rerun the same command"):
+        log.log({"kind": "train", "step": 1, "loss": 1.0})
+    log.close()
 
 
 def test_disabled_logger_writes_nothing(tmp_path):

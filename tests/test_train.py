@@ -131,6 +131,17 @@ def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tm
     assert main(argv) == 0 and (tmp_path / "run" / "final").is_dir()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_for_the_metrics_exits_1_with_one_line(dataset, tmp_path, capsys):
+    """The disk fills under --out (metrics.jsonl -> /dev/full): exit 1 and one error line, as for a
+    checkpoint, not an OSError traceback (that once also came twice, from closing the log)."""
+    (tmp_path / "run").mkdir()
+    os.symlink("/dev/full", tmp_path / "run" / "metrics.jsonl")
+    assert main(small_argv(dataset) + ["--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert f"error: no space left on the disk of {str(tmp_path / 'run')!r} (writing metrics.jsonl)" in err
+
+
 def test_stop_at_says_where_it_stopped_and_the_checkpoint(dataset, tmp_path, capsys):
     """--stop-at ends (status 0) with one line, as a signal's stop does: the step, the checkpoint and
     how to go on (it once ended silently)."""
