@@ -304,6 +304,7 @@ class Trainer:
                                         enabled=self.precision == "fp16")
         self.step = 0
         self.tokens_seen = 0
+        self.resumed_from = None  # (path, step) of the --resume PATH this run's line of checkpoints started from
         self.window = self._new_window()  # sums over the steps since the last log line
         self.checkpoints = CheckpointManager(self.out / "checkpoints", keep=cfg.keep_checkpoints, log=self.print)
 
@@ -550,6 +551,7 @@ class Trainer:
             "config": {**self.cfg.to_dict(), "data": absolute_if_local(self.cfg.data)},  # export reads it anywhere
             "model_config": self.model_config.to_dict(),
             "tokenizer_hash": self.manifest["tokenizer_hash"],  # the ids' tokenizer: export and resume check it
+            "resumed_from": self.resumed_from,  # tells a rerun of --resume PATH from a rollback to PATH
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -585,6 +587,7 @@ class Trainer:
         if batches is not None:  # batches prefetched from the old position
             batches.close()
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.resumed_from = state.get("resumed_from")
         self.window = self._new_window()
         self.window.update({k: v.to(self.device) for k, v in state["window"].items()})  # tokens/s: new clock
         rngs = state["rng"]
@@ -618,12 +621,15 @@ class Trainer:
         else:  # the one named: damaged is an error
             path = Path(resume)
             state = load_checkpoint(path, trust=self.cfg.trust_checkpoint, log=self.print)
-            newer = self._newer_in_out(int(state["step"]))
+            origin = [str(path.resolve()), int(state["step"])]
+            newer = self._newer_in_out(origin)
             if newer is not None:  # a rerun of this command: the run went on in --out since PATH
-                self.print(f"note: {self.out} holds a newer checkpoint than --resume {resume} (step {state['step']}): "
-                           f"resuming from {newer[0]} instead (to go back to {resume}, use a new --out or move the newer "
-                           "checkpoints away)")
+                self.print(f"note: {self.out} holds a newer checkpoint than --resume {resume} (step {state['step']}) "
+                           f"that a run resumed from it wrote: resuming from {newer[0]} instead (to go back to "
+                           f"{resume}, use a new --out or move the newer checkpoints away)")
                 path, state, skipped = newer
+            else:
+                state["resumed_from"] = origin
         self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
         if skipped:
@@ -633,19 +639,23 @@ class Trainer:
                     self.print(f"set the {kind} checkpoint aside as {self.checkpoints.set_aside(bad, kind).name}")
         return True
 
-    def _newer_in_out(self, step: int) -> tuple[Path, dict, list] | None:
-        """load_latest()'s (path, state, skipped) if --out holds a good checkpoint past `step`, else None.
+    def _newer_in_out(self, origin: list) -> tuple[Path, dict, list] | None:
+        """load_latest()'s (path, state, skipped) if --out's newest good checkpoint is past the
+        --resume checkpoint `origin` ([path, step]) and was written by a run resumed from it, else None.
 
-        Rerunning a command with --resume PATH (after a stop, or from train_config.json) must go on
-        from where the run got to, not roll back to PATH and redo the steps since."""
+        Rerunning a command with --resume PATH (after a stop) must go on from where the run got to,
+        not roll back to PATH and redo the steps since; a --resume PATH to an older checkpoint of
+        another line (rolling back past a loss spike) is honoured."""
         steps = [s for s, _ in self.checkpoints.checkpoints()]
-        if not steps or steps[-1] <= step:
+        if not steps or steps[-1] <= origin[1]:
             return None
         try:
             found = self.checkpoints.load_latest(trust=self.cfg.trust_checkpoint)
         except DamagedCheckpoint:  # none of them is usable: PATH is
             return None
-        return found if found is not None and int(found[1]["step"]) > step else None
+        if found is None or int(found[1]["step"]) <= origin[1] or found[1].get("resumed_from") != origin:
+            return None
+        return found
 
     # ------------------------------------------------------------------ the run
     def _eval_line(self, step: int, result: dict) -> str:

@@ -185,9 +185,21 @@ def test_rerunning_a_resume_path_command_goes_on_from_the_newer_checkpoint_in_ou
     assert main(argv) == 0
     out = capsys.readouterr().out
     newer = tmp_path / "run" / "checkpoints" / "step_00000004.pt"
-    assert f"holds a newer checkpoint than --resume {source} (step 2): resuming from {newer} instead" in out
+    assert f"holds a newer checkpoint than --resume {source} (step 2) that a run resumed from it wrote: " \
+           f"resuming from {newer} instead" in out
     assert f"resumed from {newer} at step 4" in out
     assert [s for s, _ in train_losses(tmp_path / "run")] == [3, 4, 5, 6]
+
+
+def test_a_resume_path_back_to_an_earlier_checkpoint_of_the_run_rolls_back(dataset, tmp_path, capsys):
+    """Rolling back past a loss spike: --resume PATH to an older checkpoint of the same --out, whose
+    newer checkpoints were not written by a run resumed from PATH, resumes PATH as asked."""
+    argv = small_argv(dataset) + ["--log-every", "1", "--save-every", "2", "--keep-checkpoints", "3",
+                                  "--out", str(tmp_path / "run")]
+    assert main(argv + ["--stop-at", "4"]) == 0
+    older = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    assert main(argv + ["--resume", str(older), "--stop-at", "4"]) == 0
+    assert f"resumed from {older} at step 2" in capsys.readouterr().out
 
 
 def test_a_schedule_change_inside_the_shared_warmup_names_where_the_lr_changes():
