@@ -630,6 +630,9 @@ class Trainer:
                 path, state, skipped = newer
             else:
                 state["resumed_from"] = origin
+                # a rollback: --out's later checkpoints of the abandoned line are set aside (kept), so that
+                # neither pruning nor a later --resume auto takes them for this run's
+                skipped = [(later, "abandoned") for step, later in self.checkpoints.checkpoints() if step > origin[1]]
         self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
         if skipped:

@@ -198,8 +198,14 @@ def test_a_resume_path_back_to_an_earlier_checkpoint_of_the_run_rolls_back(datas
                                   "--out", str(tmp_path / "run")]
     assert main(argv + ["--stop-at", "4"]) == 0
     older = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
-    assert main(argv + ["--resume", str(older), "--stop-at", "4"]) == 0
-    assert f"resumed from {older} at step 2" in capsys.readouterr().out
+    assert main(argv + ["--resume", str(older), "--stop-at", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {older} at step 2" in out and "set the abandoned checkpoint aside as step_00000004.pt" in out
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*.pt*") if "sha" not in p.name) == [
+        "step_00000002.pt", "step_00000003.pt", "step_00000004.pt.abandoned"]
+    assert main(argv) == 0  # --resume auto goes on from step 3 of the new line, not the abandoned step 4
+    assert "resumed from" in (out := capsys.readouterr().out) and "step_00000003.pt at step 3" in out
 
 
 def test_a_schedule_change_inside_the_shared_warmup_names_where_the_lr_changes():
