@@ -1044,10 +1044,11 @@ class RobertaForMaskedLM(_PreTrained):
         self.apply(self._init_weights)
         nn.init.zeros_(self.lm_head.bias)
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, masked_only: bool = False, loss_reduction: str = "mean",
-                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, labels=None,
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                masked_only: bool = False, loss_reduction: str = "mean", return_dict: bool | None = None,
+                cu_seqlens=None, max_seqlen: int | None = None, **kwargs):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
@@ -1058,7 +1059,8 @@ class RobertaForMaskedLM(_PreTrained):
         several documents per row attending only within themselves (RobertaModel.encode).
         inputs_embeds (batch, seqlen, hidden) replaces input_ids, as in transformers.
         """
-        self._decoder_inputs(kwargs)
+        self._decoder_inputs({**kwargs, "encoder_hidden_states": encoder_hidden_states,  # transformers' positions
+                             "encoder_attention_mask": encoder_attention_mask})
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         shaped = input_ids if input_ids is not None else inputs_embeds
@@ -1168,8 +1170,8 @@ class RobertaForSequenceClassification(_PreTrained):
         self.classifier = RobertaClassificationHead(config, self.num_labels)
         self.apply(self._init_weights)
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, output_hidden_states: bool | None = None,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool | None = None,
                 output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs):
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)

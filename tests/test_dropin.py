@@ -672,3 +672,26 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
         torch.testing.assert_close(ours(ids).logits, want)
     with pytest.raises(ValueError, match="tags=.* is not supported"):
         ours.push_to_hub("my-model", tags=["roberta"])
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_positional_arguments_are_transformers(cls):
+    """forward's parameters take transformers' positions through the labels (export recipes and user
+    code pass input_ids, attention_mask, token_type_ids positionally; labels once came third here)."""
+    import inspect
+
+    def names(forward):
+        return [n for n in inspect.signature(forward).parameters if n not in ("self", "kwargs")]
+
+    theirs = names(getattr(transformers, cls).forward)
+    last = max(i for i, n in enumerate(theirs) if n in ("labels", "end_positions", "inputs_embeds"))
+    assert names(getattr(rf, cls).forward)[:last + 1] == theirs[:last + 1]
+    if cls in ("RobertaForMaskedLM", "RobertaForSequenceClassification"):
+        hf = hf_model(cls, type_vocab_size=2)
+        ours = getattr(rf, cls).from_pretrained(hf, backend="reference")
+        ours.roberta.unpad = False  # transformers' values at the pads too
+        ids, mask = dropin_inputs(cls)
+        types = torch.ones_like(ids)
+        with torch.no_grad():
+            got, want = ours(ids, mask, types), hf(ids, mask, types)
+        assert got.get("loss") is None and rel_err(got.logits, want.logits) < 1e-5
