@@ -626,6 +626,9 @@ class _PreTrained(nn.Module):
                     bias = F.pad(head.bias.detach()[:value.num_embeddings],
                                  (0, max(value.num_embeddings - head.bias.shape[0], 0)))
                 head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
+        packed = getattr(getattr(self, "lm_head", None), "packed_decoder", None)
+        if packed is not None:  # rf.prepack's / rf.quantize's copy of the decoder, now of this table
+            packed.rebuild(value.weight, self.lm_head.bias)
 
     def get_output_embeddings(self) -> nn.Linear | None:
         """The MLM decoder as transformers exposes it: a Linear whose weight IS the word embeddings'

@@ -278,7 +278,10 @@ class TiedDecoder(nn.Module):
     inference tensors (made under inference_mode, they keep no version counter): seeing them would
     take reading the whole table every call (6 ms for roberta-base's, 15% of a prepacked 1 x 16
     forward), so after those call rf.prepack(model) or rf.quantize(model) again, which rebuild it.
-    Export and torch.compile run the copy as it is."""
+    A load_state_dict of the model (attach_tied_decoder's post-hook) and set_input_embeddings
+    rebuild it at once, as an export cannot; an export records F.linear on the tied table instead
+    of the fp32 copy (the table once), and refuses an int8 / fp16 copy it can tell is stale.
+    torch.compile runs the copy as it is."""
 
     def __init__(self, weight, bias, layer_class: type, **layer_kwargs):
         super().__init__()
@@ -296,9 +299,16 @@ class TiedDecoder(nn.Module):
         self._source = _identity(weight, bias)
 
     def forward(self, x, weight, bias):
-        if not (torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        exporting = torch.compiler.is_exporting() or torch.jit.is_tracing()
+        if not (exporting or torch.compiler.is_compiling()):
             if _identity(weight, bias) != self._source:
                 self.rebuild(weight, bias)
+        elif exporting and self.layer_class is PackedLinear:  # the tied table itself, recorded once (not twice)
+            return F.linear(x, weight, bias)
+        elif exporting and (self._source is None or tuple(weight.shape) != self._source[0][3]):
+            raise RuntimeError("the MLM decoder's packed copy is older than the word embeddings (replaced or loaded "
+                               "into a submodule since rf.prepack / rf.quantize): call rf.prepack(model) or "
+                               "rf.quantize(model) again, or run the model once, before exporting")
         self.layer.training = self.training  # so that it refuses training as the encoder's layers do
         return self.layer(x)
 
@@ -310,6 +320,26 @@ class TiedDecoder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"tied to the word embeddings: {self.layer.extra_repr()}"
+
+
+def attach_tied_decoder(model: nn.Module, head, layer_class: type, **layer_kwargs) -> None:
+    """Give the MLM head a TiedDecoder (or pack its copy afresh, for the edits a call cannot see), and
+    rebuild it after every load_state_dict of the model: an export right after a load must record
+    the loaded table, and an export cannot rebuild it as an eager call does."""
+    weight = model.get_input_embeddings().weight
+    if head.packed_decoder is None:
+        head.packed_decoder = TiedDecoder(weight, head.bias, layer_class, **layer_kwargs)
+    else:
+        head.packed_decoder.rebuild(weight, head.bias)
+    if _rebuild_tied_decoder not in model._load_state_dict_post_hooks.values():
+        model.register_load_state_dict_post_hook(_rebuild_tied_decoder)
+
+
+def _rebuild_tied_decoder(model: nn.Module, incompatible_keys) -> None:
+    """load_state_dict post-hook (a module-level function: the model still pickles)."""
+    head = mlm_head(model)
+    if head is not None and head.packed_decoder is not None:
+        head.packed_decoder.rebuild(model.get_input_embeddings().weight, head.bias)
 
 
 def _identity(*tensors) -> tuple:
@@ -345,11 +375,7 @@ def prepack(model: nn.Module) -> nn.Module:
         if type(getattr(layer, name)) is nn.Linear:
             setattr(layer, name, PackedLinear(getattr(layer, name)))
     head = mlm_head(model)
-    if head is not None:
-        weight = model.get_input_embeddings().weight
-        if head.packed_decoder is None:
-            head.packed_decoder = TiedDecoder(weight, head.bias, PackedLinear)
-        else:  # packed before (perhaps quantized): afresh, for the edits a call cannot see (TiedDecoder)
-            head.packed_decoder.rebuild(weight, head.bias)
+    if head is not None:  # packed before (perhaps quantized): afresh, for the edits a call cannot see
+        attach_tied_decoder(model, head, PackedLinear)
     model.requires_grad_(False)
     return model.eval()

@@ -73,7 +73,7 @@ from torch import nn
 from . import _ext
 from .ops import gelu_fresh
 from .prepacked import LAYER_LINEARS  # noqa: F401 (public here too)
-from .prepacked import TiedDecoder, _InferenceLinear, encoder_linears, mlm_head
+from .prepacked import _InferenceLinear, attach_tied_decoder, encoder_linears, mlm_head
 
 ACTIVATION_QMAX = 127  # 7-bit uint8 activations in [0, 127]: fbgemm's reduce_range on x86
 
@@ -537,7 +537,7 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
                              f"activation_bits={done[2]}); quantize a fresh fp32 copy instead")
         head = mlm_head(model)
         if head is not None:  # afresh, for the edits a call cannot see (prepacked.TiedDecoder)
-            head.packed_decoder.rebuild(model.get_input_embeddings().weight, head.bias)
+            attach_tied_decoder(model, head, head.packed_decoder.layer_class)
         return model
     head = mlm_head(model)
     if dtype == torch.float16:  # every layer checked before any is swapped: a refused model is left as it was
@@ -550,7 +550,8 @@ def quantize(model: nn.Module, engine: str | None = None, dtype: torch.dtype = t
     for layer, name in slots:  # nn.Linear, or rf.prepack's PackedLinear (its weight reads back)
         setattr(layer, name, layer_class(getattr(layer, name), **kwargs))
     if head is not None:
-        head.packed_decoder = TiedDecoder(model.get_input_embeddings().weight, head.bias, layer_class, **kwargs)
+        head.packed_decoder = None  # rf.prepack's fp32 copy, if any, gives way to this one
+        attach_tied_decoder(model, head, layer_class, **kwargs)
     model.requires_grad_(False)
     return model.eval()
 

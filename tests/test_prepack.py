@@ -156,3 +156,28 @@ def test_prepack_holds_the_weights_once():
     original), not twice it."""
     ratio = resident_ratio("PackedLinear(linear)")
     assert 0.9 < ratio < 1.15, f"packed weights take {ratio:.3f} of fp32's memory"
+
+
+@pytest.mark.parametrize("make", [rf.prepack, rf.quantize, lambda m: rf.quantize(m, dtype=torch.float16)],
+                         ids=["prepack", "int8", "fp16-weights"])
+def test_an_mlm_exported_right_after_a_load_or_a_resize_records_the_new_decoder(make):
+    """An export cannot rebuild the decoder's packed copy as an eager call does: a load_state_dict rebuilds
+    it at once (a post-hook), set_input_embeddings / resize_token_embeddings too; the fp32 copy is not
+    exported at all (F.linear on the tied table: the table is recorded once)."""
+    model = padded(make(model_of("RobertaForMaskedLM")))
+    ids = torch.randint(3, TINY["vocab_size"], (2, 7))
+    model.load_state_dict(make(model_of("RobertaForMaskedLM", seed=1)).state_dict())
+    with torch.inference_mode():
+        want = model(ids).logits
+    model.load_state_dict(make(model_of("RobertaForMaskedLM", seed=2)).state_dict())  # what the export must record
+    with torch.inference_mode():
+        want2 = padded(make(model_of("RobertaForMaskedLM", seed=2)))(ids).logits
+    assert (want2 - want).abs().max() > 0.1
+    program = torch.export.export(model, (ids,))
+    torch.testing.assert_close(program.module()(ids).logits, want2, rtol=1e-5, atol=1e-5)
+    if make is rf.prepack:  # the word embeddings' table once, as in the plain model's program
+        sizes = [t.numel() for t in program.state_dict.values()] + [t.numel() for t in program.constants.values()
+                                                                    if isinstance(t, torch.Tensor)]
+        assert sizes.count(TINY["vocab_size"] * TINY["hidden_size"]) == 1
+    model.resize_token_embeddings(TINY["vocab_size"] + 8)
+    assert torch.export.export(model, (ids,)).module()(ids).logits.shape[-1] == TINY["vocab_size"] + 8
