@@ -205,16 +205,19 @@ def test_torch_export_equals_eager(cls):
     assert type(got) is type(model(ids, **kwargs))  # the output class comes back, not a flat tuple
 
 
-@pytest.mark.parametrize("cls, dynamic", [(cls, cls == "RobertaModel") for cls in DROPIN])
+@pytest.mark.parametrize("cls, dynamic", [(cls, cls in ("RobertaModel", "RobertaForMultipleChoice")) for cls in DROPIN])
 def test_onnx_export_runs_in_onnxruntime_as_eager(cls, dynamic, tmp_path):
-    """Every class exports; the encoder with dynamic batch and sequence length runs at another shape."""
+    """Every class exports; the encoder and multiple choice (the README's dims: choices are axis 1 there)
+    with dynamic batch and sequence length run at another shape."""
     for package in ("onnx", "onnxscript", "onnxruntime"):
         pytest.importorskip(package, reason=f"ONNX export needs {package}: pip install -e .[export]")
     model = exportable(cls)
     ids, kwargs = serving_inputs(cls)
     dynamic_shapes = None
     if dynamic:
-        dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+        batch, seqlen = torch.export.Dim("batch"), torch.export.Dim("seqlen", max=model.config.max_seq_len)
+        dims = {0: batch, 1: torch.export.Dim("choices"), 2: seqlen} if cls == "RobertaForMultipleChoice" \
+            else {0: batch, 1: seqlen}
         dynamic_shapes = {"input_ids": dims, **{k: dims for k in kwargs}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.onnx's notes on its own internals
