@@ -603,11 +603,12 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
             context = paragraph.get("context")
             for qa in paragraph.get("qas", []):
                 qid = qa.get("id")
-                if not isinstance(qid, (str, int)) or isinstance(qid, bool) or str(qid) in ("", *seen):
-                    problem = f"its id {qid!r} is used twice" if str(qid) in seen else "it has no \"id\""
+                key = str(qid)
+                if not isinstance(qid, (str, int)) or isinstance(qid, bool) or key == "" or key in seen:
+                    problem = f"its id {qid!r} is used twice" if key in seen else "it has no \"id\""
                     raise ValueError(f"{path}: question {len(examples) + 1} ({qa.get('question')!r}): {problem}. "
                                      "Give every question an id of its own: predictions and scores are keyed by it")
-                seen.add(str(qid))
+                seen.add(key)
                 where = f"{path}: question {qid!r}"
                 if not isinstance(context, str) or not isinstance(qa.get("question"), str):
                     raise ValueError(f"{where}: needs a context and a question (strings)")
