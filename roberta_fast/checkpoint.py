@@ -465,6 +465,8 @@ class RunLock:
         except OSError as err:
             if not is_no_space(err):
                 raise
+            with contextlib.suppress(OSError):  # ours (locked): a lock file no run holds is removed
+                self.path.unlink()
             with contextlib.suppress(OSError):  # the unwritten line stays in the buffer: close may fail again
                 f.close()
             raise ValueError(f"no space left on the disk of {str(self.path.parent)!r} (writing its {self.NAME}): "

@@ -250,7 +250,8 @@ class Trainer:
             self._build()
         except BaseException:  # a failed start leaves no --out behind that it made (its lock file alone)
             self.close()
-            if made_out and self.dist.is_main:
+            # never another run's --out: one that made it at the same moment and won its lock
+            if made_out and self.dist.is_main and (self.lock is not None or not (self.out / RunLock.NAME).exists()):
                 remove_if_only_lock(self.out)
             raise
 
@@ -921,10 +922,11 @@ def lock_out(out: Path, log=print) -> RunLock:
 
 
 def remove_if_only_lock(out: Path) -> None:
-    """Remove `out` if all it holds is its run.lock (a start that failed in the directory it made)."""
+    """Remove `out` if all it holds is its run.lock, or nothing (a start that failed in the directory it made)."""
     try:
-        if [p.name for p in out.iterdir()] == [RunLock.NAME]:
-            (out / RunLock.NAME).unlink()
+        names = [p.name for p in out.iterdir()]
+        if names in ([RunLock.NAME], []):
+            (out / RunLock.NAME).unlink(missing_ok=True)
             out.rmdir()
     except OSError:
         pass

@@ -446,6 +446,27 @@ def test_persistent_nonfinite_stops_with_a_checkpoint(dataset, tmp_path):
     assert (tmp_path / "nan" / "checkpoints" / "step_00000002.pt").is_file()
 
 
+def test_a_start_that_loses_the_race_for_a_new_out_leaves_the_winners_out_alone(dataset, tmp_path, monkeypatch):
+    """Two runs started together on a new --out: the one refused by the other's lock must not remove the
+    --out and run.lock the other made (a third run could then write there too)."""
+    from roberta_fast import trainer as trainer_module
+
+    winner, real_lock_out = [], trainer_module.lock_out
+
+    def other_run_wins_first(out, log):  # between this run's exists() check and its lock
+        out.mkdir()
+        winner.append(trainer_module.RunLock(out).acquire())
+        return real_lock_out(out, log)
+
+    monkeypatch.setattr(trainer_module, "lock_out", other_run_wins_first)
+    with pytest.raises(ValueError, match="another run .* is writing to"):
+        Trainer(small_config(dataset, tmp_path / "new"))
+    assert (tmp_path / "new" / "run.lock").is_file()
+    with pytest.raises(ValueError, match="another run .* is writing to"):  # still held: a third run is refused too
+        trainer_module.RunLock(tmp_path / "new").acquire()
+    winner[0].release()
+
+
 def test_bad_inputs_fail_before_training(dataset, tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="not a preprocessed dataset"):
         Trainer(small_config(str(tmp_path / "nowhere"), tmp_path / "o1"))
