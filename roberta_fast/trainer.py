@@ -620,20 +620,7 @@ class Trainer:
                 return False
             path, state, skipped = found
         else:  # the one named: damaged is an error
-            path = Path(resume)
-            state = load_checkpoint(path, trust=self.cfg.trust_checkpoint, log=self.print)
-            origin = [str(path.resolve()), int(state["step"])]
-            newer = self._newer_in_out(origin)
-            if newer is not None:  # a rerun of this command: the run went on in --out since PATH
-                self.print(f"note: {self.out} holds a newer checkpoint than --resume {resume} (step {state['step']}) "
-                           f"that a run resumed from it wrote: resuming from {newer[0]} instead (to go back to "
-                           f"{resume}, use a new --out or move the newer checkpoints away)")
-                path, state, skipped = newer
-            else:
-                state["resumed_from"] = origin
-                # a rollback: --out's later checkpoints of the abandoned line are set aside (kept), so that
-                # neither pruning nor a later --resume auto takes them for this run's
-                skipped = [(later, "abandoned") for step, later in self.checkpoints.checkpoints() if step > origin[1]]
+            path, state, skipped = self._resume_path(resume)
         self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
         if skipped:
@@ -643,21 +630,41 @@ class Trainer:
                     self.print(f"set the {kind} checkpoint aside as {self.checkpoints.set_aside(bad, kind).name}")
         return True
 
-    def _newer_in_out(self, origin: list) -> tuple[Path, dict, list] | None:
-        """load_latest()'s (path, state, skipped) if --out's newest good checkpoint is past the
-        --resume checkpoint `origin` ([path, step]) and was written by a run resumed from it, else None.
+    def _resume_path(self, resume: str) -> tuple[Path, dict, list]:
+        """--resume PATH's (path, state, checkpoints to set aside). A rerun of the same command goes on
+        from the newest checkpoint that a run resumed from PATH wrote (PATH may be pruned by then), not
+        back to PATH; a PATH behind --out's newest checkpoints of another line is a rollback (after a
+        loss spike): that line's later checkpoints are set aside (kept), so that neither pruning nor a
+        later --resume auto takes them for this run's."""
+        path = Path(resume)
+        if not path.exists():
+            pruned = self._newer_in_out(str(path.resolve()))
+            if pruned is not None:
+                self.print(f"note: --resume {resume} is gone (pruned by --keep-checkpoints), but {pruned[0]} was "
+                           "written by a run resumed from it: resuming from there")
+                return pruned
+        state = load_checkpoint(path, trust=self.cfg.trust_checkpoint, log=self.print)
+        origin = [str(path.resolve()), int(state["step"])]
+        newer = self._newer_in_out(*origin)
+        if newer is not None:
+            self.print(f"note: {self.out} holds a newer checkpoint than --resume {resume} (step {state['step']}) "
+                       f"that a run resumed from it wrote: resuming from {newer[0]} instead (to go back to "
+                       f"{resume}, use a new --out or move the newer checkpoints away)")
+            return newer
+        state["resumed_from"] = origin
+        return path, state, [(later, "abandoned") for step, later in self.checkpoints.checkpoints() if step > origin[1]]
 
-        Rerunning a command with --resume PATH (after a stop) must go on from where the run got to,
-        not roll back to PATH and redo the steps since; a --resume PATH to an older checkpoint of
-        another line (rolling back past a loss spike) is honoured."""
+    def _newer_in_out(self, origin: str, step: int = -1) -> tuple[Path, dict, list] | None:
+        """load_latest()'s (path, state, skipped) if --out's newest good checkpoint is past `step` and
+        was written by a run resumed from the checkpoint at `origin` (its resolved path), else None."""
         steps = [s for s, _ in self.checkpoints.checkpoints()]
-        if not steps or steps[-1] <= origin[1]:
+        if not steps or steps[-1] <= step:
             return None
         try:
             found = self.checkpoints.load_latest(trust=self.cfg.trust_checkpoint)
-        except DamagedCheckpoint:  # none of them is usable: PATH is
+        except DamagedCheckpoint:  # none of them is usable
             return None
-        if found is None or int(found[1]["step"]) <= origin[1] or found[1].get("resumed_from") != origin:
+        if found is None or int(found[1]["step"]) <= step or (found[1].get("resumed_from") or [None])[0] != origin:
             return None
         return found
 

@@ -754,3 +754,19 @@ def test_resume_refuses_data_of_another_tokenizer(dataset, tmp_path):
             trainer.load_state_dict(state)
     finally:
         trainer.close()
+
+
+def test_rerunning_a_rollback_goes_on_after_its_checkpoint_was_pruned(dataset, tmp_path, capsys):
+    """The checkpoint rolled back to is an ordinary one of --out: pruning may delete it. Rerunning the
+    same command then goes on from the newest checkpoint of the line resumed from it."""
+    argv = small_argv(dataset) + ["--save-every", "2", "--out", str(tmp_path / "run")]
+    assert main(argv + ["--stop-at", "4"]) == 0
+    older = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    rollback = argv + ["--resume", str(older), "--keep-checkpoints", "1"]
+    assert main(rollback + ["--stop-at", "3"]) == 0
+    assert not older.exists()  # pruned: --keep-checkpoints 1
+    capsys.readouterr()
+    assert main(rollback) == 0
+    out = capsys.readouterr().out
+    assert f"--resume {older} is gone (pruned by --keep-checkpoints)" in out and "at step 3" in out
+    assert [s for s, _ in train_losses(tmp_path / "run")][-1] == 6
