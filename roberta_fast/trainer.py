@@ -546,7 +546,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "loader": self.loader.state_dict(),
             # the log interval in progress, so the first line after a resume averages the same steps
-            "window": {k: self.window[k] for k in ("loss", "count", "sbo_loss", "sbo_count")},
+            "window": self._window_state(),
             "rng": rngs,
             "world_size": self.dist.world_size,
             "config": {**self.cfg.to_dict(), "data": absolute_if_local(self.cfg.data)},  # export reads it anywhere
@@ -590,7 +590,10 @@ class Trainer:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.resumed_from = state.get("resumed_from")
         self.window = self._new_window()
-        self.window.update({k: v.to(self.device) for k, v in state["window"].items()})  # tokens/s: new clock
+        saved = {k: v.to(self.device) for k, v in state["window"].items()}  # tokens/s: new clock
+        if not self.dist.is_main:  # the loss sums are every rank's: rank 0 carries them, the others restart at 0
+            saved.update(loss=torch.zeros_like(saved["loss"]), sbo_loss=torch.zeros_like(saved["sbo_loss"]))
+        self.window.update(saved)
         rngs = state["rng"]
         if len(rngs) == self.dist.world_size:
             set_rng_state(rngs[self.dist.rank], self.device)
@@ -758,6 +761,13 @@ class Trainer:
             flag = torch.tensor([float(number)], device=self.device)
             number = int(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item())
         return signal.Signals(number) if number else None
+
+    def _window_state(self) -> dict:
+        """The log interval in progress, for a checkpoint: the loss sums over every rank (each rank adds
+        only its own until a line is logged; counts are already global); collective."""
+        sums = self.dist.all_reduce(torch.stack([self.window["loss"], self.window["sbo_loss"]]).clone())
+        return {"loss": sums[0], "count": self.window["count"], "sbo_loss": sums[1],
+                "sbo_count": self.window["sbo_count"]}
 
     def _new_window(self) -> dict:
         zero = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -359,13 +359,15 @@ def _ddp_worker(rank, world, port, dataset, out, steps, result):
             micro = trainer.next_micro_batches()
             rows.append([batch["input_ids"] for batch in micro])
             stats = trainer.train_step(micro)
+            trainer._accumulate(stats)  # as the run loop does, into the log interval a checkpoint saves
             norms.append(stats["grad_norm"])
             tokens.append(stats["tokens"])
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, rows)
+        window = trainer.state_dict()["window"]  # collective
         if rank == 0:
             torch.save({"params": _params(trainer), "norms": norms, "grads": grads, "rows": everyone, "tokens": tokens,
-                        "tokens_seen": trainer.tokens_seen}, result)
+                        "tokens_seen": trainer.tokens_seen, "window": window}, result)
         trainer.dist.barrier()  # leave the group together: a rank gone early aborts gloo's other rank
     finally:
         trainer.close()
@@ -376,11 +378,14 @@ def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
     rows in each step, masked alike (a mask follows the row's position in its step, which once
     differed between the ranks' interleaved rows and one process's), so the same update. DOC-SENTENCES
     rows end in padding, so the ranks' non-pad tokens differ: tokens (tokens_seen, tokens/s, MFU) are
-    their sum, not rank 0's times 2 as they once were."""
+    their sum, not rank 0's times 2 as they once were. A checkpoint's log interval holds every rank's
+    loss sum (it held rank 0's: the first line after a resume was wrong)."""
     single = Trainer(small_config(dataset, tmp_path / "single", batch_size=8, dropout=0.0, mode="doc", seq_len=64))
     grads = _record_grads(single)
     batches = [single.next_micro_batches()[0] for _ in range(2)]
     stats = [single.train_step([batch]) for batch in batches]
+    for step_stats in stats:
+        single._accumulate(step_stats)
     norms, tokens = [s["grad_norm"] for s in stats], [s["tokens"] for s in stats]
     assert tokens == [int(batch["attention_mask"].sum()) for batch in batches] and sum(tokens) < 2 * 8 * 64
     result = str(tmp_path / "ddp.pt")
@@ -391,6 +396,8 @@ def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
         assert torch.equal(torch.cat([ranks[r][m] for m in range(2) for r in range(2)]), batch["input_ids"])
     assert ddp["norms"] == pytest.approx(norms, rel=1e-5)
     assert ddp["tokens"] == tokens and ddp["tokens_seen"] == single.tokens_seen == sum(tokens)
+    for key in ("loss", "count"):
+        assert float(ddp["window"][key]) == pytest.approx(float(single.state_dict()["window"][key]), rel=1e-5), key
     _assert_same_training(ddp["grads"], ddp["params"], grads, _params(single), single.cfg.lr)
 
 
