@@ -781,6 +781,8 @@ class _PreTrained(nn.Module):
 
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision and not revision.startswith("refs/pr"):  # upload_folder needs the branch (transformers makes it too)
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as directory:
             self.save_pretrained(directory, max_shard_size=max_shard_size or "50GB")
             return api.upload_folder(repo_id=repo_id, folder_path=directory, revision=revision, create_pr=create_pr,

@@ -655,6 +655,9 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
             calls["repo"] = (repo_id, private, exist_ok)
             return huggingface_hub.RepoUrl(f"https://huggingface.co/me/{repo_id}")
 
+        def create_branch(self, repo_id, branch, exist_ok=False):
+            calls["branch"] = (repo_id, branch, exist_ok)
+
         def upload_folder(self, repo_id, folder_path, **options):
             calls["upload"] = (repo_id, options)
             shutil.copytree(folder_path, tmp_path / "hub")
@@ -663,8 +666,9 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
     hf = hf_model("RobertaForSequenceClassification", num_labels=3)
     ours = rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
-    assert ours.push_to_hub("my-model", private=True, token="t", commit_message="first") == "commit"
+    assert ours.push_to_hub("my-model", private=True, token="t", commit_message="first", revision="v2") == "commit"
     assert calls["token"] == "t" and calls["repo"] == ("my-model", True, True)
+    assert calls["branch"] == ("me/my-model", "v2", True)  # upload_folder does not create a branch
     assert calls["upload"][0] == "me/my-model" and calls["upload"][1]["commit_message"] == "first"
     ids = torch.randint(3, FIELDS["vocab_size"], (2, 7))
     with torch.no_grad():
