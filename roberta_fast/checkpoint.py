@@ -494,8 +494,9 @@ class StopSignal:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.requested = name
-        print(f"\n{name} received: saving a checkpoint after this step, then exiting "
-              "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # once per job under torchrun, which signals every rank
+            print(f"\n{name} received: saving a checkpoint after this step, then exiting "
+                  "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignal":
         import threading

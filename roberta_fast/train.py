@@ -15,7 +15,18 @@ run again.
 """
 from __future__ import annotations
 
+import os
 import sys
+
+
+def report(err: Exception, every_rank: bool) -> None:
+    """One `error:` line. Under torchrun a mistake in the config, data or checkpoint fails every rank
+    alike: rank 0 says it (once, not once per process); other failures name their rank."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        print(f"error: {err}", file=sys.stderr)
+    elif every_rank or rank == 0:
+        print(f"error: [rank {rank}] {err}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -26,15 +37,15 @@ def main(argv=None) -> int:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err, every_rank=False)
         return 2
     try:
         summary = trainer.run()
     except ValueError as err:  # e.g. a checkpoint that does not match the config
-        print(f"error: {err}", file=sys.stderr)
+        report(err, every_rank=False)
         return 2
     except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err, every_rank=True)
         return 1
     finally:
         trainer.close()

@@ -777,3 +777,17 @@ def test_rerunning_a_rollback_goes_on_after_its_checkpoint_was_pruned(dataset, t
     out = capsys.readouterr().out
     assert f"--resume {older} is gone (pruned by --keep-checkpoints)" in out and "at step 3" in out
     assert [s for s, _ in train_losses(tmp_path / "run")][-1] == 6
+
+
+def test_under_torchrun_a_mistake_every_rank_makes_is_reported_once(monkeypatch, capsys):
+    """A bad config fails every rank alike: rank 0 says it, the others stay quiet; an error of one
+    rank's own (RuntimeError) names its rank."""
+    from roberta_fast.train import report
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, expected in (("0", "error: [rank 0] invalid training config"), ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["--max-steps", "0"]) == 2
+        assert capsys.readouterr().err.strip().startswith(expected) if expected else not capsys.readouterr().err
+    report(RuntimeError("out of memory"), every_rank=True)
+    assert capsys.readouterr().err == "error: [rank 1] out of memory\n"
