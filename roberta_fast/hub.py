@@ -64,3 +64,21 @@ def _local_dir(name_or_path, revision, file_sets, wanted, download=None) -> str:
             f"{path!r} is neither a local directory nor a Hugging Face Hub repository that could be "
             f"fetched: {type(err).__name__}: {err}") from err
     return local  # the repository has none of the files: the caller names what is missing
+
+
+def model_card(repo_id: str, tags: list[str] | None = None, token: bool | str | None = None):
+    """The README.md that transformers' push_to_hub uploads beside the weights: the repository's
+    own model card, or a new one from huggingface_hub's template when it has none, with `tags` added."""
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        card = ModelCard.load(repo_id, token=token)
+    except EntryNotFoundError:
+        card = ModelCard.from_template(
+            ModelCardData(tags=[], library_name="transformers"),
+            model_description="This is the model card of a 🤗 transformers model that has been pushed on "
+                              "the Hub by roberta_fast. This model card has been automatically generated.")
+    card.data.tags = card.data.tags or []
+    card.data.tags += [tag for tag in tags or [] if tag not in card.data.tags]
+    return card

@@ -769,22 +769,23 @@ class _PreTrained(nn.Module):
     def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
                     private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
                     create_pr: bool = False, max_shard_size: int | str | None = "50GB", tags: list[str] | None = None):
-        """Upload save_pretrained's files (what transformers loads) to the Hub repository `repo_id`,
-        created if missing, as transformers' push_to_hub; returns the commit. `tags` need a model
-        card, which roberta_fast does not write: they are refused."""
-        if tags:
-            raise ValueError("push_to_hub(tags=...) is not supported: roberta_fast writes no model card; "
-                             "add a README.md with the tags to the repository instead")
+        """Upload save_pretrained's files (what transformers loads) and the model card, with `tags`
+        added, to the Hub repository `repo_id`, created if missing, as transformers' push_to_hub;
+        returns the commit."""
         import tempfile
 
         from huggingface_hub import HfApi
 
+        from .hub import model_card
+
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        card = model_card(repo_id, tags, token)
         if revision and not revision.startswith("refs/pr"):  # upload_folder needs the branch (transformers makes it too)
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as directory:
             self.save_pretrained(directory, max_shard_size=max_shard_size or "50GB")
+            card.save(os.path.join(directory, "README.md"))
             return api.upload_folder(repo_id=repo_id, folder_path=directory, revision=revision, create_pr=create_pr,
                                      commit_message=commit_message or "Upload model",
                                      commit_description=commit_description)

@@ -663,10 +663,15 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
             shutil.copytree(folder_path, tmp_path / "hub")
             return "commit"
 
+    def no_card(repo_id, token=None):
+        raise huggingface_hub.errors.EntryNotFoundError(f"{repo_id} has no README.md")
+
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
+    monkeypatch.setattr(huggingface_hub.ModelCard, "load", no_card)
     hf = hf_model("RobertaForSequenceClassification", num_labels=3)
     ours = rf.RobertaForSequenceClassification.from_pretrained(hf, backend="reference")
-    assert ours.push_to_hub("my-model", private=True, token="t", commit_message="first", revision="v2") == "commit"
+    assert ours.push_to_hub("my-model", private=True, token="t", commit_message="first", revision="v2",
+                            tags=["biomedical"]) == "commit"
     assert calls["token"] == "t" and calls["repo"] == ("my-model", True, True)
     assert calls["branch"] == ("me/my-model", "v2", True)  # upload_folder does not create a branch
     assert calls["upload"][0] == "me/my-model" and calls["upload"][1]["commit_message"] == "first"
@@ -674,8 +679,15 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
     with torch.no_grad():
         want = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hub")(input_ids=ids).logits
         torch.testing.assert_close(ours(ids).logits, want)
-    with pytest.raises(ValueError, match="tags=.* is not supported"):
-        ours.push_to_hub("my-model", tags=["roberta"])
+    # a model card, as transformers' push_to_hub uploads: a new one here, or the repository's own with the tags added
+    card = huggingface_hub.ModelCard((tmp_path / "hub" / "README.md").read_text())
+    assert card.data.tags == ["biomedical"] and card.data.library_name == "transformers"
+    existing = huggingface_hub.ModelCard("---\ntags:\n- legal\n---\n# Our encoder\n")
+    monkeypatch.setattr(huggingface_hub.ModelCard, "load", lambda repo_id, token=None: existing)
+    shutil.rmtree(tmp_path / "hub")
+    ours.push_to_hub("my-model", tags=["legal", "roberta"])
+    card = (tmp_path / "hub" / "README.md").read_text()
+    assert "# Our encoder" in card and huggingface_hub.ModelCard(card).data.tags == ["legal", "roberta"]
 
 
 @pytest.mark.parametrize("cls", DROPIN)
