@@ -10,21 +10,22 @@ the three tokenizer files are given) that `rf.RobertaForMaskedLM.from_pretrained
 conversion only renames weights, as transformers' own converter does
 (convert_roberta_original_pytorch_checkpoint_to_pytorch.py), but reads the checkpoint
 file directly: newer fairseq names (`encoder.sentence_encoder.layernorm_embedding`)
-and older ones (`decoder.` prefix, `emb_layer_norm`) both work. What would convert to another
+and older ones (`decoder.` prefix, `emb_layer_norm`, and the released 2019 files' `in_proj_weight`
+holding q, k and v, split as fairseq splits it on load) all work. What would convert to another
 function under the same names is refused by name: encoder_normalize_before=True (pre-LN), an
 activation_fn other than "gelu" (gelu_accurate is the tanh approximation, which hidden_act "gelu"
-is not), and any encoder weight the conversion has no place for (a pre-LN final layer_norm).
+is not), a classification head's pooler_activation_fn other than tanh, and any encoder weight the conversion has no place for (a pre-LN final layer_norm).
 
 The checkpoint is unpickled with a restricted unpickler: tensors and plain containers
 are rebuilt, every other class (fairseq's meters, omegaconf, numpy RNG state) becomes an
 inert stand-in, so no code from the file runs and fairseq/omegaconf need not be
-importable. The head count comes from the checkpoint's `args`/`cfg` (it is not in the
+importable (a `cfg` pickled as omegaconf's DictConfig is read from its stand-in's state). The head count comes from the checkpoint's `args`/`cfg` (it is not in the
 weight shapes); `--heads` overrides it.
 
 Tokenizer: fairseq's dictionary (dict.txt) lists GPT-2 BPE ids by frequency after
 <s> <pad> </s> <unk>; with GPT-2's encoder.json (token -> GPT-2 id) and vocab.bpe
 (merges), vocab.json maps each token to its fairseq index, as roberta-base's does. A
-pruned dict.txt, lacking tokens the merges make, is refused by name: fairseq encodes those
+pruned dict.txt, lacking tokens the merges make or byte tokens, is refused by name: fairseq encodes those
 as <unk>, which a Hugging Face BPE tokenizer cannot express.
 """
 from __future__ import annotations
@@ -103,7 +104,27 @@ def read_checkpoint(path) -> dict:
         raise ValueError(f"{path} is not a readable PyTorch checkpoint: {err}") from err
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
         raise ValueError(f"{path} is not a fairseq checkpoint: it has no 'model' state dict")
+    if "cfg" in ckpt:
+        ckpt["cfg"] = _plain(ckpt["cfg"])
     return ckpt
+
+
+def _plain(value):
+    """A config as plain Python. Hydra-era fairseq pickled `cfg` as omegaconf's DictConfig, which
+    loads here as stand-ins: a container's state holds its `_content`, a value node's its `_val`,
+    and an enum member (fairseq's ChoiceEnum) is rebuilt from its one argument, the value."""
+    if isinstance(value, _Inert):
+        state = getattr(value, "state", None)
+        if isinstance(state, dict) and ("_content" in state or "_val" in state):
+            return _plain(state["_content"] if "_content" in state else state["_val"])
+        if len(value.args) == 1 and not value.kwargs and not hasattr(value, "state"):
+            return _plain(value.args[0])
+        return value
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
 
 
 def _model_setting(ckpt: dict, name: str):
@@ -136,21 +157,43 @@ def _check_architecture(ckpt: dict) -> None:
                          "(gelu_accurate / gelu_fast are the tanh approximation, which would change the logits)")
 
 
+def _check_classification_head(ckpt: dict) -> None:
+    """Refuse a classification head whose pooler activation is not tanh (--pooler-activation-fn):
+    transformers' RobertaClassificationHead applies tanh between dense and out_proj."""
+    activation = _model_setting(ckpt, "pooler_activation_fn")
+    if activation not in (None, "tanh"):
+        raise ValueError(f"this checkpoint's classification heads were trained with pooler_activation_fn="
+                         f"{activation!r}; only 'tanh' (fairseq's default) converts, as transformers' "
+                         "RobertaClassificationHead applies tanh (another one would change the logits)")
+
+
+def _split_in_proj(state: dict) -> dict:
+    """The state dict with each `in_proj_weight` / `in_proj_bias` (fairseq < 0.9, as in the released
+    roberta.base / roberta.large files: q, k and v stacked in that order) split into q_proj, k_proj
+    and v_proj, as fairseq's MultiheadAttention.upgrade_state_dict_named splits them on load."""
+    out = {}
+    for key, value in state.items():
+        stem, _, kind = key.rpartition(".in_proj_")
+        if stem and kind in ("weight", "bias"):
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3)):  # (3 * hidden, ...) -> 3 x (hidden, ...)
+                out[f"{stem}.{name}.{kind}"] = part
+        else:
+            out[key] = value
+    return out
+
+
 # ------------------------------------------------------------------ the model
 def to_hf(ckpt: dict, heads: int | None = None,
           classification_head: str | None = None) -> tuple[RobertaConfig, dict]:
     """(config, HF-named state dict) from a fairseq checkpoint dict: RobertaForMaskedLM's, or with
     `classification_head` (a fine-tuned model's head name, e.g. "mnli") RobertaForSequenceClassification's."""
-    state = ckpt["model"]
+    state = _split_in_proj(ckpt["model"])
     prefix = next((p for p in ("encoder.sentence_encoder.", "decoder.sentence_encoder.")
                    if p + "embed_tokens.weight" in state), None)
     if prefix is None:
         raise ValueError("not a fairseq RoBERTa checkpoint: no encoder.sentence_encoder.embed_tokens.weight")
     head = prefix.replace("sentence_encoder.", "lm_head.")
     _check_architecture(ckpt)
-    if any(k.startswith(prefix + "layers.") and ".self_attn.in_proj_weight" in k for k in state):
-        raise ValueError("this checkpoint keeps q/k/v as one in_proj_weight (fairseq < 0.9); load and "
-                         "re-save it with fairseq >= 0.9 first")
     if state.get(prefix + "layernorm_embedding.weight") is None and state.get(prefix + "emb_layer_norm.weight") \
             is None:
         raise ValueError("this checkpoint has no embedding LayerNorm: a pre-LN model "
@@ -166,6 +209,8 @@ def to_hf(ckpt: dict, heads: int | None = None,
     words, positions = take(prefix + "embed_tokens.weight"), take(prefix + "embed_positions.weight")
     layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", k)))
     hidden = words.shape[1]
+    if heads is not None and heads < 1:
+        raise ValueError(f"--heads must be a positive number of attention heads, got {heads}")
     heads = heads or _attention_heads(ckpt)
     if heads is None:
         raise ValueError("the checkpoint does not record encoder_attention_heads; pass it with --heads "
@@ -191,6 +236,7 @@ def to_hf(ckpt: dict, heads: int | None = None,
         if classification_head not in names:
             raise ValueError(f"no classification head {classification_head!r} in the checkpoint; it has "
                              f"{names or 'none'}")
+        _check_classification_head(ckpt)
         for name in ("dense", "out_proj"):
             for kind in ("weight", "bias"):
                 out[f"classifier.{name}.{kind}"] = take(f"classification_heads.{classification_head}.{name}.{kind}")
@@ -276,10 +322,13 @@ def fairseq_vocab(dictionary, encoder_json, vocab_size: int) -> dict:
 
 
 def _check_merges(vocab: dict, dictionary, vocab_bpe) -> None:
-    """Refuse a dict.txt lacking tokens that vocab.bpe's merges use or make (a pruned dictionary):
-    fairseq encodes them as <unk>, which a Hugging Face BPE tokenizer cannot express (it needs
-    every merge's parts and result in its vocabulary)."""
-    missing = {}  # (a dict: ordered, no repeats)
+    """Refuse a dict.txt lacking tokens that vocab.bpe's merges use or make, or any of the 256 byte
+    tokens (a pruned dictionary): fairseq encodes them as <unk>, which a Hugging Face BPE tokenizer
+    cannot express (it needs every merge's parts and result in its vocabulary, and drops a byte
+    it has no token for)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    missing = {t: None for t in sorted(ByteLevel.alphabet()) if t not in vocab}  # (a dict: ordered, no repeats)
     with open(vocab_bpe, encoding="utf-8") as f:
         for line in f:
             pair = line.rstrip("\r\n").split(" ")
@@ -289,7 +338,8 @@ def _check_merges(vocab: dict, dictionary, vocab_bpe) -> None:
     if missing:
         shown = ", ".join(repr(t) for t in list(missing)[:10]) + (", ..." if len(missing) > 10 else "")
         raise ValueError(
-            f"{dictionary} lacks {len(missing)} tokens that the merges of {vocab_bpe} use or make ({shown}): "
+            f"{dictionary} lacks {len(missing)} tokens that the GPT-2 tokenizer needs (byte tokens, or tokens "
+            f"the merges of {vocab_bpe} use or make: {shown}): "
             "fairseq encodes them as <unk>, which a Hugging Face BPE tokenizer cannot express; pass the "
             "dict.txt holding every GPT-2 token (as roberta.base's does), or convert without the tokenizer")
 

@@ -6,6 +6,7 @@ with classes this process cannot import) from a transformers model, and the conv
 directory must give that model's logits.
 """
 import argparse
+import enum
 import json
 import os
 import random
@@ -109,10 +110,73 @@ def test_converted_checkpoint_gives_the_models_logits(tmp_path, layout):
     torch.testing.assert_close(logits(reloaded, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
 
 
+def test_released_2019_checkpoints_keep_qkv_as_one_in_proj(tmp_path):
+    """roberta.base / roberta.large as released (fairseq < 0.9) stack each layer's q, k, v in one
+    self_attn.in_proj_weight / in_proj_bias: split in that order, as fairseq does on load."""
+    hf = hf_model()
+    state = fairseq_state(hf, old_names=True)
+    for i in range(SIZES["num_hidden_layers"]):
+        attn = f"decoder.sentence_encoder.layers.{i}.self_attn."
+        for kind in ("weight", "bias"):
+            state[f"{attn}in_proj_{kind}"] = torch.cat([state.pop(f"{attn}{p}_proj.{kind}") for p in "qkv"])
+    save_checkpoint(tmp_path / "model.pt", state, args=argparse.Namespace(encoder_attention_heads=4))
+    ours = fairseq.convert(tmp_path / "model.pt", tmp_path / "hf").eval()
+    torch.testing.assert_close(logits(ours, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
+
+
+class _Choices(str, enum.Enum):
+    """Stands for fairseq's ChoiceEnum values (activation_fn) inside a pickled omegaconf config."""
+    gelu = "gelu"
+    gelu_accurate = "gelu_accurate"
+
+
+class _DictConfig:
+    """Pickles as omegaconf's DictConfig does: its state holds `_content`, a dict of value nodes."""
+
+    def __init__(self, content):
+        self._content, self._metadata, self._parent = content, None, None
+
+
+class _AnyNode:
+    def __init__(self, value):
+        self._val, self._metadata, self._parent = value, None, None
+
+
+def save_omegaconf_checkpoint(path, state, model_options):
+    """A hydra-era fairseq checkpoint: `cfg` is the pickled DictConfig, whose module will not exist at load time."""
+    module = types.ModuleType("omegaconf_for_test")
+    for cls in (_Choices, _DictConfig, _AnyNode):
+        cls.__module__ = module.__name__
+        setattr(module, cls.__name__, cls)
+    sys.modules[module.__name__] = module
+    model = _DictConfig({k: _AnyNode(v) for k, v in model_options.items()})
+    try:
+        torch.save({"model": state, "args": None, "cfg": _DictConfig({"model": model, "task": _DictConfig({})})}, path)
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_a_cfg_pickled_as_omegaconf_is_read(tmp_path):
+    """Its settings are read from the stand-ins' state: the head count, and an activation that
+    would change the logits is refused, not converted under another --heads."""
+    hf = hf_model()
+    save_omegaconf_checkpoint(tmp_path / "tanh.pt", fairseq_state(hf),
+                              {"encoder_attention_heads": 4, "activation_fn": _Choices.gelu_accurate})
+    with pytest.raises(ValueError, match="activation_fn='gelu_accurate'"):
+        fairseq.convert(tmp_path / "tanh.pt", tmp_path / "x", heads=4)
+    save_omegaconf_checkpoint(tmp_path / "ok.pt", fairseq_state(hf),
+                              {"encoder_attention_heads": 4, "activation_fn": _Choices.gelu})
+    ours = fairseq.convert(tmp_path / "ok.pt", tmp_path / "hf").eval()
+    assert ours.config.num_attention_heads == 4
+    torch.testing.assert_close(logits(ours, IDS), logits(hf, IDS), rtol=1e-5, atol=1e-5)
+
+
 def test_heads_must_be_known_and_bad_files_are_named(tmp_path, capsys):
     save_checkpoint(tmp_path / "ckpt.pt", fairseq_state(hf_model()))
     with pytest.raises(ValueError, match="--heads"):
         fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "out")
+    with pytest.raises(ValueError, match="--heads must be a positive number"):
+        fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "out", heads=0)
     model = fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "out", heads=4)
     torch.testing.assert_close(logits(model.eval(), IDS), logits(hf_model(), IDS), rtol=1e-5, atol=1e-5)
 
@@ -152,7 +216,7 @@ def test_tokenizer_from_the_dictionary_and_gpt2_files(tmp_path):
     gpt2 = rf.RobertaTokenizer.train([str(corpus)], vocab_size=300)
     gpt2.save(tmp_path / "gpt2")
     vocab = json.loads((tmp_path / "gpt2" / "vocab.json").read_text())
-    encoder = {tok: i for tok, i in vocab.items() if not tok.startswith("<")}  # GPT-2 ids, no specials
+    encoder = {tok: i for tok, i in vocab.items() if tok not in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")}  # GPT-2 ids
     (tmp_path / "encoder.json").write_text(json.dumps(encoder))
     order = list(encoder.values())
     random.Random(0).shuffle(order)  # fairseq orders by frequency, not by GPT-2 id
@@ -182,9 +246,19 @@ def test_tokenizer_from_the_dictionary_and_gpt2_files(tmp_path):
     made = "".join(gpt2.merges()[-1])
     (tmp_path / "encoder.json").write_text(json.dumps({**encoder, "filler": 99_999}))
     (tmp_path / "pruned.txt").write_text("".join(f"{i} 1\n" for i in order if i != encoder[made]) + "99999 1\n")
-    with pytest.raises(ValueError, match=re.escape(f"pruned.txt lacks 1 tokens that the merges of "
-                                                   f"{tmp_path / 'gpt2' / 'merges.txt'} use or make ({made!r})")):
+    with pytest.raises(ValueError, match=re.escape(f"pruned.txt lacks 1 tokens that the GPT-2 tokenizer needs (byte "
+                                                   f"tokens, or tokens the merges of {tmp_path / 'gpt2' / 'merges.txt'} "
+                                                   f"use or make: {made!r})")):
         fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "p", tmp_path / "pruned.txt", tmp_path / "encoder.json",
+                        tmp_path / "gpt2" / "merges.txt")
+    # a byte token that no merge uses: fairseq gives <unk>, a BPE tokenizer without it would drop the byte
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    merged = {t for pair in gpt2.merges() for t in (*pair, "".join(pair))}
+    byte = sorted(set(ByteLevel.alphabet()) - merged)[0]
+    (tmp_path / "no_byte.txt").write_text("".join(f"{i} 1\n" for i in order if i != encoder[byte]) + "99999 1\n")
+    with pytest.raises(ValueError, match=re.escape(f"no_byte.txt lacks 1 tokens") + f".*{re.escape(repr(byte))}"):
+        fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "b", tmp_path / "no_byte.txt", tmp_path / "encoder.json",
                         tmp_path / "gpt2" / "merges.txt")
 
 
@@ -204,6 +278,11 @@ def test_a_fine_tuned_classification_head(tmp_path):
     save_checkpoint(tmp_path / "ckpt.pt", state, cfg={"model": {"encoder_attention_heads": 4}})
     with pytest.raises(ValueError, match=r"no classification head 'sst2'.*\['mnli'\]"):
         fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "x", classification_head="sst2")
+    # fairseq's --pooler-activation-fn: transformers' head applies tanh, so another one is refused
+    save_checkpoint(tmp_path / "relu.pt", state, cfg={"model": {"encoder_attention_heads": 4,
+                                                                "pooler_activation_fn": "relu"}})
+    with pytest.raises(ValueError, match="pooler_activation_fn='relu'"):
+        fairseq.convert(tmp_path / "relu.pt", tmp_path / "x", classification_head="mnli")
     assert fairseq.main([str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "cls"),
                          "--classification-head", "mnli"]) == 0
     ours = rf.RobertaForSequenceClassification.from_pretrained(tmp_path / "cls", backend="reference").eval()
