@@ -40,7 +40,8 @@ def _cross_entropy_fwd_kernel(LOGITS, TARGET, LOSS, LSE, V, stride_row, ignore_i
     for start in range(0, V, BLOCK_V):
         x = tl.load(base + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every logit so far -inf: avoid inf - inf
+        s = s * tl.exp(m - m_new_safe) + tl.sum(tl.exp(x - m_new_safe), axis=0)
         m = m_new
     lse = m + tl.log(s)
     target = tl.load(TARGET + row).to(tl.int64)

@@ -70,6 +70,28 @@ def test_large_fp16_logits_stay_finite(device, small_chunks):
     _check(logits, target, "mean", atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_minus_inf_logits(device, small_chunks, dtype):
+    """-inf logits (a sub-vocabulary): a first chunk all -inf once gave exp(-inf - -inf) = NaN.
+
+    Rows: the first chunk -inf; all -inf but the target (loss 0, grad 0); -inf in the
+    first and a middle chunk; a plain row. A row entirely -inf gives NaN, as PyTorch's.
+    """
+    triton_or_skip(device, dtype)
+    logits, target = _logits_and_target(4, 200, dtype, device, ignored=0.0)
+    logits = logits.detach()
+    target[:3] = torch.tensor([150, 130, 199])
+    logits[0, :64] = float("-inf")  # 64: the chunk under the interpreter (16 on a GPU)
+    logits[1, :130] = logits[1, 131:] = float("-inf")
+    logits[2, :70] = logits[2, 100:190] = float("-inf")
+    _check(logits.requires_grad_(), target, "none", atol=1e-5)
+
+    every = torch.full((1, 200), float("-inf"), dtype=dtype, device=device)
+    t = torch.tensor([7], device=device)
+    assert torch.isnan(cross_entropy(every, t, reduction="none")).all()
+    assert torch.isnan(F.cross_entropy(every.float(), t, reduction="none")).all()
+
+
 def test_every_row_ignored(device):
     triton_or_skip(device)
     logits = torch.randn(4, 10, device=device, requires_grad=True)
