@@ -34,6 +34,7 @@ from ._utils import (check_tensor, check_triton_device, dropout_threshold, num_p
                      philox_rand16, tile_shape)
 
 MAX_HIDDEN = 16384  # one row lives in registers; larger rows would spill badly
+MIN_BLOCK_N = 8  # philox_rand16 serves 8 columns per call: hidden sizes 1-7 get masked columns
 
 
 # ----------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def _layer_norm_fwd(
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return y, y_cast, keep, mean, rstd
-    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
+    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN, MIN_BLOCK_N)
     with on_device(x.device):
         _layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
             x, residual, weight, bias, y, y_cast, keep, mean, rstd, seed,
@@ -210,7 +211,7 @@ def _layer_norm_bwd(
     dx = torch.empty_like(x)
     dr = torch.empty((M, N) if store_dr else (0,), dtype=residual.dtype if store_dr else x.dtype,
                      device=x.device)
-    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN)
+    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN, MIN_BLOCK_N)
     rows_per_program = block_m * triton.cdiv(M, block_m * num_programs(x.device))
     n_programs = triton.cdiv(M, rows_per_program) if M else 0
     # every program writes its whole row of partial sums: no zero-fill needed

@@ -191,6 +191,22 @@ def test_dropout_matches_reference_and_keep_rate(device, residual):
         torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_dropout_hidden_smaller_than_a_philox_group(device, n):
+    """Hidden sizes below 8 (one Philox call's columns) run in a block of 8, extra columns masked."""
+    triton_or_skip(device)
+    x, r, w, b = _inputs((5, 3, n), torch.float32, device)
+    dy = torch.randn_like(x)
+    y, keep = layer_norm(x, w, b, residual=r, dropout_p=0.5, seed=3, return_dropout_mask=True)
+    assert keep.shape == x.shape and 0 < keep.sum() < keep.numel()
+    grads = torch.autograd.grad(y, (x, r, w, b), dy)
+    y_ref = layer_norm_ref(x, w, b, residual=r, dropout_p=0.5, dropout_mask=keep)
+    grads_ref = torch.autograd.grad(y_ref, (x, r, w, b), dy)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-5)
+
+
 def test_dropout_seeding(device):
     triton_or_skip(device)
     x, r, w, b = _inputs((4, 64), torch.float32, device)
