@@ -148,6 +148,8 @@ class Finetuner:
         self.tokenizer = RobertaTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         self.task = task = TASKS[cfg.task](cfg)
         self.names = task.names
+        for note in task.notes:
+            log(f"note: {note}")
         with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
             warnings.simplefilter("always")
             self.model = task.model_class.from_pretrained(cfg.model, backend=cfg.backend, **task.model_kwargs())

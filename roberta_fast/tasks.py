@@ -85,21 +85,36 @@ def records(path: Path):
     return table_rows(path) if is_table(path) else json_lines(path)
 
 
-def delimited_rows(path: Path, delimiter: str, header: bool = True):
+def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: list | None = None):
     """(location "file:line", row dict) of a CSV (Excel quoting) or a GLUE .tsv: tab-separated with
     no quoting at all (csv.QUOTE_NONE, as GLUE's own loaders: SST-2 sentences hold quote characters).
-    header=False: the file has no header row (GLUE's CoLA), and the columns are named "0", "1", ..."""
+    header=False: the file has no header row (GLUE's CoLA), and the columns are named "0", "1", ...
+    A .tsv row with more or fewer cells than its header is skipped, its line number appended to
+    `skipped`: GLUE's QQP ships such broken lines, which fairseq's RoBERTa recipe (awk NF==fields)
+    and datasets' glue loader drop too. A CSV's are kept (a short row reads None: read_examples says so)."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     with open(path, newline="", encoding="utf-8-sig") as f:
         if header:
             reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
             for row in reader:
+                # DictReader puts the cells past the header under None, fills a short row with None
+                if delimiter == "\t" and skipped is not None and (None in row or None in row.values()):
+                    skipped.append(reader.line_num)
+                    continue
                 yield f"{path}:{reader.line_num}", row
             return
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         for row in reader:
             if row:  # a blank line, as DictReader skips it
                 yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
+
+
+def skipped_note(path, skipped: list[int]) -> str:
+    """The one line saying which rows delimited_rows skipped (the first 5 line numbers)."""
+    lines = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+    return (f"{path}: skipped {len(skipped)} row{'s' if len(skipped) > 1 else ''} whose number of columns "
+            f"differs from the header's (line{'s' if len(skipped) > 1 else ''} {lines}), as GLUE's "
+            "loaders do (fairseq's preprocess_GLUE_tasks.sh, datasets' glue)")
 
 
 def hold_out(train: list, seed: int, path) -> tuple[list, list]:
@@ -195,6 +210,7 @@ class Task:
     model keyword arguments and the validation metrics (`best_metric` picks the best epoch)."""
 
     name = model_class = best_metric = None
+    notes = ()  # lines about the data for the run's log (rows skipped), set by __init__
     max_len = 512  # default tokens per sequence, capped by the model's positions
     unit = "examples"  # what one training item is (len(task) counts them)
 
@@ -220,15 +236,17 @@ class Task:
 
 
 # ------------------------------------------------------------- classification
-def read_examples(path, cfg) -> list[tuple[str, str | None, str]]:
+def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str | None, str]]:
     """(text, pair or None, label as a string) of every row of a CSV or JSONL file. Fields given
-    as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA)."""
+    as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA). The line
+    saying which broken .tsv rows were skipped (delimited_rows) goes to `notes` (else it is printed)."""
     path = data_file(path)
     fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
     suffix = path.suffix.lower()
+    skipped = []
     if suffix in (".csv", ".tsv"):
         numbered = all(str(name).isdigit() for name in fields)
-        rows = delimited_rows(path, "," if suffix == ".csv" else "\t", header=not numbered)
+        rows = delimited_rows(path, "," if suffix == ".csv" else "\t", header=not numbered, skipped=skipped)
     elif suffix in (".jsonl", ".json") or is_table(path):
         rows = records(path)
     else:
@@ -242,13 +260,28 @@ def read_examples(path, cfg) -> list[tuple[str, str | None, str]]:
                              "--text-field / --pair-field / --label-field (GLUE pairs: sentence1/sentence2, "
                              "question/sentence, premise/hypothesis; a .csv/.tsv without a header row, as GLUE's "
                              "CoLA, by column number: --text-field 3 --label-field 1)")
-        empty = [name for name in fields if row[name] is None or not str(row[name]).strip()]
-        if empty:  # a CSV row short of columns reads None, an empty cell ""
+        short = [name for name in fields if row[name] is None]
+        if short:  # a CSV row short of columns reads None (delimited_rows)
+            what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
+            cells = sum(value is not None for key, value in row.items() if key is not None)
+            raise ValueError(f"{where}: the row has {cells} of the header's {len(row)} columns, no "
+                             f"{' and no '.join(f'{what[n]} ({n!r})' for n in short)}; fix the line (a cell "
+                             "holding the delimiter needs quotes) or remove the row")
+        empty = [name for name in fields if not str(row[name]).strip()]
+        if empty:
             what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
             raise ValueError(f"{where}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
                              "is empty on this line; fill it in or remove the row")
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
+    if skipped:
+        note = skipped_note(path, skipped)
+        if not examples:
+            raise ValueError(f"{path} holds no examples: {note}")
+        if notes is None:
+            print(f"note: {note}")
+        else:
+            notes.append(note)
     if not examples:
         raise ValueError(f"{path} holds no examples")
     return examples
@@ -284,8 +317,9 @@ class ClassifyTask(Task):
     name, model_class = "classify", RobertaForSequenceClassification
 
     def __init__(self, cfg):
-        train = read_examples(cfg.train, cfg)
-        valid = read_examples(cfg.valid, cfg) if cfg.valid else None
+        self.notes = []
+        train = read_examples(cfg.train, cfg, self.notes)
+        valid = read_examples(cfg.valid, cfg, self.notes) if cfg.valid else None
         self.regression = is_regression([e[2] for e in train + (valid or [])], cfg.problem_type,
                                         cfg.train if valid is None else f"{cfg.train} or {cfg.valid}")
         if valid is None:

@@ -453,3 +453,33 @@ def test_activation_checkpointing_finetunes_as_without(task, tmp_path):
         runs.append(tuner.model.state_dict())
     for key, value in runs[1].items():
         torch.testing.assert_close(runs[0][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_glue_tsv_rows_with_a_wrong_column_count_are_skipped_and_counted(task, tmp_path, capsys):
+    """GLUE's QQP ships lines broken by a newline inside a question (fewer cells than the header, or more):
+    skipped, as fairseq's RoBERTa recipe (awk NF==6) and datasets' glue loader, with a note naming them.
+    A CSV row short of columns is still refused, saying so (not "empty")."""
+    from roberta_fast.tasks import read_examples
+
+    header = "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+    good = [f"{i}\t{2 * i}\t{2 * i + 1}\tsunny river {i}?\tcloud rainy {i}?\t{i % 2}\n" for i in range(8)]
+    broken = ["9\t18\t19\tHow can I develop android app?\t\n", "10\t20\t21\ta\tb\t0\textra\n"]
+    path = tmp_path / "train.tsv"
+    path.write_text(header + "".join(good[:3] + broken + good[3:]))
+    fields = dict(text_field="question1", pair_field="question2", label_field="is_duplicate")
+    notes = []
+    examples = read_examples(path, config(task, tmp_path, **fields), notes)
+    assert len(examples) == 8 and examples[3] == ("sunny river 3?", "cloud rainy 3?", "1")
+    assert notes == [f"{path}: skipped 2 rows whose number of columns differs from the header's (lines 5, 6), "
+                     "as GLUE's loaders do (fairseq's preprocess_GLUE_tasks.sh, datasets' glue)"]
+    logged = []
+    Finetuner(config(task, tmp_path / "run", train=str(path), valid=str(path), **fields), log=logged.append)
+    assert sum("skipped 2 rows" in line for line in logged) == 2, logged  # one line per file
+    empty = tmp_path / "empty.tsv"
+    empty.write_text(header + "1\t2\t3\t\tcloud?\t0\n")  # the right number of columns: an empty cell stays an error
+    with pytest.raises(ValueError, match=r"empty.tsv:2: the text \('question1'\) is empty on this line"):
+        read_examples(empty, config(task, tmp_path, **fields))
+    short = tmp_path / "short.csv"
+    short.write_text("sentence,label\nsunny river,pos\ncloud rainy\n")
+    with pytest.raises(ValueError, match=r"short.csv:3: the row has 1 of the header's 2 columns, no label \('label'\)"):
+        read_examples(short, config(task, tmp_path))
