@@ -40,6 +40,7 @@ import collections
 import csv
 import json
 import re
+import shlex
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,7 +244,7 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
     path = data_file(path)
     fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
     suffix = path.suffix.lower()
-    skipped = []
+    skipped, numbered = [], False
     if suffix in (".csv", ".tsv"):
         numbered = all(str(name).isdigit() for name in fields)
         rows = delimited_rows(path, "," if suffix == ".csv" else "\t", header=not numbered, skipped=skipped)
@@ -252,8 +253,13 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
     else:
         raise ValueError(f"{path}: expected a .csv or .tsv (GLUE's, with a header row), a .jsonl, a Parquet or "
                          "Arrow file or a datasets save_to_disk directory")
-    examples = []
+    examples, first, numeric = [], None, {}
     for where, row in rows:
+        if numbered:  # for header_row_error: which columns hold a number on every row after the first
+            if first is None:
+                first = where, row
+            else:
+                numeric.update({k: numeric.get(k, True) and number(v) is not None for k, v in row.items()})
         missing = [name for name in fields if name not in row]
         if missing:
             raise ValueError(f"{where}: missing {missing} (the row has {sorted(row)}); name the columns with "
@@ -274,6 +280,8 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
                              "is empty on this line; fill it in or remove the row")
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
+    if first is not None and len(examples) >= 3:
+        header_row_error(*first, numeric, cfg)
     if skipped:
         note = skipped_note(path, skipped)
         if not examples:
@@ -285,6 +293,21 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
     if not examples:
         raise ValueError(f"{path} holds no examples")
     return examples
+
+
+def header_row_error(where: str, row: dict, numeric: dict, cfg) -> None:
+    """Refuse a header row read as an example (columns named by number on a file that has one, as
+    GLUE's MRPC: its header would become a class 'Quality', STS-B's 'score' would end the regression).
+    The sign, which a file without header (CoLA, whose label column is numbers) never shows: a column
+    that holds a number on every later row but not on the first (GLUE's index, ids, labels, scores)."""
+    column = next((k for k, v in row.items() if numeric.get(k) and number(v) is None), None)
+    if column is None:
+        return
+    flags = [("--text-field", cfg.text_field), ("--pair-field", cfg.pair_field), ("--label-field", cfg.label_field)]
+    named = " ".join(f"{flag} {shlex.quote(row[str(n)])}" for flag, n in flags if n is not None)
+    raise ValueError(f"{where}: this first line looks like a header row, not an example: column {column} holds "
+                     f"{row[column]!r} where every later row has a number. Name the columns by the header "
+                     f"({named}), or remove the header line to name them by number")
 
 
 def encode(tokenizer, examples, max_len: int) -> list[np.ndarray]:

@@ -483,3 +483,32 @@ def test_glue_tsv_rows_with_a_wrong_column_count_are_skipped_and_counted(task, t
     short.write_text("sentence,label\nsunny river,pos\ncloud rainy\n")
     with pytest.raises(ValueError, match=r"short.csv:3: the row has 1 of the header's 2 columns, no label \('label'\)"):
         read_examples(short, config(task, tmp_path))
+
+
+def test_columns_named_by_number_refuse_a_header_row(task, tmp_path):
+    """Columns named by number on a file with a header (GLUE's MRPC, STS-B): the header would be an example,
+    'Quality' a class, 'score' would end the regression. Refused, with the names to use; a file without a
+    header, whose first line is an example (CoLA), still reads."""
+    from roberta_fast.tasks import read_examples
+
+    mrpc = tmp_path / "mrpc.tsv"
+    mrpc.write_text("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(
+        f"{i % 2}\t{100 + i}\t{200 + i}\tsunny river {i}\tcloud {i}\n" for i in range(4)))
+    numbered = dict(text_field="3", pair_field="4", label_field="0")
+    with pytest.raises(ValueError, match=r"mrpc.tsv:1: this first line looks like a header row, not an example: "
+                                         r"column 0 holds 'Quality' where every later row has a number\. Name the "
+                                         r"columns by the header \(--text-field '#1 String' --pair-field '#2 String' "
+                                         r"--label-field Quality\), or remove the header line"):
+        read_examples(mrpc, config(task, tmp_path, **numbered))
+    named = read_examples(mrpc, config(task, tmp_path, text_field="#1 String", pair_field="#2 String",
+                                       label_field="Quality"))
+    assert named[0] == ("sunny river 0", "cloud 0", "0")
+    sts = tmp_path / "sts.csv"
+    sts.write_text("sentence1,sentence2,score\n" + "".join(f"sunny {i},cloud {i},{i / 2 + 0.1:.3f}\n" for i in range(4)))
+    with pytest.raises(ValueError, match=r"sts.csv:1: .* column 2 holds 'score' .*--text-field sentence1 "
+                                         r"--pair-field sentence2 --label-field score"):
+        read_examples(sts, config(task, tmp_path, text_field="0", pair_field="1", label_field="2"))
+    cola = tmp_path / "cola.tsv"  # no header: the first line is an example, its label a number as the others'
+    cola.write_text("gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThey drank the pub.\n"
+                    "bc01\t1\t\tHarry coughed.\nbc01\t0\t*\tHarry coughed the cold.\n")
+    assert len(read_examples(cola, config(task, tmp_path, text_field="3", label_field="1"))) == 4
