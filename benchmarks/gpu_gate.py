@@ -175,11 +175,13 @@ def main(argv=None) -> int:
     p.add_argument("--skip-tests", action="store_true", help="only the model check (the gate then fails: "
                                                              "the CUDA tests are part of it)")
     p.add_argument("--tests-timeout", type=int, default=300, help="seconds for the CUDA tests")
+    p.add_argument("--device", help="cuda | cpu (default: cuda when present); throughput.py --gate verifies only "
+                                    "a run on the same device, so give both the same --device")
     p.add_argument("--json", type=Path, required=True, help="write the verdict and every check here")
     args = p.parse_args(argv)
     if args.seq_len < 8 or args.batch < 1:
         p.error(f"--seq-len must be >= 8 and --batch >= 1, got {args.seq_len} and {args.batch}")
-    device = bc.default_device()
+    device = torch.device(args.device) if args.device else bc.default_device()
     _install_interpreter_bf16()
     env = bc.environment(device)
     t0 = time.perf_counter()

@@ -68,7 +68,8 @@ start=$SECONDS
 if [ "$dry" = 1 ]; then  # the smallest shapes, on the CPU
   export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   base=tiny large=tiny long=16 short=16 quick=(--quick)
-  gate_shape=(--model tiny --seq-len 16 --batch 1)
+  gate_shape=(--model tiny --seq-len 16 --batch 1 --device cpu)  # the device of `timing`: on a GPU machine
+  # (the test stage runs this rehearsal there) a gate of the GPU would not verify figures of the CPU
   fixed_batch=(--batch 1) big_batch=(--batch 1) large_batch=(--batch 1)
   timing=(--warmup 0 --steps 1 --repeats 1 --device cpu --interpret --skip-compile)
   sanitizer=()  # compute-sanitizer needs a GPU: the tests run bare

@@ -153,6 +153,19 @@ def test_failed_gate_marks_the_figures_unverified(tmp_path, monkeypatch):
     assert "**no**: the correctness gate failed" in row
 
 
+def test_dry_gate_runs_on_the_device_the_dry_figures_are_timed_on(tmp_path, monkeypatch):
+    """The test stage runs this rehearsal ON the GPU machine, where the dry figures are timed on the
+    CPU (--device cpu): the dry gate must run there too, or throughput.py --gate sees another device
+    and leaves them unverified (test_first_records_the_four_contenders_verified would fail there)."""
+    monkeypatch.setattr(G.bc, "default_device", lambda: torch.device("cuda"))  # as on the GPU machine
+    gate = tmp_path / "gate.json"
+    assert G.main(["--model", "tiny", "--seq-len", "16", "--batch", "1", "--dtypes", "fp16", "--device", "cpu",
+                   "--json", str(gate)]) == 0
+    assert T.verification(gate, T.environment(torch.device("cpu")))["verified"] is True
+    dry_gate = re.search(r"gate_shape=\(([^)]*)\)", SCRIPT.read_text()).group(1)  # the first: the dry one
+    assert "--device cpu" in dry_gate and "--device cpu" in re.search(r"timing=\(([^)]*)\)", SCRIPT.read_text()).group(1)
+
+
 def test_verification_needs_a_passed_gate_of_this_device_and_commit(tmp_path):
     env = T.environment(torch.device("cpu"))
     assert T.verification(None, env)["verified"] is False
