@@ -66,18 +66,35 @@ def data_file(path) -> Path:
     return path
 
 
+def not_utf8(path: Path) -> ValueError:
+    """The error for a file that is not UTF-8 (CoNLL-2003's German files are ISO-8859-1): its first bad
+    line, found again line by line (the reader decodes in chunks, so it cannot say where)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return ValueError(f"{path}:{number}: not UTF-8 (byte {line[err.start]:#04x} at column "
+                                  f"{err.start + 1}); convert the file to UTF-8 from its encoding, e.g. "
+                                  f"iconv -f latin1 -t utf-8 {shlex.quote(str(path))} > utf8-copy")
+    return ValueError(f"{path}: not UTF-8; convert it, e.g. iconv -f latin1 -t utf-8")
+
+
 def json_lines(path: Path):
     """(location "file:line", object) of every non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8-sig") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{number}: a JSON {type(row).__name__}, expected an object")
-                yield f"{path}:{number}", row
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
+                    if not isinstance(row, dict):
+                        raise ValueError(f"{path}:{number}: a JSON {type(row).__name__}, expected an object")
+                    yield f"{path}:{number}", row
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
 
 
 def records(path: Path):
@@ -94,20 +111,23 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
     `skipped`: GLUE's QQP ships such broken lines, which fairseq's RoBERTa recipe (awk NF==fields)
     and datasets' glue loader drop too. A CSV's are kept (a short row reads None: read_examples says so)."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        if header:
-            reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            if header:
+                reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
+                for row in reader:
+                    # DictReader puts the cells past the header under None, fills a short row with None
+                    if delimiter == "\t" and skipped is not None and (None in row or None in row.values()):
+                        skipped.append(reader.line_num)
+                        continue
+                    yield f"{path}:{reader.line_num}", row
+                return
+            reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
             for row in reader:
-                # DictReader puts the cells past the header under None, fills a short row with None
-                if delimiter == "\t" and skipped is not None and (None in row or None in row.values()):
-                    skipped.append(reader.line_num)
-                    continue
-                yield f"{path}:{reader.line_num}", row
-            return
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
-        for row in reader:
-            if row:  # a blank line, as DictReader skips it
-                yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
+                if row:  # a blank line, as DictReader skips it
+                    yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
 
 
 def skipped_note(path, skipped: list[int]) -> str:
@@ -434,22 +454,25 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
             sentences.append((words, [str(t) for t in tags]))
     else:
         words, tags = [], []
-        with open(path, encoding="utf-8-sig") as f:
-            for number, line in enumerate(f, start=1):
-                columns = line.split()
-                if columns and columns[0] == "-DOCSTART-":
-                    continue
-                if not columns:
-                    if words:
-                        sentences.append((words, tags))
-                    words, tags = [], []
-                    continue
-                if len(columns) < 2:
-                    raise ValueError(f"{path}:{number}: {line.strip()!r} has a word and no tag; CoNLL lines are "
-                                     "'word<TAB or space>tag' (the tag in the last column), a blank line "
-                                     "between sentences")
-                words.append(columns[0])
-                tags.append(columns[-1])
+        try:
+            with open(path, encoding="utf-8-sig") as f:
+                for number, line in enumerate(f, start=1):
+                    columns = line.split()
+                    if columns and columns[0] == "-DOCSTART-":
+                        continue
+                    if not columns:
+                        if words:
+                            sentences.append((words, tags))
+                        words, tags = [], []
+                        continue
+                    if len(columns) < 2:
+                        raise ValueError(f"{path}:{number}: {line.strip()!r} has a word and no tag; CoNLL lines "
+                                         "are 'word<TAB or space>tag' (the tag in the last column), a blank line "
+                                         "between sentences")
+                    words.append(columns[0])
+                    tags.append(columns[-1])
+        except UnicodeDecodeError:
+            raise not_utf8(path) from None
         if words:
             sentences.append((words, tags))
     if not sentences:
@@ -651,6 +674,8 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
                 squad = json.load(f)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a JSON file ({err}); --task qa reads SQuAD's JSON") from err
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
         raise ValueError(f"{path}: expected SQuAD's layout "
                          '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}')

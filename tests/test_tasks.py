@@ -71,6 +71,28 @@ def test_every_reader_skips_a_utf8_byte_order_mark(tmp_path):
     assert [row for _, row in json_lines(jsonl)] == [{"text": "hello"}]
 
 
+def test_every_reader_names_a_file_that_is_not_utf8(tmp_path):
+    """CoNLL-2003's German files are ISO-8859-1: each reader names the file, the first bad line and the fix
+    (the bad byte is past the reader's first chunk, where a decoder error cannot say which line)."""
+    from roberta_fast.tasks import delimited_rows, json_lines
+
+    for source, reader in ((CONLL, read_tagged), (TAGS_JSONL, read_tagged), (SQUAD, read_squad), (RACE, read_choices)):
+        lines = "\n" * 20000 + source.read_text(encoding="utf-8").replace("the", "th\u00e9", 1)
+        latin1 = tmp_path / source.name
+        latin1.write_bytes(lines.encode("latin-1"))
+        bad_line = lines[:lines.index("\u00e9")].count("\n") + 1
+        with pytest.raises(ValueError, match=rf"{source.name}:{bad_line}: not UTF-8 \(byte 0xe9 at column \d+\); "
+                                             r"convert the file to UTF-8 .* iconv -f latin1 -t utf-8"):
+            reader(latin1)
+    for name, rows in (("rows.csv", lambda p: delimited_rows(p, ",")), ("rows.tsv", lambda p: delimited_rows(p, "\t")),
+                       ("rows.jsonl", json_lines)):
+        latin1 = tmp_path / name
+        body = '{"text": "caf\u00e9"}\n' if name.endswith("jsonl") else "text,label\n" + "hello,pos\n" * 5000 + "caf\u00e9,pos\n"
+        latin1.write_bytes(body.encode("latin-1"))
+        with pytest.raises(ValueError, match=rf"{name}:{body.count(chr(10))}: not UTF-8 \(byte 0xe9 at column \d+\)"):
+            list(rows(latin1))
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
