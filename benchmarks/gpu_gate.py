@@ -158,7 +158,9 @@ def verdict(checks: list[dict], tests: dict, on_gpu: bool) -> list[str]:
            else f"{c['dtype']} {c['what']}: {c['reason']}" for c in checks if not c["ok"]]
     if not checks:
         why.append("no model check ran")
-    if tests["returncode"] != 0:
+    if tests["returncode"] is None:
+        why.append(f"CUDA tests: no verdict ({tests.get('reason') or tests.get('output_tail')})")
+    elif tests["returncode"] != 0:
         why.append(f"CUDA tests: pytest exit {tests['returncode']} ({tests['failures']} failed, "
                    f"{tests['errors']} errors)")
     elif on_gpu and tests["passed"] < 1:
@@ -193,19 +195,26 @@ def main(argv=None) -> int:
     model_s = time.perf_counter() - t0
     junit = args.json.with_name(args.json.stem + "-tests.xml")
     not_run = {"returncode": None, "tests": 0, "passed": 0, "failures": 0, "errors": 0, "skipped": 0}
+    worst = {d: max((c["error"] / c["allowed"] for c in checks if c["dtype"] == d and c["error"] is not None
+                     and c["allowed"]), default=None) for d in args.dtypes}
+
+    def write(tests: dict) -> list[str]:
+        """Write the verdict with these test results to --json; its failures."""
+        failures = ([f"model check crashed: {crash}"] if crash else []) + verdict(checks, tests, device.type == "cuda")
+        bc.write_json(str(args.json), env, checks, schema=SCHEMA, passed=not failures, failures=failures,
+                      setting={"model": args.model, "seq_len": args.seq_len, "batch": args.batch,
+                               "dtypes": args.dtypes, "tolerance": TOLERANCE},
+                      worst_error_over_allowed=worst, model_check_s=round(model_s, 1), tests=tests)
+        return failures
+
     if args.skip_tests:
         tests = {**not_run, "reason": "--skip-tests"}
     elif device.type != "cuda":  # they would all skip; the dry sanitize stage runs the same selection
         tests = {**not_run, "returncode": 0, "reason": "no CUDA device: the CUDA tests were not run"}
-    else:
+    else:  # written now too: a gate stopped during its tests (the session's step cap) still says how the model did
+        write({**not_run, "reason": "the gate was stopped during the CUDA tests"})
         tests = cuda_tests(junit, args.tests_timeout)
-    failures = ([f"model check crashed: {crash}"] if crash else []) + verdict(checks, tests, device.type == "cuda")
-    worst = {d: max((c["error"] / c["allowed"] for c in checks if c["dtype"] == d and c["error"] is not None
-                     and c["allowed"]), default=None) for d in args.dtypes}
-    bc.write_json(str(args.json), env, checks, schema=SCHEMA, passed=not failures, failures=failures,
-                  setting={"model": args.model, "seq_len": args.seq_len, "batch": args.batch,
-                           "dtypes": args.dtypes, "tolerance": TOLERANCE},
-                  worst_error_over_allowed=worst, model_check_s=round(model_s, 1), tests=tests)
+    failures = write(tests)
     for d, w in worst.items():
         print(f"{args.model}/seq{args.seq_len} {d}: worst error / allowed = "
               + ("n/a" if w is None else f"{w:.3f}"))

@@ -172,8 +172,10 @@ ensure_built() {  # the extension with its CUDA ops (MAX_JOBS=16: the machine's 
 gate() {  # gate CAP DTYPES...: the correctness gate; gate.json says whether the figures of this call are verified
   local cap=$1
   shift
+  # its CUDA tests end 90 s (the model check's) inside the step's cap, so the gate gives its verdict
+  # (gate.json is written after the model check too: a gate cut off later still says how the model did)
   run gate "$cap" env ROBERTA_FAST_AUTOTUNE=0 "$py" benchmarks/gpu_gate.py "${gate_shape[@]}" --dtypes "$@" \
-    --json "$out/gate.json"
+    --tests-timeout $((cap * slow - 90)) --json "$out/gate.json"
 }
 
 throughput() {  # throughput NAME CAP FLAGS...: one throughput.py run, its JSON and chart, verified by this call's gate

@@ -162,8 +162,32 @@ def test_dry_gate_runs_on_the_device_the_dry_figures_are_timed_on(tmp_path, monk
     assert G.main(["--model", "tiny", "--seq-len", "16", "--batch", "1", "--dtypes", "fp16", "--device", "cpu",
                    "--json", str(gate)]) == 0
     assert T.verification(gate, T.environment(torch.device("cpu")))["verified"] is True
-    dry_gate = re.search(r"gate_shape=\(([^)]*)\)", SCRIPT.read_text()).group(1)  # the first: the dry one
-    assert "--device cpu" in dry_gate and "--device cpu" in re.search(r"timing=\(([^)]*)\)", SCRIPT.read_text()).group(1)
+    dry_gate, dry_timing = (re.search(rf"{name}=\(([^)]*)\)", SCRIPT.read_text()).group(1)  # the first: dry
+                            for name in ("gate_shape", "timing"))
+    assert "--device cpu" in dry_gate and "--device cpu" in dry_timing
+
+
+def test_gate_cut_off_during_its_cuda_tests_keeps_the_model_check(tmp_path, monkeypatch):
+    """The session's SIGINT at the gate step's cap, during the CUDA tests, still leaves gate.json:
+    the model check, and a failed verdict saying the tests gave none; and the session gives the
+    gate a tests timeout inside that cap (gpu_gate.py's own default, 300 s, is over it)."""
+    monkeypatch.setattr(G.bc, "environment", lambda device: {"device": {"type": "cuda", "name": "H100"}, "commit": "x"})
+    monkeypatch.setattr(G, "model_gate", lambda *args: [{"dtype": "bf16", "what": "loss", "error": 0.0,
+                                                         "allowed": 1.0, "ok": True}])
+
+    def cut(junit, timeout):  # the step's cap arrives while the CUDA tests run
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(G, "cuda_tests", cut)
+    gate = tmp_path / "gate.json"
+    with pytest.raises(KeyboardInterrupt):
+        G.main(["--model", "tiny", "--seq-len", "16", "--batch", "1", "--dtypes", "bf16", "--device", "cuda",
+                "--json", str(gate)])
+    verdict = json.loads(gate.read_text())
+    assert [c["what"] for c in verdict["results"]] == ["loss"] and verdict["passed"] is False
+    assert verdict["failures"] == ["CUDA tests: no verdict (the gate was stopped during the CUDA tests)"]
+    body = re.search(r"\ngate\(\) \{(.*?)\n\}", SCRIPT.read_text(), re.S).group(1)
+    assert "--tests-timeout $((cap * slow - 90))" in body
 
 
 def test_verification_needs_a_passed_gate_of_this_device_and_commit(tmp_path):
