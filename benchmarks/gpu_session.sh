@@ -33,6 +33,7 @@
 #   sanitize   ~4 min  build, the CUDA tests of FusedAdam and masking under compute-sanitizer memcheck and
 #                      racecheck (~1.5 min each: the sanitizer slows the kernels 10-100x, the shapes are small)
 #   kernels    ~7 min  every per-kernel GPU benchmark (~40 s each), attention with dropout, the compile report
+#                      (~45 s: the configs that run with autotuning off, as CI)
 #
 # Each stage's logs, JSON reports, charts, junit XML and summary go into ONE file, OUTDIR/STAGE.tgz
 # (default OUTDIR: benchmarks/results/pending), packed again after every step: the device hands back a
@@ -262,10 +263,13 @@ case $stage in
       [ "$bench" = attention_dropout ] && script=(benchmarks/bench_attention.py --dropout 0.1)
       run "bench_$bench" 75 "$py" "${script[@]}" "${quick[@]}" --json "$out/bench_$bench.json"
     done
-    compile_dry=()  # it compiles with Triton's own ptxas on any machine, never interpreted
-    [ "$dry" = 1 ] && compile_dry=(--default-configs --arch 90 --dtypes bf16 --head-dims 64 --kernels layer_norm)
-    run compile_report 90 env -u TRITON_INTERPRET "$py" benchmarks/compile_report.py --launched-only \
-      ${compile_dry[@]+"${compile_dry[@]}"} --json "$out/compile_report.json"
+    # it compiles with Triton's own ptxas on any machine, never interpreted. --default-configs (as CI): 176
+    # compiles of ~4 core-seconds (plus the candidates of any default with a problem), ~45 s on 16 cores;
+    # every config would be 704, ~3 min, and it writes its JSON only at the end: nothing would come back
+    compile_dry=()
+    [ "$dry" = 1 ] && compile_dry=(--arch 90 --dtypes bf16 --head-dims 64 --kernels layer_norm)
+    run compile_report 120 env -u TRITON_INTERPRET "$py" benchmarks/compile_report.py --launched-only \
+      --default-configs ${compile_dry[@]+"${compile_dry[@]}"} --json "$out/compile_report.json"
     ;;
 esac
 finish 0

@@ -292,6 +292,17 @@ def test_kernels_stage_runs_only_gpu_benchmarks_that_exist():
         assert (ROOT / "benchmarks" / f"bench_{name}.py").is_file(), bench
 
 
+def test_kernels_stage_compile_report_is_the_one_ci_runs(dry_runs):
+    """On the GPU the compile report compiles only the configs that run with autotuning off
+    (--default-configs, as CI: 176 compiles, under a minute on 16 cores); every config is 704,
+    over its step cap, and it writes its JSON only at the end, so nothing would come back."""
+    stage = re.search(r"\n  kernels\)\n(.*?);;", SCRIPT.read_text(), re.S).group(1)
+    command = re.search(r"run compile_report \d+ (.*?)--json", stage, re.S).group(1)  # without the dry extras
+    assert "--default-configs" in command and "--launched-only" in command
+    _, files = dry_runs["kernels"]
+    assert "--default-configs" in json.loads(files["compile_report.json"])["argv"]
+
+
 def test_environment_probe_runs_without_git(tmp_path):
     """The device image may lack git: the probe still writes the commit (ROBERTA_FAST_COMMIT) and
     the package list, which the script reads for its 'packages missing' line."""
