@@ -42,6 +42,7 @@ import json
 import re
 import shlex
 import string
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,8 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
     `skipped`: GLUE's QQP ships such broken lines, which fairseq's RoBERTa recipe (awk NF==fields)
     and datasets' glue loader drop too. A CSV's are kept (a short row reads None: read_examples says so)."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    raise_field_size_limit()
+    reader = None
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             if header:
@@ -128,6 +131,22 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
                     yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
     except UnicodeDecodeError:
         raise not_utf8(path) from None
+    except csv.Error as err:  # the line where the reader stopped (DictReader's own line_num lags a row behind)
+        line = f":{getattr(reader, 'reader', reader).line_num}" if reader is not None else ""
+        kind = "a tab-separated file" if delimiter == "\t" else "CSV"
+        raise ValueError(f"{path}{line}: not readable as {kind} ({err}); fix or remove the row") from None
+
+
+def raise_field_size_limit() -> None:
+    """Lift the csv module's 131072-character cap on a cell (a long document is truncated to --max-len
+    later anyway): to sys.maxsize, or the largest a C long holds where that overflows (Windows)."""
+    limit = sys.maxsize
+    while True:
+        try:
+            csv.field_size_limit(limit)
+            return
+        except OverflowError:
+            limit //= 2
 
 
 def skipped_note(path, skipped: list[int]) -> str:

@@ -512,3 +512,24 @@ def test_columns_named_by_number_refuse_a_header_row(task, tmp_path):
     cola.write_text("gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThey drank the pub.\n"
                     "bc01\t1\t\tHarry coughed.\nbc01\t0\t*\tHarry coughed the cold.\n")
     assert len(read_examples(cola, config(task, tmp_path, text_field="3", label_field="1"))) == 4
+
+
+def test_a_cell_past_the_csv_modules_limit_reads(task, tmp_path, monkeypatch):
+    """A document of more than 131072 characters (the csv module's default cap on a cell) reads, in a CSV and
+    a .tsv (it is truncated to --max-len later); another csv.Error is a ValueError naming the file and line."""
+    import roberta_fast.tasks as tasks
+
+    long_text = " ".join(["sunny"] * 30000)
+    for name, sep in (("long.csv", ","), ("long.tsv", "\t")):
+        path = tmp_path / name
+        path.write_text(f"sentence{sep}label\nsunny river{sep}pos\n{long_text}{sep}pos\ncloud rainy{sep}neg\n")
+        examples = tasks.read_examples(path, config(task, tmp_path))
+        assert [len(text) for text, _, _ in examples] == [11, len(long_text), 11]
+    monkeypatch.setattr(tasks, "raise_field_size_limit", lambda: None)
+    previous = csv.field_size_limit(1000)
+    try:
+        with pytest.raises(ValueError, match=r"long.csv:3: not readable as CSV \(field larger than field limit "
+                                             r"\(1000\)\); fix or remove the row"):
+            tasks.read_examples(tmp_path / "long.csv", config(task, tmp_path))
+    finally:
+        csv.field_size_limit(previous)
