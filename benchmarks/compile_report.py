@@ -160,15 +160,14 @@ def _cuda_launch_geometry(sm_count: int):
         yield
 
 
-def _attention_cases(dtypes, head_dims, all_variants: bool):
+def _attention_cases(dtypes, head_dims):
     """(case name, thunk) running the attention launchers as the model calls them."""
     attn = importlib.import_module("roberta_fast.kernels.attention")
     batch, seqlen, nheads = 2, 512, 12
-    # (mask, varlen, dropout): training with padding, packed (varlen) and full rows; eval
+    # (mask, varlen, dropout): training with padding, packed (varlen) and full rows; eval the same,
+    # and eval without padding (no mask, no varlen: every unpadded inference batch)
     variants = [(True, False, True), (False, True, True), (False, False, True), (True, False, False),
-                (False, True, False)]
-    if all_variants:
-        variants += [(False, False, False)]
+                (False, True, False), (False, False, False)]
     for name, dtype in dtypes.items():
         for head_dim in head_dims:
             for has_mask, varlen, dropout in variants:
@@ -230,10 +229,10 @@ def _row_kernel_cases(dtypes, hidden_sizes):
                 yield f"layer_norm {name} n{hidden} {label or 'plain'}", ln
 
 
-def capture(arch, dtypes, head_dims, hidden_sizes, all_variants=False) -> list[Launch]:
+def capture(arch, dtypes, head_dims, hidden_sizes) -> list[Launch]:
     """Every distinct kernel specialisation the launchers compile for these cases."""
     launches, seen = [], set()
-    cases = [*_attention_cases(dtypes, head_dims, all_variants), *_row_kernel_cases(dtypes, hidden_sizes)]
+    cases = [*_attention_cases(dtypes, head_dims), *_row_kernel_cases(dtypes, hidden_sizes)]
     for case, run in cases:
         records = []
         with _recording(arch, records):
@@ -454,7 +453,6 @@ def parse_args(argv=None):
                    help="activation dtypes (the model trains under fp16 or bf16 autocast); bf16 only on sm_80+")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[32, 64, 128])
     p.add_argument("--hidden-sizes", type=int, nargs="+", default=[768], help="LayerNorm widths (GELU: 4x)")
-    p.add_argument("--all-variants", action="store_true", help="also attention with neither mask nor dropout")
     p.add_argument("--default-configs", action="store_true",
                    help="only what runs with ROBERTA_FAST_AUTOTUNE=0: each attention kernel's first config that "
                         "fits the GPU's shared memory")
@@ -484,8 +482,7 @@ def main(argv=None) -> int:
     launches = []
     for arch in args.arch:
         dtypes = {name: DTYPES[name] for name in args.dtypes if name != "bf16" or arch >= BF16_MIN_ARCH}
-        launches += [(arch, la) for la in capture(arch, dtypes, args.head_dims, args.hidden_sizes,
-                                                  args.all_variants)
+        launches += [(arch, la) for la in capture(arch, dtypes, args.head_dims, args.hidden_sizes)
                      if not args.kernels or any(s in la.kernel for s in args.kernels)]
     rows = compile_all(launches, args.jobs, args.default_configs, args.launched_only)
     shown = [r for r in rows if problems(r)] if args.errors_only else rows

@@ -521,6 +521,10 @@ def test_every_kernel_the_backend_launches_compiles_clean_for_v100_t4_a100_h100(
                 assert (r["wgmma"] if arch == 90 else r["mma"]) > 0, r
         dtypes = {r["case"].split()[1] for r in here if r["kernel"].startswith("_attn") or "layer_norm" in r["case"]}
         assert ("bf16" in dtypes) == (arch >= 80), (arch, dtypes)  # no bf16 below sm_80: fp16 there
+        # every attention variant the model launches, "plain" (no mask, no varlen, no dropout) being
+        # each unpadded inference batch's
+        variants = {r["case"].split()[-1] for r in here if r["kernel"] == "_attn_fwd_kernel"}
+        assert variants == {"mask+dropout", "varlen+dropout", "dropout", "mask", "varlen", "plain"}, variants
 
 
 def _captured_launch_script(arch: int, kernel: str) -> str:
