@@ -146,12 +146,17 @@ missing=$(grep -o '^  [a-z-]* MISSING' "$out/environment.txt" | awk '{print $1}'
 grep -q '^commit unknown' "$out/environment.txt" && note "commit unknown: no .git and no ROBERTA_FAST_COMMIT (see the header)"
 
 # --precision auto's dtype on this device (bf16 on sm_80+, fp16 on a V100/T4) and its roofline column
+# (by the GPU's name: an H100 and an H200 are both sm_90)
 read -r auto_dtype roofline_gpu < <("$py" - 2>/dev/null <<'EOF'
-import torch
+import sys, torch
 from roberta_fast.precision import resolve_precision
-cap = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (9, 0)
-gpu = {(7, 0): "v100", (7, 5): "t4", (8, 0): "a100"}.get(cap, "h100")
-print(resolve_precision("auto", torch.device("cuda")) if torch.cuda.is_available() else "bf16", gpu)
+sys.path.insert(0, "benchmarks")
+from roofline import gpu_of
+if torch.cuda.is_available():
+    print(resolve_precision("auto", torch.device("cuda")),
+          gpu_of(torch.cuda.get_device_name(), torch.cuda.get_device_capability()))
+else:
+    print("bf16 h100")
 EOF
 ) || true
 auto_dtype=${auto_dtype:-bf16} roofline_gpu=${roofline_gpu:-h100}

@@ -20,8 +20,10 @@ datasheet peak, is the highest MFU this design can reach. A measured profile
 Ceilings default to an H100 SXM as measured on the lent machine (device/KINDS.md,
 2026-11-13: 798 TFLOP/s for an 8192^3 bf16 matmul on random data, 3.0 TB/s for a
 device-to-device copy counting reads and writes); MFU is over the 989 TFLOP/s datasheet
-peak. `--gpu a100|v100|t4` take datasheet ceilings instead (no such GPU was lent to
-measure them), and on V100/T4 the attention SDPA's memory-efficient kernel runs
+peak. `--gpu h200` takes the lent H200's, measured the same way (device/KINDS.md, 2026-10-28:
+788 TFLOP/s, 4.3 TB/s of its 4.8 TB/s HBM3e), over the same 989 TFLOP/s peak (gpu_session.sh
+picks the column by the GPU's name). `--gpu a100|v100|t4` take datasheet ceilings instead (no such
+GPU was lent to measure them), and on V100/T4 the attention SDPA's memory-efficient kernel runs
 (ops.attention_impl). Counted in bytes: activations in the autocast dtype (2 bytes), the residual
 stream and everything fp32 in 4. Not counted: the host, launch gaps, the L2 cache
 (re-reads of K/V tiles by attention programs are taken to hit it), small vectors
@@ -54,12 +56,24 @@ class Gpu:
 
 GPUS = {
     "h100": Gpu(798.0, 3.0, 989.0, "triton", "H100 SXM, ceilings measured on the lent machine (2026-11-13)"),
+    # the same convention as the H100's (measured, not datasheet): 4.3 TB/s is 90% of the H200's 4.8 TB/s HBM3e
+    # datasheet figure, as the H100's 3.0 is of its 3.35; the dense fp16/bf16 peak is the H100 SXM's 989
+    "h200": Gpu(788.0, 4.3, 989.0, "triton", "H200 SXM, ceilings measured on the lent machine (2026-10-28; "
+                "datasheet: HBM3e 4.8 TB/s, dense bf16 989 TFLOP/s as the H100 SXM)"),
     "a100": Gpu(312.0, 2.039, 312.0, "triton", "A100 SXM 80GB, datasheet bf16 peak and bandwidth (not measured)"),
     "v100": Gpu(125.0, 0.9, 125.0, "sdpa", "V100 SXM2, datasheet fp16 tensor-core peak and HBM2 bandwidth (not "
                 "measured); attention on SDPA's memory-efficient kernel (no Triton tensor cores below sm_80)"),
     "t4": Gpu(65.0, 0.32, 65.0, "sdpa", "T4, datasheet fp16 tensor-core peak and GDDR6 bandwidth (not measured; "
               "its 70 W cap keeps sustained clocks below the peak's); attention on SDPA"),
 }
+
+
+def gpu_of(name: str, capability: tuple[int, int]) -> str:
+    """The GPUS entry of a CUDA device: by its name where one capability is several GPUs (sm_90: an H100
+    or an H200, whose memory is 1.4x as fast), else by its capability; h100 for any other."""
+    if "H200" in name.upper():
+        return "h200"
+    return {(7, 0): "v100", (7, 5): "t4", (8, 0): "a100"}.get(tuple(capability), "h100")
 
 
 @dataclass

@@ -303,6 +303,32 @@ def test_kernels_stage_compile_report_is_the_one_ci_runs(dry_runs):
     assert "--default-configs" in json.loads(files["compile_report.json"])["argv"]
 
 
+@pytest.mark.parametrize("name, capability, column", [("NVIDIA H200", (9, 0), "h200"),
+                                                     ("NVIDIA H100 80GB HBM3", (9, 0), "h100"),
+                                                     ("Tesla V100-SXM2-16GB", (7, 0), "v100")])
+def test_roofline_ceilings_are_picked_by_the_gpus_name(tmp_path, name, capability, column):
+    """An H100 and an H200 are both sm_90: the session's probe picks the roofline's column by the
+    GPU's name (an H200's memory is 4.3 TB/s against the H100's 3.0), and roofline.py has it."""
+    probe = re.search(r"read -r auto_dtype roofline_gpu < <\(\"\$py\" - 2>/dev/null <<'EOF'\n(.*?)\nEOF\n",
+                      SCRIPT.read_text(), re.S).group(1)
+    (tmp_path / "sitecustomize.py").write_text(  # torch.cuda answers as that GPU would
+        "import types, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        f"torch.cuda.get_device_name = lambda *a, **k: {name!r}\n"
+        f"torch.cuda.get_device_capability = lambda *a, **k: {capability!r}\n"
+        f"torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(name={name!r}, "
+        f"major={capability[0]}, minor={capability[1]})\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, "-"], input=probe, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["fp16" if capability < (8, 0) else "bf16", column]
+    R = _load("roofline")
+    assert R.gpu_of(name, capability) == column and column in R.GPUS
+    if column == "h200":
+        assert R.GPUS["h200"].copy_tbs > R.GPUS["h100"].copy_tbs and "4.8 TB/s" in R.GPUS["h200"].source
+
+
 def test_environment_probe_runs_without_git(tmp_path):
     """The device image may lack git: the probe still writes the commit (ROBERTA_FAST_COMMIT) and
     the package list, which the script reads for its 'packages missing' line."""
