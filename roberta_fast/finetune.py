@@ -11,7 +11,8 @@ token classification, question answering or multiple-choice task.
 which has no header row, by column number: --text-field 3 --label-field 1) or JSONL rows
 holding a text, optionally a second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa
 does) and a label (any strings or integers; sorted, they become class ids and the config's
-id2label); validation loss, accuracy and macro-F1. Numeric labels that are not all integers
+id2label); validation loss, accuracy, macro_f1, mcc (Matthews correlation, GLUE's CoLA metric) and, with
+two classes, f1 of the second label ("1" of 0/1: GLUE's MRPC / QQP F1). Numeric labels that are not all integers
 (GLUE's STS-B scores), or --problem-type regression, train a regression instead: one output,
 MSE loss, Pearson (the best epoch's) and Spearman correlation. The other tasks' formats and metrics are
 described in tasks.py: CoNLL or JSONL word/tag files (token), SQuAD v1.1/v2.0 JSON (qa),
@@ -22,8 +23,8 @@ The model is any local HF-format RoBERTa checkpoint (ours or transformers'); the
 comes from that directory or --tokenizer. It reuses the pretraining machinery: fused backend
 on a GPU (padded batches run unpadded), FusedAdam, mixed precision with loss scaling, warmup +
 linear decay, atomic checkpoints with exact resume (also mid-epoch), progress and
-metrics.jsonl; each epoch reports the task's validation metrics, and the best epoch (the
-task's main metric: accuracy, entity F1, SQuAD F1) is exported as an HF model (config.json +
+metrics.jsonl; each epoch reports the task's validation metrics, and the best epoch (by --metric, default
+the task's main one: accuracy, Pearson, entity F1, SQuAD F1; recorded in metrics.jsonl) is exported as an HF model (config.json +
 model.safetensors + tokenizer) that transformers' Auto class and pipeline for the task load.
 Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
@@ -87,6 +88,7 @@ class FinetuneConfig:
     max_answer_len: int = 30  # qa: longest predicted answer, in tokens
     n_best: int = 20  # qa: start and end candidates tried per window
     null_threshold: float = 0.0  # qa, SQuAD v2.0: answer nothing when the null score beats the best span by more
+    metric: str | None = None  # validation metric choosing the best epoch (exported): classify accuracy | f1 (two classes: the second label's, GLUE's MRPC / QQP) | macro_f1 | mcc (GLUE's CoLA); regression pearson | spearman; token f1 | precision | recall | accuracy; qa f1 | exact_match; choice accuracy (default: the first of each)
     epochs: int = 10  # passes over the training examples (RoBERTa's GLUE recipe: 10)
     batch_size: int = 16  # examples per optimizer step
     lr: float | None = None  # peak learning rate (default: 2e-5 * (768 / hidden size)^2, at most 1e-3; printed)
@@ -148,6 +150,11 @@ class Finetuner:
         self.tokenizer = RobertaTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         self.task = task = TASKS[cfg.task](cfg)
         self.names = task.names
+        if cfg.metric is not None:
+            if cfg.metric not in task.metrics:
+                raise ValueError(f"--metric {cfg.metric!r}: this run (--task {cfg.task}, {task.describe()}) reports "
+                                 f"{', '.join(task.metrics)}; give one of them")
+            task.best_metric = cfg.metric
         for note in task.notes:
             log(f"note: {note}")
         with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
@@ -270,12 +277,13 @@ class Finetuner:
     def end_epoch(self, epoch: int, metrics: MetricsLogger) -> dict:
         """Evaluate the epoch just finished, checkpoint, and export it if it is the best so far."""
         result = self.evaluate()
-        metrics.log({"kind": "eval", "step": self.step, "epoch": epoch + 1, **result})
-        metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        key = self.task.best_metric
-        if self.best is None or result[key] > self.best[key]:
+        key = self.task.best_metric  # (a best epoch of a resumed run by another --metric may lack it)
+        if self.best is None or result[key] > self.best.get(key, -math.inf):
             self.best = {"epoch": epoch + 1, **result}
             self.export_pending = True
+        metrics.log({"kind": "eval", "step": self.step, "epoch": epoch + 1, **result,
+                     "best_metric": key, "best_epoch": self.best["epoch"]})
+        metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         self.epochs_evaluated = epoch + 1
         self.checkpoints.save(self.step, self.state_dict())
         if self.export_pending:
@@ -320,14 +328,14 @@ class Finetuner:
                     result = self.end_epoch(epoch, metrics)
         finally:
             metrics.close()
-        self.log(f"best epoch {self.best['epoch']}: " + ", ".join(
+        self.log(f"best epoch {self.best['epoch']} (by {self.task.best_metric}): " + ", ".join(
             f"{k} {v:.4f}" for k, v in self.best.items() if k not in ("epoch", "loss")) +
             f"; exported to {self.out / 'model'}")
         warning = self.task.baseline_warning(self.best)
         if warning:
             self.log(f"warning: {warning}. Try a larger --lr (this run: {self.cfg.lr:.3g}), "
                      "more --epochs, more data or a better-pretrained model")
-        return {"best": self.best, "last": result}
+        return {"best": self.best, "last": result, "metric": self.task.best_metric}
 
 
 def build_parser() -> argparse.ArgumentParser:

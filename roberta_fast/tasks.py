@@ -4,7 +4,8 @@ their file formats, encoding, batches and metrics. The training loop is finetune
 - classify: CSV, GLUE .tsv (tab-separated, no quoting, as GLUE's loaders read it) or JSONL rows of
   a text, an optional pair text (GLUE: sentence1/sentence2, question/sentence, premise/hypothesis)
   and a label, named by column or, for a file without a header row (CoLA), by column number;
-  accuracy, macro-F1. Numeric labels that are not all integers (GLUE's STS-B scores) are a
+  accuracy, macro-F1, Matthews correlation and, with two classes, the positive class's F1 (GLUE's
+  CoLA and MRPC / QQP metrics). Numeric labels that are not all integers (GLUE's STS-B scores) are a
   regression, as run_glue decides from the label column's type (or --problem-type): one output,
   MSE loss, Pearson and Spearman correlation.
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
@@ -247,9 +248,11 @@ class Task:
 
     Subclasses read --train / --valid in __init__, set `names` (the labels a checkpoint must
     match), build the model's inputs in `encode(tokenizer, max_len)`, and give batches of
-    model keyword arguments and the validation metrics (`best_metric` picks the best epoch)."""
+    model keyword arguments and the validation metrics (`best_metric`, one of `metrics`, picks the best
+    epoch; every one is higher-better, and --metric may name any)."""
 
     name = model_class = best_metric = None
+    metrics = ()  # what evaluate() reports besides the loss
     notes = ()  # lines about the data for the run's log (rows skipped), set by __init__
     max_len = 512  # default tokens per sequence, capped by the model's positions
     unit = "examples"  # what one training item is (len(task) counts them)
@@ -373,6 +376,29 @@ def accuracy_and_macro_f1(predictions: np.ndarray, labels: np.ndarray, num_class
     return accuracy, float(np.mean(f1s))
 
 
+def matthews_corrcoef(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
+    """Matthews correlation (GLUE's CoLA metric), multi-class as sklearn.metrics.matthews_corrcoef:
+    from the confusion matrix; 0 when a side is constant (sklearn's value there)."""
+    confusion = np.zeros((num_classes, num_classes))
+    np.add.at(confusion, (labels, predictions), 1)
+    true, predicted, n = confusion.sum(1), confusion.sum(0), confusion.sum()
+    covariance = np.trace(confusion) * n - predicted @ true
+    scale = np.sqrt((n * n - predicted @ predicted) * (n * n - true @ true))
+    return float(covariance / scale) if scale > 0 else 0.0
+
+
+def classification_scores(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> dict:
+    """Accuracy; with two classes GLUE's F1 (MRPC, QQP): of the positive class, id 1 (the second label in
+    order: "1" of 0/1 labels), as sklearn's f1_score default; macro-F1; Matthews correlation (CoLA)."""
+    accuracy, macro_f1 = accuracy_and_macro_f1(predictions, labels, num_classes)
+    scores = {"accuracy": accuracy}
+    if num_classes == 2:
+        tp = np.sum((predictions == 1) & (labels == 1))
+        wrong = np.sum(predictions != labels)
+        scores["f1"] = float(2 * tp / (2 * tp + wrong)) if tp + wrong else 0.0
+    return {**scores, "macro_f1": macro_f1, "mcc": matthews_corrcoef(predictions, labels, num_classes)}
+
+
 class ClassifyTask(Task):
     """Sequence classification, or regression on numeric scores (is_regression: names is then [])."""
 
@@ -393,6 +419,8 @@ class ClassifyTask(Task):
         declared = table_label_names(cfg.train).get(cfg.label_field) if is_table(cfg.train) else None
         self.names = [] if self.regression else label_names([e[2] for e in train + valid], declared)
         self.best_metric = "pearson" if self.regression else "accuracy"
+        self.metrics = (("pearson", "spearman") if self.regression else
+                        ("accuracy", "f1", "macro_f1", "mcc") if len(self.names) == 2 else ("accuracy", "macro_f1", "mcc"))
 
     def model_kwargs(self):
         return {"num_labels": 1 if self.regression else len(self.names)}
@@ -436,8 +464,7 @@ class ClassifyTask(Task):
         loss = sum(losses) / len(self.valid_ids)
         if self.regression:
             return {"loss": loss, "pearson": pearson(outputs, labels), "spearman": spearman(outputs, labels)}
-        accuracy, f1 = accuracy_and_macro_f1(outputs, labels, len(self.names))
-        return {"loss": loss, "accuracy": accuracy, "f1": f1}
+        return {"loss": loss, **classification_scores(outputs, labels, len(self.names))}
 
     def baseline_warning(self, best):
         if self.regression:  # the trivial answer: the training scores' mean, for every example
@@ -577,6 +604,7 @@ class TokenTask(Task):
                                  declared.get("tags", declared.get("ner_tags")))
         self.chunked = is_chunked(self.names)
         self.best_metric = "f1" if self.chunked else "accuracy"
+        self.metrics = ("accuracy", "precision", "recall", "f1") if self.chunked else ("accuracy",)
 
     def model_kwargs(self):
         return {"num_labels": len(self.names)}
@@ -835,6 +863,7 @@ def doc_stride_for(max_len: int) -> int:
 
 class QATask(Task):
     name, model_class, best_metric = "qa", RobertaForQuestionAnswering, "f1"
+    metrics = ("exact_match", "f1")
     max_len = 384  # run_qa's default
     unit = "windows"
 
@@ -969,6 +998,7 @@ def encode_choices(tokenizer, examples: list[ChoiceExample], max_len: int) -> li
 
 class ChoiceTask(Task):
     name, model_class, best_metric = "choice", RobertaForMultipleChoice, "accuracy"
+    metrics = ("accuracy",)
     unit = "questions"
 
     def __init__(self, cfg):

@@ -396,6 +396,56 @@ def test_macro_f1():
     assert f1 == pytest.approx(np.mean([2 / 3, 2 / 3, 1.0]))
 
 
+def test_glue_metrics_binary_f1_and_matthews_correlation():
+    """GLUE's MRPC / QQP F1 is the positive class's (id 1), CoLA's metric Matthews correlation, as sklearn's
+    f1_score and matthews_corrcoef: checked against the confusion-matrix formulas by hand (and sklearn)."""
+    from roberta_fast.tasks import classification_scores
+
+    labels = np.array([1, 1, 1, 1, 1, 1, 0, 0, 0, 0])
+    predictions = np.array([1, 1, 1, 1, 1, 0, 1, 1, 0, 0])  # tp 5, fn 1, fp 2, tn 2
+    scores = classification_scores(predictions, labels, 2)
+    assert list(scores) == ["accuracy", "f1", "macro_f1", "mcc"]
+    assert scores["accuracy"] == 0.7 and scores["f1"] == pytest.approx(2 * 5 / (2 * 5 + 2 + 1))
+    assert scores["macro_f1"] == pytest.approx((10 / 13 + 4 / 7) / 2)
+    assert scores["mcc"] == pytest.approx((5 * 2 - 2 * 1) / np.sqrt(7 * 6 * 4 * 3))
+    assert classification_scores(np.ones(10, dtype=int), labels, 2)["mcc"] == 0.0  # constant: sklearn's 0
+    three_true, three_pred = np.array([0, 0, 1, 1, 2, 2, 2]), np.array([0, 1, 1, 1, 2, 0, 2])
+    three = classification_scores(three_pred, three_true, 3)
+    assert "f1" not in three
+    confusion = np.array([[1, 1, 0], [0, 2, 0], [1, 0, 2]])  # rows true, columns predicted
+    t, p, c, n = confusion.sum(1), confusion.sum(0), np.trace(confusion), confusion.sum()
+    assert three["mcc"] == pytest.approx((c * n - t @ p) / np.sqrt((n * n - p @ p) * (n * n - t @ t)))
+    try:
+        from sklearn.metrics import f1_score, matthews_corrcoef
+    except ImportError:
+        return
+    assert scores["f1"] == pytest.approx(f1_score(labels, predictions))
+    assert scores["mcc"] == pytest.approx(matthews_corrcoef(labels, predictions))
+    assert three["mcc"] == pytest.approx(matthews_corrcoef(three_true, three_pred))
+
+
+def test_metric_chooses_the_best_epoch_and_is_recorded(task, tmp_path, monkeypatch):
+    """--metric mcc: GLUE's CoLA picks by Matthews correlation, not accuracy (always answering the majority
+    class scores the accuracy and an MCC of 0). The metric is in the log, metrics.jsonl and the result."""
+    from roberta_fast.metrics import read_metrics
+
+    epochs = [{"loss": 0.6, "accuracy": 0.672, "f1": 0.80, "macro_f1": 0.40, "mcc": 0.0},
+              {"loss": 0.6, "accuracy": 0.652, "f1": 0.74, "macro_f1": 0.63, "mcc": 0.28}]
+    for metric, best in ((None, 1), ("mcc", 2), ("macro_f1", 2)):
+        lines = []
+        tuner = Finetuner(config(task, tmp_path / str(metric), epochs=2, metric=metric), log=lines.append)
+        monkeypatch.setattr(tuner.task, "evaluate", lambda *_, scores=iter(epochs): next(scores))
+        result = tuner.run()
+        assert result["best"]["epoch"] == best and result["metric"] == (metric or "accuracy"), (metric, result)
+        assert any(line.startswith(f"best epoch {best} (by {metric or 'accuracy'}): ") for line in lines), lines
+        evals = [r for r in read_metrics(tmp_path / str(metric) / "metrics.jsonl") if r["kind"] == "eval"]
+        assert [(r["best_metric"], r["best_epoch"]) for r in evals] == [(metric or "accuracy", 1),
+                                                                        (metric or "accuracy", best)]
+    with pytest.raises(ValueError, match=r"--metric 'pearson': this run \(--task classify, 2 classes \['neg', 'pos'\]\) "
+                                         r"reports accuracy, f1, macro_f1, mcc; give one of them"):
+        Finetuner(config(task, tmp_path / "bad", metric="pearson"), log=lambda *_: None)
+
+
 def test_glue_tsv_files_fine_tune_end_to_end(task, tmp_path):
     """GLUE's .tsv as shipped: a header, tabs, no quoting (SST-2 sentences hold lone quote characters),
     single sentences (SST-2) and pairs under GLUE's column names (RTE: index, sentence1, sentence2, label)."""
