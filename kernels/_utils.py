@@ -10,9 +10,14 @@ import triton.language as tl
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# Triton picks its interpreter when a kernel is decorated, i.e. when the kernel files import
+# (this module first): read the variable once, here, as they do. Set later, it changes nothing.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when imported)."""
+    return INTERPRET
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -72,9 +77,9 @@ def check_triton_device(device: torch.device, op: str) -> None:
     if device.type == "cpu" and interpreting():
         return
     raise ValueError(
-        f"{op}: the Triton kernel runs on CUDA tensors (or on CPU tensors when "
-        f"TRITON_INTERPRET=1 is set before triton is imported), got a {device.type} tensor; "
-        f"move the inputs to a GPU or call {op}_ref instead"
+        f"{op}: the Triton kernel runs on CUDA tensors (or on CPU tensors under Triton's interpreter: "
+        f"set TRITON_INTERPRET=1 before importing triton or roberta_fast.kernels), got a {device.type} "
+        f"tensor; move the inputs to a GPU or call {op}_ref instead"
     )
 
 

@@ -10,7 +10,6 @@ backend: "reference" (plain PyTorch, any device), "fused" (Triton kernels), or
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -73,16 +72,18 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
         return "fused" if device.type == "cuda" and _triton_available() else "reference"
     if backend == "fused" and not _kernel_device(device):
         raise ValueError(
-            f'backend="fused" runs Triton kernels, which take CUDA tensors (CPU ones only under '
-            f"TRITON_INTERPRET=1, Triton's slow interpreter for tests), but the inputs are on {device}; "
+            f'backend="fused" runs Triton kernels, which take CUDA tensors (CPU ones only under Triton\'s '
+            f"slow interpreter for tests: TRITON_INTERPRET=1 set before importing triton or roberta_fast), "
+            f"but the inputs are on {device}; "
             f'use backend="auto" (fused on a GPU, reference elsewhere) or backend="reference", or move '
             f"the model and inputs to a GPU")
     return backend
 
 
 def _kernel_device(device: torch.device) -> bool:
-    """Whether the Triton kernels run on `device` in this process (kernels/_utils.check_triton_device)."""
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether the Triton kernels run on `device` in this process (kernels/_utils.check_triton_device):
+    CPU tensors only where TRITON_INTERPRET=1 was set when the kernels were imported."""
+    return device.type == "cuda" or (device.type == "cpu" and _kernels()._utils.interpreting())
 
 
 # Triton >= 3.2 lowers tl.dot to FMA below sm_80 (triton-lang/triton PR #5066: MMAv1 dropped),

@@ -3,6 +3,12 @@
 On a CPU the fused kernels run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), so the model is tiny; on a GPU the same test runs on CUDA too.
 """
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
 import interpreter_bf16
 import pytest
 import torch
@@ -85,11 +91,45 @@ def test_float64_runs_the_reference_ops_on_every_backend(device):
 def test_fused_on_tensors_the_kernels_cannot_take_is_refused_with_the_fix(monkeypatch):
     """Without TRITON_INTERPRET=1 the kernels take no CPU tensor: backend="fused" says so at the
     model, with the fix, not inside the first kernel."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(ops._kernels()._utils, "INTERPRET", False)  # as imported without it
     model = rf.RobertaForMaskedLM(rf.RobertaConfig(**CONFIG), backend="fused").eval()
     with pytest.raises(ValueError, match='backend="fused" runs Triton kernels.*backend="auto"'):
         model(torch.randint(3, 61, (1, 5)))
     assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
+
+
+def test_interpreter_set_after_the_kernels_were_imported_is_named():
+    """TRITON_INTERPRET=1 set after the kernels were imported (decorated for a GPU then) changes
+    nothing: the fused model and every kernel refuse CPU tensors with the fix, where they once
+    reached Triton's "0 active drivers"."""
+    code = textwrap.dedent(f"""
+        import os, torch
+        import roberta_fast as rf
+        from roberta_fast import kernels
+        os.environ["TRITON_INTERPRET"] = "1"
+        model = rf.RobertaModel(rf.RobertaConfig(**{CONFIG!r}), backend="fused").eval()
+        x, w, t = torch.randn(2, 8), torch.ones(8), torch.zeros(2, dtype=torch.long)
+        q = torch.randn(1, 4, 1, 32)
+        calls = {{"model": lambda: model(torch.randint(3, 61, (2, 10))),
+                  "layer_norm": lambda: kernels.layer_norm(x, w, w),
+                  "bias_gelu": lambda: kernels.bias_gelu(x, w),
+                  "cross_entropy": lambda: kernels.cross_entropy(x, t),
+                  "attention": lambda: kernels.attention(q, q, q)}}
+        for name, call in calls.items():
+            try:
+                call()
+                print(name, "ran")
+            except Exception as ex:
+                print(name, type(ex).__name__, " ".join(str(ex).split()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["model", "layer_norm", "bias_gelu", "cross_entropy", "attention"]
+    for line in lines:
+        assert line.split()[1] == "ValueError", line
+        assert re.search(r"TRITON_INTERPRET=1 (set )?before importing triton", line), line
 
 
 def test_unsupported_head_dim_falls_back_with_a_warning():
