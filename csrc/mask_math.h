@@ -118,45 +118,57 @@ RF_HD bool starts_unit(const MaskParams& p, const int64_t* ids, const bool* word
   return word_starts[j] || j == 0 || !is_maskable(p, ids[j - 1]);
 }
 
-// Marks the unit (token or word) starting at j as selected: labels = original id.
-// Returns the number of tokens marked.
+// Marks the unit (token or word) starting at j as selected: labels = original id,
+// at most `limit` (>= 1) of its tokens, so a budget can end mid-word (a row that is
+// one long word: CJK without word starts, a long URL). Returns the number marked.
 RF_HD int64_t select_unit(const MaskParams& p, const int64_t* ids, const bool* word_starts,
-                          int64_t len, int64_t j, int64_t* labels) {
+                          int64_t len, int64_t j, int64_t limit, int64_t* labels) {
   int64_t n = 0;
   do {
     labels[j] = ids[j];
     ++n;
     ++j;
-  } while (j < len && p.strategy != kToken && is_maskable(p, ids[j]) &&
+  } while (n < limit && j < len && p.strategy != kToken && is_maskable(p, ids[j]) &&
            !starts_unit(p, ids, word_starts, j));
   return n;
 }
 
 // Token and whole-word strategies: each unit is selected when the x draw at its
 // first position is below the threshold; a row with maskable tokens and nothing
-// selected gets the unit with the smallest draw (ties: the earliest).
+// selected gets the unit with the smallest draw (ties: the earliest), cut to the
+// row's budget of max(1, ceil(threshold * maskable tokens / 2^32)) tokens, so a row
+// that is one word is not masked whole.
 RF_HD void select_units(const MaskParams& p, const int64_t* ids, const bool* word_starts,
                         int64_t len, uint32_t sample, int64_t* labels) {
   bool any = false;
+  int64_t num_maskable = 0;
   uint64_t best = ~uint64_t(0);  // (draw << 32) | position of the smallest draw
   for (int64_t j = 0; j < len; ++j) {
+    num_maskable += is_maskable(p, ids[j]) ? 1 : 0;
     if (!starts_unit(p, ids, word_starts, j)) continue;
     const uint32_t u = mask_draw(p, static_cast<uint32_t>(j), sample, 0).x;
     if (u < p.select_threshold) {
-      select_unit(p, ids, word_starts, len, j, labels);
+      select_unit(p, ids, word_starts, len, j, len, labels);
       any = true;
     }
     const uint64_t key = (static_cast<uint64_t>(u) << 32) | static_cast<uint64_t>(j);
     if (key < best) best = key;
   }
-  if (!any && best != ~uint64_t(0))
-    select_unit(p, ids, word_starts, len, static_cast<int64_t>(best & 0xFFFFFFFFu), labels);
+  if (!any && best != ~uint64_t(0)) {
+    int64_t budget = static_cast<int64_t>(
+        (p.select_threshold * static_cast<uint64_t>(num_maskable) + 0xFFFFFFFFu) >> 32);
+    if (budget < 1) budget = 1;
+    select_unit(p, ids, word_starts, len, static_cast<int64_t>(best & 0xFFFFFFFFu), budget,
+                labels);
+  }
 }
 
 // Span strategy (SpanBERT): draw a span length and an anchor word, select the
 // span's words that are not yet selected, until the budget of
 // round(mlm_probability * maskable tokens) (stochastically rounded, at least 1)
-// is reached. Uses `scratch` (len entries) to list the word starts.
+// is reached: marking stops at the budget, mid-word if need be, as SpanBERT's
+// PairWithSpanMaskingScheme.mask does. Uses `scratch` (len entries) to list the
+// word starts.
 RF_HD void select_spans(const MaskParams& p, const int64_t* ids, const bool* word_starts,
                         int64_t len, uint32_t sample, int64_t* labels, int64_t* scratch) {
   int64_t num_words = 0, num_maskable = 0;
@@ -179,7 +191,7 @@ RF_HD void select_spans(const MaskParams& p, const int64_t* ids, const bool* wor
     if (labels[scratch[anchor]] != kIgnoreIndex) continue;  // anchor already taken
     for (int64_t w = anchor; w < anchor + span && w < num_words && selected < budget; ++w) {
       if (labels[scratch[w]] != kIgnoreIndex) continue;
-      selected += select_unit(p, ids, word_starts, len, scratch[w], labels);
+      selected += select_unit(p, ids, word_starts, len, scratch[w], budget - selected, labels);
     }
   }
 }

@@ -16,9 +16,12 @@ tests hold the C++ and CUDA builds to, bit for bit):
   up to the next word start or special token; ``span`` (SpanBERT): spans of
   geometric(0.2) length in words, clipped at 10 (renormalised, mean ~3.8), at
   uniformly drawn anchor words, until mlm_probability of the maskable tokens is
-  selected;
+  selected: marking stops at that budget, mid-word if need be (SpanBERT's
+  PairWithSpanMaskingScheme.mask), so a long word cannot overshoot it;
 - every row with a maskable token gets at least one prediction (the unit with
-  the smallest draw), so no batch has a zero denominator;
+  the smallest draw, cut to the row's budget of max(1, ceil(mlm_probability *
+  maskable tokens)) tokens, so a row that is one long word is not masked whole),
+  so no batch has a zero denominator;
 - selected tokens become <mask> (80%), a random non-special token (10%) or stay
   (10%); their labels are the original ids, all other labels -100. ``token`` and
   ``whole_word`` draw that decision per token; ``span`` draws it once per span
@@ -282,13 +285,14 @@ class _Rule:
             unit_start = maskable & (starts | ~prev)
         labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
 
-        def select_unit(j):  # the token or word starting at j
+        def select_unit(j, limit):  # the token or word starting at j, at most `limit` tokens of it
             count = 0
             while True:
                 labels[j] = ids[j]
                 count += 1
                 j += 1
-                if not (j < n and self.a["strategy"] != 0 and maskable[j] and not unit_start[j]):
+                if not (count < limit and j < n and self.a["strategy"] != 0 and maskable[j]
+                        and not unit_start[j]):
                     return count
 
         if self.a["strategy"] == STRATEGIES["span"]:
@@ -310,16 +314,17 @@ class _Rule:
                     for w in range(anchor, min(anchor + span, len(words))):
                         if selected >= budget:
                             break
-                        if labels[words[w]] == IGNORE_INDEX:
-                            selected += select_unit(words[w])
+                        if labels[words[w]] == IGNORE_INDEX:  # stops at the budget, even mid-word
+                            selected += select_unit(words[w], budget - selected)
         else:
             x = self.draw(np.arange(n), sample, 0)[0].astype(np.int64)
             chosen = np.flatnonzero(unit_start & (x < self.select))
             for j in chosen:
-                select_unit(j)
+                select_unit(j, n)
             candidates = np.flatnonzero(unit_start)
-            if len(chosen) == 0 and len(candidates):
-                select_unit(candidates[np.argmin(x[candidates])])  # argmin: earliest on ties
+            if len(chosen) == 0 and len(candidates):  # the forced unit, cut to the row's budget
+                budget = max((self.select * int(maskable.sum()) + _TWO32 - 1) >> 32, 1)
+                select_unit(candidates[np.argmin(x[candidates])], budget)  # argmin: earliest on ties
 
         # Spans: maximal runs [s, e] of selected tokens; token j gets (s - 1, e + 1, j - s).
         sel = labels != IGNORE_INDEX

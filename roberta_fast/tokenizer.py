@@ -16,8 +16,12 @@ ByteLevel decoder. A saved directory loads in `transformers.AutoTokenizer` as a
 Word starts (for whole-word masking) follow fairseq's GPT-2 BPE rule, extended so
 that no word runs across a line break or a special token: a token begins a word when
 its text begins with whitespace, when it is a special token, or when the token
-before it ends with whitespace or is special. `word_start_tables()` gives the two
-per-id lookup tables, so the data pipeline computes the flags from ids alone.
+before it ends with whitespace or is special. As in BERT's BasicTokenizer, each CJK
+ideograph is a word (text without spaces is otherwise one word): a token also begins a
+word when its bytes begin with a complete CJK character, or when the token before it
+ends with one (a byte-level token cut mid-character counts as neither).
+`word_start_tables()` gives the two per-id lookup tables, so the data pipeline computes
+the flags from ids alone.
 
 `train` reads its inputs as `preprocess` does (documents.py: text, JSONL, compressed,
 Parquet, Arrow, `datasets`) and warns when the text runs out of merges before `vocab_size`. A damaged or
@@ -63,6 +67,31 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 # Byte-level images of the whitespace bytes: a token beginning with one begins a word.
 _BYTE_LEVEL_WHITESPACE = frozenset(_bytes_to_unicode()[b] for b in b" \t\n\r\x0b\x0c")
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+# CJK ideographs, each a word of its own: the ranges of BERT's BasicTokenizer._is_chinese_char.
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def _is_cjk(data: bytes) -> bool:
+    """True if `data` is exactly one complete UTF-8 character, a CJK ideograph."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return len(text) == 1 and any(lo <= ord(text) <= hi for lo, hi in _CJK_RANGES)
+
+
+def _cjk_edges(token: str) -> tuple[bool, bool]:
+    """(begins with, ends with) a complete CJK character, for a byte-level BPE token, whose
+    bytes may start or end mid-character (then not)."""
+    data = bytes(_BYTE_OF_CHAR.get(c, 0) for c in token)
+    n = {0xE0: 3, 0xF0: 4}.get(data[0] & 0xF0, 0) if data else 0  # CJK is 3 or 4 UTF-8 bytes
+    last = len(data) - 1
+    while last > 0 and len(data) - last < 4 and data[last] & 0xC0 == 0x80:
+        last -= 1  # back over continuation bytes to the last character's lead byte
+    return n > 0 and _is_cjk(data[:n]), _is_cjk(data[last:])
 
 
 def _pipeline(tok: Tokenizer) -> Tokenizer:
@@ -283,8 +312,9 @@ class RobertaTokenizer:
                 if i in special:
                     begins[i] = breaks_after[i] = True
                 elif token:
-                    begins[i] = token[0] in _BYTE_LEVEL_WHITESPACE
-                    breaks_after[i] = token[-1] in _BYTE_LEVEL_WHITESPACE
+                    cjk_first, cjk_last = _cjk_edges(token)
+                    begins[i] = token[0] in _BYTE_LEVEL_WHITESPACE or cjk_first
+                    breaks_after[i] = token[-1] in _BYTE_LEVEL_WHITESPACE or cjk_last
             self._tables = (begins, breaks_after)
         return self._tables
 

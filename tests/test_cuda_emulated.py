@@ -256,19 +256,22 @@ def test_mask_params_mirror_has_the_c_layout(emu):
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("rows, length, probability, return_spans", [
-    (3, 7, 0.15, False), (70, 300, 0.15, True), (9, 40, 0.002, True), (4, 300, 0.9, True)])
-def test_mask_tokens_matches_the_cpu_op(emu, strategy, rows, length, probability, return_spans):
+@pytest.mark.parametrize("rows, length, probability, return_spans, word_rate", [
+    (3, 7, 0.15, False, 0.6), (70, 300, 0.15, True, 0.6), (9, 40, 0.002, True, 0.6),
+    (4, 300, 0.9, True, 0.6), (9, 200, 0.15, True, 0.02), (9, 200, 0.002, True, 0.0)])
+def test_mask_tokens_matches_the_cpu_op(emu, strategy, rows, length, probability, return_spans,
+                                        word_rate):
     """70 rows: two blocks of the serial kernel; 300 positions: more than a block's 256
     threads; probability 0.002: most rows rely on the at-least-one rule; 0.9: long spans,
-    which the token kernel's threads scan across its 256-position stride."""
+    which the token kernel's threads scan across its 256-position stride; word_rate 0.02 /
+    0: long words, which span budgets and the at-least-one rule cut mid-word."""
     gen = torch.Generator().manual_seed(rows * length)
     ids = torch.randint(4, 1000, (rows, length), generator=gen)
     ids[:, 0], ids[:, -1] = 0, 2
     ids[0, length // 2:] = 1  # padding
     if rows > 2:
         ids[2, :] = 1  # nothing maskable at all
-    word_starts = torch.rand(rows, length, generator=gen) < 0.6
+    word_starts = torch.rand(rows, length, generator=gen) < word_rate
     kwargs = dict(seed=2**40 + 7, step=11, vocab_size=1000, mask_token_id=999, mlm_probability=probability,
                   strategy=strategy, word_starts=None if strategy == "token" else word_starts, sample_offset=5)
     got = emulated_mask_tokens(emu, ids, return_spans=return_spans, **kwargs)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from roberta_fast import RobertaTokenizer
+from roberta_fast.tokenizer import _bytes_to_unicode
 from roberta_fast.corpus import iter_documents
 
 TRICKY = [
@@ -134,6 +135,35 @@ def test_word_starts_group_whitespace_words(tok):
         assert [w for w in words if w] == text.split(), text
     with_specials, flags = tok.encode_batch(["a b"], word_starts=True)
     assert flags[0][0] and flags[0][-1] and flags[0][1]  # <s>, </s> and the token after <s>
+
+
+ZH = ["自然语言处理是计算机科学领域与人工智能领域中的一个重要方向", "它研究能实现人与计算机之间用自然语言进行有效通信的各种理论和方法",
+      "深度学习模型在大规模语料上进行预训练", "北京是中华人民共和国的首都"]
+
+
+def test_word_starts_make_each_cjk_character_a_word():
+    """CJK text has no spaces: each ideograph starts a word (BERT's BasicTokenizer), so a
+    token of whole CJK characters is a word of its own; English words are unchanged."""
+    rng = np.random.default_rng(0)  # characters in random order: BPE cannot merge whole sentences
+    chars = list("".join(ZH))
+    docs = ["".join(rng.choice(chars, 12)) + " and Beijing is big" for _ in range(300)]
+    tok = RobertaTokenizer.train_from_iterator(docs, vocab_size=500)
+    text = ZH[3] + ", and Beijing is big"
+    (row,), (flags,) = tok.encode_batch([text], add_special_tokens=False, word_starts=True)
+    cut = np.flatnonzero(flags).tolist() + [len(row)]
+    words = [tok.decode(row[a:b]).strip() for a, b in zip(cut[:-1], cut[1:])]
+    zh_tokens = [tok.decode([i]) for i in tok.encode(ZH[3], add_special_tokens=False)]
+    assert len(zh_tokens) > 3 and words == zh_tokens + [",", "and", "Beijing", "is", "big"]
+    begins, breaks_after = tok.word_start_tables()
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    for token, i in tok.backend.get_vocab().items():
+        data = bytes(byte_of[c] for c in token)
+        if len(data) == 3 and data.decode("utf-8", "replace") in "".join(ZH):
+            assert begins[i] and breaks_after[i], token  # one whole character
+        if len(data) in (1, 2) and data[0] >= 0xE0:
+            assert not begins[i] and not breaks_after[i], token  # the start of a character cut mid-way
+        if 1 <= len(data) < 3 and data[0] & 0xC0 == 0x80:
+            assert not begins[i], token  # bytes from the middle of a character
 
 
 def test_bad_arguments(tok, tmp_path):
