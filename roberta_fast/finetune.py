@@ -80,7 +80,7 @@ class FinetuneConfig:
     valid: str | None = None  # held-out file, as --train (default: a deterministic 10% of --train, held out)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
     text_field: str = "text"  # classify: column / JSON field holding the text (column numbers from 0 read a .csv/.tsv without header: CoLA's text 3, label 1)
-    pair_field: str | None = None  # classify: column / field of a second text (GLUE: sentence2, hypothesis) (default: none)
+    pair_field: str | None = None  # classify: column / field of a second text (GLUE's .tsv: sentence2, '#2 String' (MRPC), question2 (QQP)) (default: none)
     label_field: str = "label"  # classify: column / field holding the label (any strings or integers; scores for a regression)
     problem_type: str = "auto"  # classify: auto (a regression when every label is a number and some are not integers, as GLUE's STS-B) | single_label_classification | regression
     max_len: int | None = None  # tokens per sequence with the special ones (default: the model's limit, <= 512; qa <= 384)

@@ -2,7 +2,7 @@
 their file formats, encoding, batches and metrics. The training loop is finetune.py's.
 
 - classify: CSV, GLUE .tsv (tab-separated, no quoting, as GLUE's loaders read it) or JSONL rows of
-  a text, an optional pair text (GLUE: sentence1/sentence2, question/sentence, premise/hypothesis)
+  a text, an optional pair text (GLUE's .tsv columns per task: GLUE_TSV_FIELDS; the Hub's differ)
   and a label, named by column or, for a file without a header row (CoLA), by column number;
   accuracy, macro-F1, Matthews correlation and, with two classes, the positive class's F1 (GLUE's
   CoLA and MRPC / QQP metrics). Numeric labels that are not all integers (GLUE's STS-B scores) are a
@@ -56,6 +56,25 @@ from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, Rober
                     RobertaForTokenClassification)
 
 IGNORE = -100  # label of the tokens the loss skips
+# classify's --text-field / --pair-field / --label-field for GLUE's .tsv files as shipped (their header rows);
+# the Hub's glue datasets name them otherwise (GLUE_HUB_FIELDS). CoLA's .tsv has no header: by column number.
+GLUE_TSV_FIELDS = {"CoLA": ("3", None, "1"), "SST-2": ("sentence", None, "label"),
+                   "MRPC": ("#1 String", "#2 String", "Quality"), "STS-B": ("sentence1", "sentence2", "score"),
+                   "QQP": ("question1", "question2", "is_duplicate"), "MNLI": ("sentence1", "sentence2", "gold_label"),
+                   "QNLI": ("question", "sentence", "label"), "RTE": ("sentence1", "sentence2", "label"),
+                   "WNLI": ("sentence1", "sentence2", "label")}
+GLUE_HUB_FIELDS = "sentence1/sentence2 (MRPC, STS-B, RTE, WNLI), question1/question2 (QQP), premise/hypothesis " \
+                  "(MNLI), question/sentence (QNLI), sentence (CoLA, SST-2), and label"
+
+
+def glue_fields_hint() -> str:
+    """The GLUE column names, per task, for read_examples' message on a column it does not find."""
+    def flags(text, pair, label):
+        named = [("--text-field", text), ("--pair-field", pair), ("--label-field", label)]
+        return " ".join(f"{flag} {shlex.quote(name)}" for flag, name in named if name is not None)
+    return ("GLUE's .tsv files as shipped: " + "; ".join(f"{task} {flags(*names)}" for task, names in
+                                                          GLUE_TSV_FIELDS.items())
+            + f" (CoLA has no header row: columns by number). The Hub's glue datasets: {GLUE_HUB_FIELDS}")
 PROBLEM_TYPES = ("auto", "single_label_classification", "regression")  # classify's --problem-type
 
 
@@ -305,9 +324,8 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
         missing = [name for name in fields if name not in row]
         if missing:
             raise ValueError(f"{where}: missing {missing} (the row has {sorted(row)}); name the columns with "
-                             "--text-field / --pair-field / --label-field (GLUE pairs: sentence1/sentence2, "
-                             "question/sentence, premise/hypothesis; a .csv/.tsv without a header row, as GLUE's "
-                             "CoLA, by column number: --text-field 3 --label-field 1)")
+                             "--text-field / --pair-field / --label-field, a .csv/.tsv without a header row by "
+                             f"column number. {glue_fields_hint()}")
         short = [name for name in fields if row[name] is None]
         if short:  # a CSV row short of columns reads None (delimited_rows)
             what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}

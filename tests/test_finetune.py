@@ -583,3 +583,42 @@ def test_a_cell_past_the_csv_modules_limit_reads(task, tmp_path, monkeypatch):
             tasks.read_examples(tmp_path / "long.csv", config(task, tmp_path))
     finally:
         csv.field_size_limit(previous)
+
+
+def test_the_glue_column_names_in_the_hint_read_glues_tsv_files(task, tmp_path):
+    """The message on a column not found names each GLUE task's columns as its .tsv as shipped has them (MRPC's
+    '#1 String' / '#2 String' / Quality, MNLI's sentence1 / sentence2 / gold_label, QQP's question1 / question2 /
+    is_duplicate), and the Hub's names apart; each task's names read a file with GLUE's header."""
+    import re
+    import shlex
+
+    from roberta_fast.tasks import read_examples
+
+    headers = {"SST-2": "sentence label", "MRPC": "Quality|#1 ID|#2 ID|#1 String|#2 String",
+               "STS-B": "index genre filename year old_index source1 source2 sentence1 sentence2 score",
+               "QQP": "id qid1 qid2 question1 question2 is_duplicate",
+               "MNLI": "index promptID pairID genre sentence1_binary_parse sentence2_binary_parse sentence1_parse "
+                       "sentence2_parse sentence1 sentence2 label1 gold_label",
+               "QNLI": "index question sentence label", "RTE": "index sentence1 sentence2 label",
+               "WNLI": "index sentence1 sentence2 label", "CoLA": None}
+    mrpc = tmp_path / "MRPC.tsv"
+    mrpc.write_text("\t".join(headers["MRPC"].split("|")) + "\n1\t1\t2\tsunny river\tsunny stone\n")
+    with pytest.raises(ValueError, match="missing") as err:
+        read_examples(mrpc, config(task, tmp_path, text_field="sentence1", pair_field="sentence2"))
+    hint = str(err.value)
+    assert "The Hub's glue datasets: sentence1/sentence2 (MRPC, STS-B, RTE, WNLI), question1/question2 (QQP), " \
+           "premise/hypothesis (MNLI)" in hint
+    for name, header in headers.items():
+        flags = re.search(rf"\b{re.escape(name)} (--text-field .*?)(;|\()", hint)
+        assert flags, (name, hint)
+        args = shlex.split(flags.group(1))
+        fields = {args[i][2:].replace("-", "_"): args[i + 1] for i in range(0, len(args), 2)}
+        columns = header.split("|") if header and "|" in header else header.split() if header else ["gj04", "1", "", "x"]
+        rows = [dict(zip(columns, columns))] if header else []
+        for i in range(3):
+            rows.append({c: str(i % 2) if c in (fields["label_field"], "1") else f"sunny {c} {i}" for c in columns})
+        path = tmp_path / f"{name}.tsv"
+        path.write_text("".join("\t".join(r.values()) + "\n" for r in rows))
+        examples = read_examples(path, config(task, tmp_path, **fields))
+        assert len(examples) == 3 and examples[1][2] == "1", (name, examples)
+        assert (examples[0][1] is None) == (name in ("SST-2", "CoLA")), name
