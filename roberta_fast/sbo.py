@@ -168,7 +168,8 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
     def _write_pretrained(self, directory, state_dict: dict | None, max_shard_size: int | str):
         """save_pretrained (transformers' keywords, as every drop-in class): the encoder and MLM head
         as a transformers RobertaForMaskedLM directory, the SBO head beside it as sbo.safetensors
-        (its parameter names without the "sbo." prefix)."""
+        (its parameter names without the "sbo." prefix); a state_dict without "sbo." entries writes
+        none (an empty file is no head) and removes one left from an earlier save."""
         from safetensors.torch import save_file
 
         from .files import atomic_path
@@ -178,6 +179,10 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
                         state_dict=state_dict, max_shard_size=max_shard_size)
         state = self.state_dict() if state_dict is None else state_dict
         sbo = {k[len("sbo."):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("sbo.")}
+        if not sbo:
+            if os.path.isfile(os.path.join(directory, SBO_WEIGHTS)):  # stale: it belongs to another model
+                os.remove(os.path.join(directory, SBO_WEIGHTS))
+            return
         metadata = {"format": "pt", "max_offset": str(self.sbo.max_offset)}
         if state.get(_WORDS) is not None:
             metadata.update(encoder_fingerprints(state[_WORDS]))
@@ -188,7 +193,8 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
     def from_pretrained(cls, path, backend: str = "auto", **kwargs):
         """An HF MLM directory, Hub name (`revision` and the Hub options as for RobertaForMaskedLM) or
         transformers model; the SBO head from the directory's or repository's sbo.safetensors when it
-        has one (built with the max_offset it was saved with), else newly initialised.
+        has one (built with the max_offset it was saved with), else newly initialised, with a warning;
+        an empty or partial sbo.safetensors counts as none (the warning names it).
 
         sbo.safetensors records the word embeddings it was saved with (encoder_fingerprints); a head
         saved beside other ones (another model saved to the directory later) is loaded anyway, with
@@ -216,6 +222,10 @@ class RobertaForSpanBERT(RobertaForMaskedLM):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"newly initialised.*'sbo\.")
             model = super().from_pretrained(path, backend=backend, **kwargs)
+        missing = sorted(f"sbo.{k}" for k in model.sbo.state_dict().keys() - head.keys())
+        if missing:  # an empty or partial file (saved from a state_dict without the head): as none
+            warnings.warn(f"newly initialised (not in {weights}): {missing}", stacklevel=2)
+            return model
         model.sbo.load_state_dict(head)
         words = model.roberta.embeddings.word_embeddings.weight
         loaded = encoder_fingerprints(words, (words.dtype,))  # files from before the record: no check

@@ -196,6 +196,29 @@ def test_spanbert_save_pretrained_takes_transformers_keywords(tmp_path):
         model.save_pretrained(tmp_path / "e", push_to_hub=True)
 
 
+def test_a_state_dict_without_the_head_writes_no_sbo_file(tmp_path):
+    """save_pretrained(state_dict=<no "sbo." keys>) wrote an empty sbo.safetensors that from_pretrained
+    failed to load; now none is written (a stale one is removed), and an empty or partial file left by
+    an older version loads as a missing one: the head newly initialised, with a warning naming the file."""
+    from safetensors.torch import save_file
+
+    from roberta_fast.sbo import SBO_WEIGHTS, RobertaForSpanBERT
+
+    model = tiny_spanbert()
+    model.save_pretrained(tmp_path)  # a head file, which the encoder-only save must remove
+    encoder_only = {k: v for k, v in model.state_dict().items() if not k.startswith("sbo.")}
+    model.save_pretrained(tmp_path, state_dict=encoder_only)
+    assert not (tmp_path / SBO_WEIGHTS).exists()
+    with pytest.warns(UserWarning, match=r"newly initialised.*'sbo\."):
+        again = RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
+    assert torch.equal(again.roberta.embeddings.word_embeddings.weight, model.roberta.embeddings.word_embeddings.weight)
+    head = {k[len("sbo."):]: v for k, v in model.state_dict().items() if k.startswith("sbo.")}
+    for partial in ({}, {k: v for k, v in head.items() if k != "bias"}):
+        save_file(partial, tmp_path / SBO_WEIGHTS, metadata={"format": "pt"})
+        with pytest.warns(UserWarning, match=rf"newly initialised \(not in .*{SBO_WEIGHTS}\): \['sbo\.bias'"):
+            RobertaForSpanBERT.from_pretrained(tmp_path, backend="reference")
+
+
 def test_no_target_gives_a_zero_that_reaches_every_parameter():
     head = SpanBoundaryHead(RobertaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1,
                                           num_attention_heads=2, intermediate_size=32))
