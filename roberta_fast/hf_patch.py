@@ -21,8 +21,10 @@ fused one again; the fused feed-forward and LayerNorm, the same functions, stay.
 from __future__ import annotations
 
 import contextlib
-import os
+
 import torch
+from torch import nn
+from torch.nn.modules import module as _module
 
 from . import ops
 from .config import DECODER_SETTINGS, decoder_error
@@ -37,8 +39,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _fused(tensor) -> bool:
     """Whether the kernels take tensor: on CUDA, or the CPU under Triton's interpreter, and in
     a dtype they compute in (a float64 model runs the reference ops, as transformers would)."""
-    on_device = tensor.is_cuda or (tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and tensor.dtype in _KERNEL_DTYPES
+    return ops._kernel_device(tensor.device) and tensor.dtype in _KERNEL_DTYPES
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -77,32 +78,65 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out, None
 
 
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
+    """transformers mask-interface function: the 2-D padding mask, None when nothing is padded (as
+    flash attention's), but the mask itself while tracing, compiling or exporting: there the
+    data-dependent "nothing padded" check would be frozen into the graph (jit.trace then ignores
+    the padding of later batches) or fail (torch.export)."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]  # (batch, kv_length)
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or exporting:
+        return attention_mask
+    return None if attention_mask.shape[1] == kv_length and attention_mask.all() else attention_mask
+
+
 def _register():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, _attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, _padding_mask)
 
 
 def _backend(tensor) -> str:
     return "fused" if _fused(tensor) else "reference"
 
 
+def _plain(*modules) -> bool:
+    """Whether a fused forward may read these modules' weights instead of calling them: each is
+    exactly an nn.Linear / nn.LayerNorm / nn.Dropout that nothing wraps or observes. PEFT's LoRA
+    layers, quantized and bitsandbytes layers are other classes; forward hooks and accelerate's
+    offloading (an instance `forward`) must run: for those, transformers' own forward runs."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    return all(type(m) in (nn.Linear, nn.LayerNorm, nn.Dropout) and not m._forward_hooks
+               and not m._forward_pre_hooks and "forward" not in vars(m) for m in modules)
+
+
 def _dense_dropout_add_norm(self, hidden_states, input_tensor):
-    """RobertaSelfOutput / RobertaOutput: LayerNorm(dropout(dense(h)) + residual)."""
-    p = self.dropout.p if self.training else 0.0
+    """RobertaSelfOutput / RobertaOutput: LayerNorm(dropout(dense(h)) + residual). The dropout
+    follows its own module's training flag, as transformers' (Monte Carlo dropout in eval)."""
+    if not _plain(self.LayerNorm, self.dropout):
+        return self._rf_original.forward(self, hidden_states, input_tensor)
+    p = self.dropout.p if self.dropout.training else 0.0
     return ops.dropout_add_layer_norm(self.dense(hidden_states), input_tensor, self.LayerNorm.weight,
                                       self.LayerNorm.bias, self.LayerNorm.eps, p, _backend(hidden_states))
 
 
 def _dense_gelu(self, hidden_states):
     """RobertaIntermediate: erf GELU(dense(h)) with the bias add fused into the GELU."""
+    if not _plain(self.dense):
+        return self._rf_original.forward(self, hidden_states)
     return ops.linear_gelu(hidden_states, self.dense.weight, self.dense.bias, _backend(hidden_states))
 
 
 def _lm_head(self, features, **kwargs):
     """RobertaLMHead: dense + GELU fused, LayerNorm fused, then the (tied) decoder."""
+    if not _plain(self.dense, self.layer_norm):
+        return self._rf_original.forward(self, features, **kwargs)
     backend = _backend(features)
     x = ops.linear_gelu(features, self.dense.weight, self.dense.bias, backend)
     x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,

@@ -91,3 +91,67 @@ def test_a_float64_model_runs_the_reference_ops(cls):
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
+
+
+def test_wrapped_and_hooked_layers_run_as_in_transformers():
+    """A fused forward reads nn.Linear / nn.LayerNorm weights directly; a layer that is another class
+    (PEFT's LoRA, quantized, bitsandbytes layers), hooked or offloaded must run as transformers runs it."""
+
+    class Shifted(torch.nn.Linear):  # stands for a LoRA-wrapped or quantized layer
+        def forward(self, x):
+            return super().forward(x) + 0.5
+
+    original = hf_model()
+    layer = original.roberta.encoder.layer[0]
+    for parent in (layer.intermediate, original.lm_head):
+        shifted = Shifted(parent.dense.in_features, parent.dense.out_features)
+        shifted.load_state_dict(parent.dense.state_dict())
+        parent.dense = shifted
+    patched = rf.patch(copy.deepcopy(original))
+    ids = torch.randint(3, 52, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, original(input_ids=ids).logits)
+    fired = []
+    for name in ("roberta.encoder.layer.0.output.LayerNorm", "lm_head.layer_norm"):
+        patched.get_submodule(name).register_forward_hook(lambda *_, name=name: fired.append(name))
+    with torch.no_grad():
+        patched(input_ids=ids)
+    assert fired == ["roberta.encoder.layer.0.output.LayerNorm", "lm_head.layer_norm"]
+
+
+def test_dropout_follows_its_own_module_as_in_transformers():
+    """Monte Carlo dropout (model.eval(), the Dropout modules .train()) drops; a train-mode model
+    whose Dropout modules are .eval() does not: transformers' modules decide by their own flag."""
+    torch.manual_seed(0)  # no attention dropout: transformers ties it to the attention module's own flag
+    model = rf.patch(transformers.RobertaModel(transformers.RobertaConfig(**FIELDS, attention_probs_dropout_prob=0.0)))
+    ids = torch.randint(3, 52, (2, 7))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.train()
+    with torch.no_grad():
+        assert not torch.equal(model(input_ids=ids)[0], model(input_ids=ids)[0])
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids)[0], model(input_ids=ids)[0])
+
+
+def test_a_traced_or_exported_patched_model_keeps_the_padding():
+    """Traced on a batch with no padding, the graph must still mask the padding of later batches
+    (flash attention's mask function drops an all-ones mask by a data-dependent check), and
+    torch.export must not stop at that check."""
+    original = hf_model("RobertaModel")
+    patched = rf.patch(copy.deepcopy(original))
+    ids = torch.randint(3, 52, (2, 7))
+    traced = torch.jit.trace(patched, (ids, torch.ones(2, 7, dtype=torch.long)), strict=False)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        want = original(input_ids=ids, attention_mask=mask)[0]
+        got = traced(ids, mask)["last_hidden_state"]
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+        exported = torch.export.export(patched, (ids, torch.ones(2, 7, dtype=torch.long)))
+        got = exported.module()(ids, mask)[0]
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
