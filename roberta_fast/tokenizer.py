@@ -18,8 +18,8 @@ that no word runs across a line break or a special token: a token begins a word 
 its text begins with whitespace, when it is a special token, or when the token
 before it ends with whitespace or is special. As in BERT's BasicTokenizer, each CJK
 ideograph is a word (text without spaces is otherwise one word): a token also begins a
-word when its bytes begin with a complete CJK character, or when the token before it
-ends with one (a byte-level token cut mid-character counts as neither).
+word when a CJK character starts at its first byte, or when the token before it ends
+with a complete one (a byte-level token that starts or ends mid-character does not).
 `word_start_tables()` gives the two per-id lookup tables, so the data pipeline computes
 the flags from ids alone.
 
@@ -84,14 +84,19 @@ def _is_cjk(data: bytes) -> bool:
 
 
 def _cjk_edges(token: str) -> tuple[bool, bool]:
-    """(begins with, ends with) a complete CJK character, for a byte-level BPE token, whose
-    bytes may start or end mid-character (then not)."""
+    """(a CJK character starts at the first byte, a complete one ends at the last) of a byte-level
+    BPE token, whose bytes may start or end mid-character (then not). A character cut after its
+    first bytes (a rare one in a small vocabulary: [lead][rest]) counts when every character
+    with those first bytes is CJK."""
     data = bytes(_BYTE_OF_CHAR.get(c, 0) for c in token)
     n = {0xE0: 3, 0xF0: 4}.get(data[0] & 0xF0, 0) if data else 0  # CJK is 3 or 4 UTF-8 bytes
+    head = data[:n]
+    pad = n - len(head)  # the missing continuation bytes: the lowest and highest completions
+    first = n > 0 and _is_cjk(head + b"\x80" * pad) and _is_cjk(head + b"\xbf" * pad)
     last = len(data) - 1
     while last > 0 and len(data) - last < 4 and data[last] & 0xC0 == 0x80:
         last -= 1  # back over continuation bytes to the last character's lead byte
-    return n > 0 and _is_cjk(data[:n]), _is_cjk(data[last:])
+    return first, _is_cjk(data[last:])
 
 
 def _pipeline(tok: Tokenizer) -> Tokenizer:

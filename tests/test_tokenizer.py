@@ -160,8 +160,9 @@ def test_word_starts_make_each_cjk_character_a_word():
         data = bytes(byte_of[c] for c in token)
         if len(data) == 3 and data.decode("utf-8", "replace") in "".join(ZH):
             assert begins[i] and breaks_after[i], token  # one whole character
-        if len(data) in (1, 2) and data[0] >= 0xE0:
-            assert not begins[i] and not breaks_after[i], token  # the start of a character cut mid-way
+        if len(data) in (1, 2) and data[0] >= 0xE0:  # the first bytes of a character cut mid-way
+            assert not breaks_after[i], token
+            assert begins[i] or not 0xE5 <= data[0] <= 0xE9, token  # U+5000-9FFF: CJK whatever follows
         if 1 <= len(data) < 3 and data[0] & 0xC0 == 0x80:
             assert not begins[i], token  # bytes from the middle of a character
 
