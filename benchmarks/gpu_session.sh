@@ -13,8 +13,9 @@
 #
 # Run `first` first: it alone gives the headline record; then, with time left, the others in the
 # order below. Expected times on an H100 (16 cores) are estimates (no stage has run on a GPU yet); every step also has a hard cap, and each stage stops
-# starting steps once its budget (GPU_SESSION_BUDGET_S, default 540 s: the call's 10 minutes less
-# the machine's start, the transfers and a margin) is spent, so a stage always ends, packed, in time.
+# starting steps once its budget (GPU_SESSION_BUDGET_S, default 540 s for a call of the full 600 s) is
+# spent, so a stage always ends, packed, in time. Give a shorter call (less device time left) its
+# timeout_s minus 45 (the margin to stop the last step and pack): timeout_s=300 -> GPU_SESSION_BUDGET_S=255.
 #
 #   first      ~6 min  build (~1.5 min: 2 .cu and 5 .cpp files, MAX_JOBS=16, sm_90 only), the
 #                      correctness gate (~1.5 min: roberta-base at 512, fused vs reference, loss and
@@ -36,8 +37,9 @@
 #                      (~45 s: the configs that run with autotuning off, as CI)
 #
 # Each stage's logs, JSON reports, charts, junit XML and summary go into ONE file, OUTDIR/STAGE.tgz
-# (default OUTDIR: benchmarks/results/pending), packed again after every step: the device hands back a
-# few files, and a stage cut off still hands back what it finished. Back here, one command records
+# (default OUTDIR: benchmarks/results/pending), packed again after every step, every 15 s while a step
+# runs (GPU_SESSION_PACK_S) and on SIGTERM/SIGINT: the device hands back a few files, and a command it
+# kills at its limit still hands back what it finished, down to the rows of the step it was in. Back here, one command records
 # them: `python benchmarks/throughput.py --refresh-record STAGE.tgz ...`. A throughput figure is marked
 # verified only if the correctness gate passed in the same call (throughput.py --gate); otherwise it
 # is kept and marked unverified. The last lines printed are the stage's summary.
@@ -57,6 +59,7 @@ fi
 dest=${2:-benchmarks/results/pending}
 dry=${GPU_SESSION_DRY:-0}
 budget=${GPU_SESSION_BUDGET_S:-$([ "$dry" = 1 ] && echo 2400 || echo 540)}
+pack_every=${GPU_SESSION_PACK_S:-15}
 slow=$([ "$dry" = 1 ] && echo 4 || echo 1)  # the interpreter on a shared CPU: the caps stretch, not the budget's logic
 out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session-$stage.XXXXXX")  # the stage's files, packed into $dest/$stage.tgz
 mkdir -p "$dest" || exit 2
@@ -85,7 +88,27 @@ else
 fi
 
 note() { summary+=("$1"); echo "== $1"; printf '%s\n' "${summary[@]}" >"$out/summary.txt"; pack; }
-pack() { tar czf "$dest/$stage.tgz.tmp" -C "$out" . 2>/dev/null && mv -f "$dest/$stage.tgz.tmp" "$dest/$stage.tgz"; }
+pack() {  # $out into $dest/$stage.tgz, atomically; a file being written goes in as it is (tar's exit 1)
+  local tmp="$dest/$stage.tgz.$BASHPID.tmp"
+  tar czf "$tmp" -C "$out" . 2>/dev/null
+  if [ $? -le 1 ]; then mv -f "$tmp" "$dest/$stage.tgz"; else rm -f "$tmp"; fi
+}
+packing=
+packer_start() {  # while a step runs, pack every $pack_every s: the device may kill the command mid-step
+  ( trap 'kill ${!:-} 2>/dev/null; exit 0' TERM
+    while true; do sleep "$pack_every" & wait $!; pack; done ) >/dev/null 2>&1 &
+  packing=$!
+}
+packer_stop() {
+  [ -n "$packing" ] || return 0
+  kill "$packing" 2>/dev/null
+  wait "$packing" 2>/dev/null
+  packing=
+  rm -f "$dest/$stage.tgz".*.tmp  # a pack it was stopped in
+}
+stopped() { packer_stop; note "stopped by SIG$1: what was written so far is packed"; exit "$2"; }
+trap 'stopped TERM 143' TERM
+trap 'stopped INT 130' INT
 left() { echo $((budget - (SECONDS - start))); }
 
 finish() {
@@ -108,8 +131,10 @@ run() {  # run NAME CAP_S CMD...: log to NAME.log, at most CAP_S seconds (less i
     return 124
   fi
   # SIGINT first: pytest then still writes its junit XML, throughput.py keeps the rows it wrote
+  packer_start
   timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$out/$name.log"
   rc=${PIPESTATUS[0]}
+  packer_stop
   case $rc in
     0) note "$name: ok ($((SECONDS - t)) s)" ;;
     124|130|137) note "$name: stopped at its $limit s limit  <-- CUT OFF" ;;

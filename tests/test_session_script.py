@@ -11,9 +11,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -280,6 +282,47 @@ def test_a_spent_budget_skips_steps_and_still_packs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = _members(tmp_path / "sanitize.tgz")["summary.txt"].decode()
     assert "sanitize-memcheck: not run (the stage's 20 s budget is spent)" in summary
+
+
+def _rows(archive):
+    """The contenders of the first stage's throughput report in `archive` (none while there is none)."""
+    report = _members(archive).get("throughput-tiny16-bf16.json") if archive.exists() else None
+    return [r["contender"] for r in json.loads(report)["results"]] if report else []
+
+
+def test_a_stage_killed_mid_step_hands_back_the_rows_it_measured(tmp_path):
+    """The device kills the whole command at its limit (SIGKILL: no trap runs), in the middle of a
+    step: the rows throughput.py had written by then are in what is left under $OUT, packed while
+    the step runs, not lost with the stage's temporary folder."""
+    ready, stop = tmp_path / "ready", tmp_path / "stop"
+    python = tmp_path / "python"  # throughput.py runs to its end, then its step hangs on until killed
+    python.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"; rc=$?\ncase "$*" in *benchmarks/throughput.py*)\n'
+                      f'  touch "{ready}"; while [ ! -e "{stop}" ]; do sleep 0.2; done;;\nesac\nexit $rc\n')
+    python.chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GPU_SESSION_DRY": "1",
+           "PYTHON": str(python), "GPU_SESSION_PACK_S": "1", "TMPDIR": str(tmp_path / "tmp")}
+    out, log = tmp_path / "out", tmp_path / "session.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", str(SCRIPT), "first", str(out)], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not ready.exists():  # every contender's row written; the step still running
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        deadline = time.monotonic() + 60  # for the packer (every second here) to pack them
+        while len(_rows(out / "first.tgz")) < len(FOUR):
+            assert time.monotonic() < deadline, f"not packed while the step ran: {_rows(out / 'first.tgz')}"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)  # as the device, at the call's limit
+        proc.wait()
+    finally:
+        stop.touch()  # ends the step's hanging stand-in, in its own process group
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert _rows(out / "first.tgz") == FOUR  # what is left after the kill
+    assert "throughput-tiny16-bf16:" not in _members(out / "first.tgz")["summary.txt"].decode()  # killed in that step
 
 
 def test_kernels_stage_runs_only_gpu_benchmarks_that_exist():
