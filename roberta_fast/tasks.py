@@ -314,7 +314,7 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
     else:
         raise ValueError(f"{path}: expected a .csv or .tsv (GLUE's, with a header row), a .jsonl, a Parquet or "
                          "Arrow file or a datasets save_to_disk directory")
-    examples, first, numeric = [], None, {}
+    examples, first, numeric, empty_text = [], None, {}, []
     for where, row in rows:
         if numbered:  # for header_row_error: which columns hold a number on every row after the first
             if first is None:
@@ -333,25 +333,31 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
             raise ValueError(f"{where}: the row has {cells} of the header's {len(row)} columns, no "
                              f"{' and no '.join(f'{what[n]} ({n!r})' for n in short)}; fix the line (a cell "
                              "holding the delimiter needs quotes) or remove the row")
-        empty = [name for name in fields if not str(row[name]).strip()]
-        if empty:
-            what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
-            raise ValueError(f"{where}: the {' and '.join(f'{what[n]} ({n!r})' for n in empty)} "
-                             "is empty on this line; fill it in or remove the row")
+        if not str(row[cfg.label_field]).strip():
+            raise ValueError(f"{where}: the label ({cfg.label_field!r}) is empty on this line; fill it in or "
+                             "remove the row")
+        if any(not str(row[name]).strip() for name in fields):
+            empty_text.append(where.rsplit(":", 1)[-1])  # kept, as GLUE's loaders keep QQP's empty questions
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
     if first is not None and len(examples) >= 3:
         header_row_error(*first, numeric, cfg)
-    if skipped:
-        note = skipped_note(path, skipped)
-        if not examples:
-            raise ValueError(f"{path} holds no examples: {note}")
+    if not examples:
+        raise ValueError(f"{path} holds no examples" + (f": {skipped_note(path, skipped)}" if skipped else ""))
+    for name in fields[:1] + fields[2:]:
+        if all(not text.strip() for text in (e[0] if name == cfg.text_field else e[1] for e in examples)):
+            raise ValueError(f"{path}: the column {name!r} is empty on every row; name the text columns with "
+                             f"--text-field / --pair-field. {glue_fields_hint()}")
+    said = [skipped_note(path, skipped)] if skipped else []
+    if empty_text:
+        lines = ", ".join(empty_text[:5]) + (", ..." if len(empty_text) > 5 else "")
+        said.append(f"{path}: kept {len(empty_text)} row{'s' if len(empty_text) > 1 else ''} whose text or pair "
+                    f"text is empty (line {lines}), as GLUE's loaders do")
+    for note in said:
         if notes is None:
             print(f"note: {note}")
         else:
             notes.append(note)
-    if not examples:
-        raise ValueError(f"{path} holds no examples")
     return examples
 
 

@@ -214,10 +214,10 @@ def test_bad_input_names_the_problem(task, tmp_path, capsys):
     unlabeled.write_text("sentence,label\nsunny river,pos\ncloud rainy,\nstone,neg\n")
     with pytest.raises(ValueError, match=r"unlabeled.csv:3: the label \('label'\) is empty on this line"):
         Finetuner(config(task, tmp_path / "x", train=str(unlabeled)), log=lambda *_: None)
-    short = tmp_path / "short.jsonl"
-    short.write_text('{"sentence": "sunny", "label": "pos"}\n{"sentence": "", "label": "neg"}\n')
-    with pytest.raises(ValueError, match=r"short.jsonl:2: the text \('sentence'\) is empty on this line"):
-        Finetuner(config(task, tmp_path / "x", train=str(short)), log=lambda *_: None)
+    blank = tmp_path / "blank.jsonl"  # a text column empty on every row: the wrong column
+    blank.write_text('{"sentence": "", "label": "pos"}\n{"sentence": " ", "label": "neg"}\n')
+    with pytest.raises(ValueError, match=r"blank.jsonl: the column 'sentence' is empty on every row"):
+        Finetuner(config(task, tmp_path / "x", train=str(blank)), log=lambda *_: None)
     too_long = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--text-field", "sentence",
                 "--max-len", "40", "--device", "cpu", "--out", str(tmp_path / "y")]
     assert main(too_long) == 2
@@ -525,9 +525,13 @@ def test_glue_tsv_rows_with_a_wrong_column_count_are_skipped_and_counted(task, t
     logged = []
     Finetuner(config(task, tmp_path / "run", train=str(path), valid=str(path), **fields), log=logged.append)
     assert sum("skipped 2 rows" in line for line in logged) == 2, logged  # one line per file
-    empty = tmp_path / "empty.tsv"
-    empty.write_text(header + "1\t2\t3\t\tcloud?\t0\n")  # the right number of columns: an empty cell stays an error
-    with pytest.raises(ValueError, match=r"empty.tsv:2: the text \('question1'\) is empty on this line"):
+    empty = tmp_path / "empty.tsv"  # the right number of columns, an empty question: kept, as fairseq and datasets do
+    empty.write_text(header + "1\t2\t3\t\tcloud?\t0\n" + good[0])
+    notes = []
+    assert read_examples(empty, config(task, tmp_path, **fields), notes)[0] == ("", "cloud?", "0")
+    assert notes == [f"{empty}: kept 1 row whose text or pair text is empty (line 2), as GLUE's loaders do"]
+    empty.write_text(header + "1\t2\t3\tsunny?\tcloud?\t\n")  # an empty label stays an error
+    with pytest.raises(ValueError, match=r"empty.tsv:2: the label \('is_duplicate'\) is empty on this line"):
         read_examples(empty, config(task, tmp_path, **fields))
     short = tmp_path / "short.csv"
     short.write_text("sentence,label\nsunny river,pos\ncloud rainy\n")
