@@ -825,7 +825,8 @@ class RobertaModel(_PreTrained):
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-               cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None) -> BaseModelOutput:
+               cu_seqlens=None, max_seqlen: int | None = None, inputs_embeds=None,
+               padded: bool = False) -> BaseModelOutput:
         """forward() without the input checks (for callers that have done them).
 
         inputs_embeds (batch, seqlen, hidden) stands in for the word embeddings of
@@ -838,6 +839,7 @@ class RobertaModel(_PreTrained):
         positions (set `model.unpad = False` to compute those positions as HF does). A batch
         with a row whose first token is masked (left padding) runs padded: the pooler and
         the classification head read position 0, which HF computes from the pad token.
+        padded=True runs the batch padded too (a head with labels at masked positions).
 
         Packed rows (several documents per row, DOC-SENTENCES packing): `cu_seqlens`
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
@@ -853,17 +855,17 @@ class RobertaModel(_PreTrained):
         """
         shaped = input_ids if inputs_embeds is None else inputs_embeds
         token_type_ids, position_ids = (_batch_rows(t, shaped.shape[0]) for t in (token_type_ids, position_ids))
-        groups = self._row_groups(shaped, attention_mask, cu_seqlens)
+        groups = self._row_groups(shaped, attention_mask, cu_seqlens, padded)
         if groups is None:
             return self._encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
-                                output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
+                                output_attentions, cu_seqlens, max_seqlen, inputs_embeds, unpad=not padded)
         batch = groups[-1].stop
 
         def rows_of(t, rows):  # a per-row input's rows; None, or one row broadcast over the batch, as it is
             return t[rows] if t is not None and t.shape[0] == batch else t
 
         # a batch that runs padded (a row's first token masked: from_mask) runs padded in every group
-        unpad = attention_mask is None or _first_tokens_attended(attention_mask)
+        unpad = not padded and (attention_mask is None or _first_tokens_attended(attention_mask))
         outs = [self._encode(*(rows_of(t, rows) for t in (input_ids, attention_mask, token_type_ids, position_ids)),
                              output_hidden_states, output_attentions, inputs_embeds=rows_of(inputs_embeds, rows),
                              unpad=unpad)
@@ -872,7 +874,7 @@ class RobertaModel(_PreTrained):
                                  for name in ("last_hidden_state", "pooler_output", "hidden_states", "attentions",
                                               "cross_attentions")))
 
-    def _row_groups(self, shaped, attention_mask, cu_seqlens) -> list[slice] | None:
+    def _row_groups(self, shaped, attention_mask, cu_seqlens, padded: bool = False) -> list[slice] | None:
         """encode's groups: consecutive row ranges of at most `cpu_group_tokens` tokens each (the
         attended ones when the batch runs unpadded); None: the batch runs whole."""
         batch, seqlen = shaped.shape[:2]
@@ -880,7 +882,7 @@ class RobertaModel(_PreTrained):
                 or torch.compiler.is_compiling()
                 or ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) != "sdpa"):
             return None
-        if attention_mask is not None and self.unpad and _first_tokens_attended(attention_mask):
+        if attention_mask is not None and self.unpad and not padded and _first_tokens_attended(attention_mask):
             lengths = attention_mask.bool().sum(dim=1).expand(batch).tolist()
         else:
             lengths = [seqlen] * batch
@@ -957,6 +959,17 @@ def _cat_rows(parts: list):
     if parts[0]:
         return tuple(torch.cat(layer) for layer in zip(*parts))
     return parts[0]
+
+
+def _labels_on_padding(labels, attention_mask) -> bool:
+    """Whether a label (not -100) falls on a masked position. transformers computes those positions
+    from the pad tokens and counts them in the loss, so such a batch runs padded, as there (unpadded,
+    their logits would come from zeros). Not asked under export / tracing / compiling, which run padded
+    or cannot branch on data; a batch of our own trainer never has such a label."""
+    if (labels is None or attention_mask is None or not isinstance(labels, torch.Tensor)
+            or labels.shape != attention_mask.shape or torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        return False
+    return bool(((labels != IGNORE_INDEX) & ~attention_mask.bool()).any())
 
 
 def _first_tokens_attended(attention_mask) -> bool:
@@ -1086,7 +1099,7 @@ class RobertaForMaskedLM(_PreTrained):
             predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, cu_seqlens, max_seqlen,
-                                      inputs_embeds)
+                                      inputs_embeds, padded=not masked_only and _labels_on_padding(labels, attention_mask))
         x = encoded.last_hidden_state
         backend = self._backend_for(x)
         if masked_only:
@@ -1232,7 +1245,8 @@ class RobertaForTokenClassification(_PreTrained):
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds,
+                                      padded=_labels_on_padding(labels, attention_mask))
         p = self.dropout_p if self.training else 0.0
         logits = self.classifier(F.dropout(encoded.last_hidden_state, p=p, training=p > 0))
         loss = None

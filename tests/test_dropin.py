@@ -110,6 +110,26 @@ def test_sequence_classification_matches_transformers(backend, tmp_path):
     torch.testing.assert_close(back.eval()(input_ids=ids, attention_mask=mask).logits, expected.logits)
 
 
+@pytest.mark.parametrize("cls", ["RobertaForMaskedLM", "RobertaForTokenClassification"])
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_labels_at_padded_positions_count_as_in_transformers(cls, backend):
+    """transformers ignores only -100, not the mask: labels padded with a real class (or labels=input_ids)
+    count the pad positions, which it computes from the pad tokens. Such a batch runs padded here too,
+    also where it would run unpadded (no_grad on the CPU, the fused backend)."""
+    hf = hf_model(cls, num_labels=3)
+    ours = getattr(rf, cls).from_pretrained(hf, backend=backend).eval()
+    ids, mask = padded_batch("right", seed=2)
+    labels = ids.clone() if cls == "RobertaForMaskedLM" else ids % 3  # every position labelled, pads included
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, labels=labels)
+        actual = ours(ids, attention_mask=mask, labels=labels)
+        assert rel_err(actual.loss, expected.loss) < 1e-5
+        assert rel_err(actual.logits, expected.logits) < 1e-5  # the pad positions included
+        labels[~mask.bool()] = -100  # the usual collators' labels: the batch runs unpadded, the same loss
+        torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
+                                   hf(input_ids=ids, attention_mask=mask, labels=labels).loss)
+
+
 def test_regression_and_multilabel_losses_follow_transformers():
     for num_labels, labels in ((1, torch.randn(4)), (3, torch.randint(0, 2, (4, 3)).float())):
         hf = hf_model("RobertaForSequenceClassification", num_labels=num_labels)
