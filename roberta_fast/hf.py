@@ -81,8 +81,16 @@ def native_to_hf(state_dict: dict, prefix: str = "") -> dict:
 
 
 def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
-    """HF state dict -> native names. Returns (state dict, HF keys it did not recognise)."""
+    """HF state dict -> native names. Returns (state dict, HF keys it did not recognise).
+
+    Older layouts read as transformers reads them: LayerNorm `gamma` / `beta` (its legacy names),
+    the MLM bias as `lm_head.decoder.bias` (which transformers' decoder computes with when both
+    are present), and tied word embeddings kept only as `lm_head.decoder.weight` (as
+    safetensors' save_model keeps a shared tensor under the name that sorts first)."""
     hf_to_layer_name = {hf: native for native, hf in _LAYER_RENAMES.items()}
+    state_dict = {re.sub(r"((?:^|\.)(?:LayerNorm|layer_norm))\.(gamma|beta)$",
+                         lambda m: f"{m.group(1)}.{'weight' if m.group(2) == 'gamma' else 'bias'}", key): value
+                  for key, value in state_dict.items()}
     out, unknown, qkv = {}, [], {}
     for key, value in state_dict.items():
         if _HF_IGNORED.search(key):
@@ -115,8 +123,11 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
             missing = sorted(set(_QKV) - set(parts))
             raise ValueError(f"checkpoint layer {i} has attention {sorted(parts)} {kind}s but lacks {missing}")
         out[f"{prefix}layers.{i}.qkv.{kind}"] = torch.cat([parts[n] for n in _QKV], dim=0)
-    if "lm_head.bias" not in out and "lm_head.decoder.bias" in state_dict:
-        out["lm_head.bias"] = state_dict["lm_head.decoder.bias"]  # older checkpoints keep only this
+    if "lm_head.decoder.bias" in state_dict:
+        out["lm_head.bias"] = state_dict["lm_head.decoder.bias"]  # the decoder's, as transformers computes
+    words = f"{prefix}embeddings.word_embeddings.weight"
+    if prefix and words not in out and "lm_head.decoder.weight" in state_dict:
+        out[words] = state_dict["lm_head.decoder.weight"]  # tied: the one tensor under the decoder's name
     return out, unknown
 
 

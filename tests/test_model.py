@@ -162,6 +162,35 @@ def test_from_transformers_object_and_bin(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("layout", ["gamma_beta", "stale_bias", "decoder_only"])
+def test_older_checkpoint_layouts_load_as_transformers_loads_them(layout, tmp_path):
+    """LayerNorm gamma / beta (transformers' legacy names), an MLM bias kept as lm_head.decoder.bias beside a
+    stale lm_head.bias (transformers' decoder computes with its own), and the tied embeddings kept only as
+    lm_head.decoder.weight (safetensors' save_model keeps a shared tensor under the name that sorts first)."""
+    from safetensors.torch import save_file
+
+    fields = CONFIGS["odd"]
+    hf = hf_model(fields, seed=7)
+    ids, mask, _ = batch(fields, "random")
+    real = mask.bool()
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    if layout == "stale_bias":
+        state["lm_head.bias"] = torch.randn_like(state["lm_head.bias"])  # the decoder's bias is the one used
+    elif layout == "decoder_only":
+        del state["roberta.embeddings.word_embeddings.weight"]
+    else:
+        state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+                 for k, v in state.items()}
+    save_file(state, tmp_path / "model.safetensors")
+    hf.config.to_json_file(tmp_path / "config.json")
+    theirs = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    ours = rf.RobertaForMaskedLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = theirs(input_ids=ids, attention_mask=mask).logits
+        assert_close_rel(expected, hf(input_ids=ids, attention_mask=mask).logits, what="transformers' reading")
+        assert_close_rel(ours(ids, mask).logits[real], expected[real], what="older layouts")
+
+
 def test_encoder_matches_transformers_with_pooler(tmp_path):
     fields = CONFIGS["odd"]
     hf = hf_model(fields, cls="RobertaModel", seed=5)
