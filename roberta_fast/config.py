@@ -49,8 +49,9 @@ def untied_decoder_error(what: str) -> str:
     roberta_fast's RobertaForMaskedLM reads its decoder from the word embeddings, as RoBERTa ties them:
     built from such a config it would lose the trained decoder (loading) or save a config transformers
     reads as untied, with no decoder weights, so that it draws a random one."""
-    return (f"{what} an MLM decoder that is not its word embeddings (tie_word_embeddings=false), but "
-            "roberta_fast's RobertaForMaskedLM always ties them, as RoBERTa does. Load an untied checkpoint "
+    return (f"{what} an MLM decoder that is not its word embeddings (weights that differ, or "
+            "tie_word_embeddings=false), but roberta_fast's RobertaForMaskedLM always ties them, as RoBERTa does. "
+            "Load an untied checkpoint "
             "with transformers' RobertaForMaskedLM (or its encoder alone with rf.RobertaModel.from_pretrained); "
             "otherwise leave tie_word_embeddings at True")
 
