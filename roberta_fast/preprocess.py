@@ -401,18 +401,21 @@ def preprocess(
     run(_top_up_valid(out, chunks, valid_fraction, log,
                       {"out": str(out), "dtype": dtype, "options": run_options}))
     manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
-    _print_report(manifest, time.time() - t0, log)
     splits = manifest["splits"]
     if not splits["train"]["documents"] + splits["valid"]["documents"]:
+        _print_report(manifest, time.time() - t0, log)
         if fresh:  # leave nothing that would refuse a corrected rerun ("made from other inputs")
             shutil.rmtree(out, ignore_errors=True)
             if existed:
                 out.mkdir()
         raise ValueError(documents.nothing_to_read(inputs, refused, manifest["counts"]))
+    # the manifest before the report: a reader that stops at the summary (`| head`) ends this process
+    # there, and must not leave a dataset without its manifest
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
+    _print_report(manifest, time.time() - t0, log)
     if not splits["valid"]["documents"]:
         log(f"warning: the valid split is empty ({splits['train']['documents']} documents, --valid-fraction "
             f"{valid_fraction}): python -m roberta_fast.train needs one; give more text or a larger --valid-fraction")
-    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
     return manifest
 
 

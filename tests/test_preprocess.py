@@ -93,6 +93,21 @@ def test_shards_equal_direct_encoding(tok, hf, tmp_path):
     assert "documents: 6" in log
 
 
+def test_the_manifest_is_written_before_the_summary(tok, tmp_path):
+    """A reader that stops at the summary (`... | head -3`) ends the process with a broken pipe there:
+    the dataset must be complete by then, its manifest included."""
+    (tmp_path / "in.txt").write_text("one short document here\n\nand a second one there\n")
+
+    def log(line):
+        if line.startswith("dataset:"):
+            assert (tmp_path / "out" / "manifest.json").exists(), "summary printed before the manifest"
+            raise BrokenPipeError
+
+    with pytest.raises(BrokenPipeError):
+        pp.preprocess([tmp_path / "in.txt"], tok, tmp_path / "out", log=log, progress=False, valid_fraction=0.5)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["documents"] >= 1
+
+
 def test_chunks_and_workers_do_not_change_the_data(tok, tmp_path):
     docs = list(iter_documents(max_bytes=60_000))
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
