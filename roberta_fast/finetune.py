@@ -299,10 +299,10 @@ class Finetuner:
             if self.export_pending:  # its best epoch was never exported (the disk was full)
                 self.export(self.out / "model")
         total = self.steps_per_epoch * self.cfg.epochs
-        metrics = MetricsLogger(self.out, total, start_step=self.step)
         self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training {self.task.unit} "
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
                  f"{self.precision} on {self.device} ({explain(self.cfg.precision, self.device)})")
+        metrics = MetricsLogger(self.out, total, start_step=self.step)  # after the line: it opens the bar
         result = None
         try:
             with StopSignal() as stop:
