@@ -78,14 +78,16 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out, None
 
 
-def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
                   attention_mask=None, **kwargs):
     """transformers mask-interface function: the 2-D padding mask, None when nothing is padded (as
     flash attention's), but the mask itself while tracing, compiling or exporting: there the
     data-dependent "nothing padded" check would be frozen into the graph (jit.trace then ignores
-    the padding of later batches) or fail (torch.export)."""
+    the padding of later batches) or fail (torch.export). Every argument is optional: transformers
+    5.0-5.4 pass cache_position and no q_length, later ones q_length and no cache_position."""
     if attention_mask is None:
         return None
+    kv_length = attention_mask.shape[1] if kv_length is None else kv_length
     attention_mask = attention_mask[:, -kv_length:]  # (batch, kv_length)
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
     if torch.jit.is_tracing() or torch.compiler.is_compiling() or exporting:
@@ -105,15 +107,19 @@ def _backend(tensor) -> str:
     return "fused" if _fused(tensor) else "reference"
 
 
-def _plain(*modules) -> bool:
-    """Whether a fused forward may read these modules' weights instead of calling them: each is
-    exactly an nn.Linear / nn.LayerNorm / nn.Dropout that nothing wraps or observes. PEFT's LoRA
-    layers, quantized and bitsandbytes layers are other classes; forward hooks and accelerate's
-    offloading (an instance `forward`) must run: for those, transformers' own forward runs."""
+def _unobserved(*modules) -> bool:
+    """Whether nothing observes or wraps these modules' calls: no forward hooks (global ones
+    included) and no instance `forward` (accelerate's offloading), so a fused forward may skip calling them."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
-    return all(type(m) in (nn.Linear, nn.LayerNorm, nn.Dropout) and not m._forward_hooks
-               and not m._forward_pre_hooks and "forward" not in vars(m) for m in modules)
+    return all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m) for m in modules)
+
+
+def _plain(*modules) -> bool:
+    """Whether a fused forward may read these modules' weights instead of calling them: each is
+    exactly an nn.Linear / nn.LayerNorm / nn.Dropout, unobserved. PEFT's LoRA layers, quantized and
+    bitsandbytes layers are other classes: for those, transformers' own forward runs."""
+    return all(type(m) in (nn.Linear, nn.LayerNorm, nn.Dropout) for m in modules) and _unobserved(*modules)
 
 
 def _dense_dropout_add_norm(self, hidden_states, input_tensor):
@@ -128,7 +134,7 @@ def _dense_dropout_add_norm(self, hidden_states, input_tensor):
 
 def _dense_gelu(self, hidden_states):
     """RobertaIntermediate: erf GELU(dense(h)) with the bias add fused into the GELU."""
-    if not _plain(self.dense):
+    if not (_plain(self.dense) and _unobserved(self.intermediate_act_fn)):  # a hooked GELU module runs too
         return self._rf_original.forward(self, hidden_states)
     return ops.linear_gelu(hidden_states, self.dense.weight, self.dense.bias, _backend(hidden_states))
 

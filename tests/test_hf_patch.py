@@ -112,11 +112,25 @@ def test_wrapped_and_hooked_layers_run_as_in_transformers():
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, original(input_ids=ids).logits)
     fired = []
-    for name in ("roberta.encoder.layer.0.output.LayerNorm", "lm_head.layer_norm"):
+    hooked = ("roberta.encoder.layer.0.intermediate.intermediate_act_fn", "roberta.encoder.layer.0.output.LayerNorm",
+              "lm_head.layer_norm")
+    for name in hooked:
         patched.get_submodule(name).register_forward_hook(lambda *_, name=name: fired.append(name))
     with torch.no_grad():
         patched(input_ids=ids)
-    assert fired == ["roberta.encoder.layer.0.output.LayerNorm", "lm_head.layer_norm"]
+    assert fired == list(hooked)
+
+
+def test_the_mask_function_takes_every_transformers_5_call():
+    """transformers 5.0-5.4 call the mask function with cache_position and no q_length, later ones with
+    q_length: only the padding mask and kv_length are read."""
+    from roberta_fast.hf_patch import _padding_mask
+
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    old = _padding_mask(batch_size=2, cache_position=torch.arange(3), kv_length=3, kv_offset=0, attention_mask=mask)
+    new = _padding_mask(2, 3, 3, 0, 0, None, mask)
+    assert torch.equal(old, mask) and torch.equal(new, mask)
+    assert _padding_mask(batch_size=2, kv_length=3, attention_mask=torch.ones(2, 3, dtype=torch.bool)) is None
 
 
 def test_dropout_follows_its_own_module_as_in_transformers():
