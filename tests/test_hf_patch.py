@@ -111,6 +111,7 @@ def test_wrapped_and_hooked_layers_run_as_in_transformers():
     ids = torch.randint(3, 52, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, original(input_ids=ids).logits)
+    patched = rf.patch(hf_model())  # plain layers: the fused forwards run, but must call hooked modules
     fired = []
     hooked = ("roberta.encoder.layer.0.intermediate.intermediate_act_fn", "roberta.encoder.layer.0.output.LayerNorm",
               "lm_head.layer_norm")
