@@ -327,17 +327,19 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
                              "--text-field / --pair-field / --label-field, a .csv/.tsv without a header row by "
                              f"column number. {glue_fields_hint()}")
         short = [name for name in fields if row[name] is None]
-        if short:  # a CSV row short of columns reads None (delimited_rows)
+        if short and suffix in (".csv", ".tsv"):  # a CSV row short of columns reads None (delimited_rows)
             what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
             cells = sum(value is not None for key, value in row.items() if key is not None)
             raise ValueError(f"{where}: the row has {cells} of the header's {len(row)} columns, no "
                              f"{' and no '.join(f'{what[n]} ({n!r})' for n in short)}; fix the line (a cell "
                              "holding the delimiter needs quotes) or remove the row")
+        row = {**row, **{name: "" for name in short}}  # a JSON null, a Parquet null: an empty cell
         if not str(row[cfg.label_field]).strip():
             raise ValueError(f"{where}: the label ({cfg.label_field!r}) is empty on this line; fill it in or "
                              "remove the row")
         if any(not str(row[name]).strip() for name in fields):
-            empty_text.append(where.rsplit(":", 1)[-1])  # kept, as GLUE's loaders keep QQP's empty questions
+            place = where[len(str(path)):]  # ":12" (a line) or "@row3" (a table's row)
+            empty_text.append(f"line {place[1:]}" if place.startswith(":") else place[1:])  # kept, as GLUE's loaders keep QQP's empty questions
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
     if first is not None and len(examples) >= 3:
@@ -352,7 +354,7 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
     if empty_text:
         lines = ", ".join(empty_text[:5]) + (", ..." if len(empty_text) > 5 else "")
         said.append(f"{path}: kept {len(empty_text)} row{'s' if len(empty_text) > 1 else ''} whose text or pair "
-                    f"text is empty (line {lines}), as GLUE's loaders do")
+                    f"text is empty ({lines}), as GLUE's loaders do")
     for note in said:
         if notes is None:
             print(f"note: {note}")

@@ -530,6 +530,15 @@ def test_glue_tsv_rows_with_a_wrong_column_count_are_skipped_and_counted(task, t
     notes = []
     assert read_examples(empty, config(task, tmp_path, **fields), notes)[0] == ("", "cloud?", "0")
     assert notes == [f"{empty}: kept 1 row whose text or pair text is empty (line 2), as GLUE's loaders do"]
+    nulls = tmp_path / "nulls.jsonl"  # JSON null: an empty cell (no CSV columns to speak of)
+    nulls.write_text('{"question1": null, "question2": "cloud?", "is_duplicate": 0}\n'
+                     '{"question1": "sunny?", "question2": "rain?", "is_duplicate": 1}\n')
+    notes = []
+    assert read_examples(nulls, config(task, tmp_path, **fields), notes)[0] == ("", "cloud?", "0")
+    assert notes == [f"{nulls}: kept 1 row whose text or pair text is empty (line 1), as GLUE's loaders do"]
+    nulls.write_text('{"question1": "a?", "question2": "b?", "is_duplicate": null}\n')
+    with pytest.raises(ValueError, match=r"nulls.jsonl:1: the label \('is_duplicate'\) is empty"):
+        read_examples(nulls, config(task, tmp_path, **fields))
     empty.write_text(header + "1\t2\t3\tsunny?\tcloud?\t\n")  # an empty label stays an error
     with pytest.raises(ValueError, match=r"empty.tsv:2: the label \('is_duplicate'\) is empty on this line"):
         read_examples(empty, config(task, tmp_path, **fields))
