@@ -88,7 +88,7 @@ class FinetuneConfig:
     max_answer_len: int = 30  # qa: longest predicted answer, in tokens
     n_best: int = 20  # qa: start and end candidates tried per window
     null_threshold: float = 0.0  # qa, SQuAD v2.0: answer nothing when the null score beats the best span by more
-    metric: str | None = None  # validation metric choosing the best epoch (exported): classify accuracy | f1 (two classes: the second label's, GLUE's MRPC / QQP) | macro_f1 | mcc (GLUE's CoLA); regression pearson | spearman; token f1 | precision | recall | accuracy; qa f1 | exact_match; choice accuracy (default: the first of each)
+    metric: str | None = None  # validation metric choosing the best epoch (exported): classify accuracy | f1 (two classes: the second label's, GLUE's MRPC / QQP) | macro_f1 | mcc (GLUE's CoLA); regression pearson | spearman; token f1 | precision | recall | accuracy (f1, precision, recall with BIO-style tags only); qa f1 | exact_match; choice accuracy (default: the first of each that the run reports: token accuracy without BIO-style tags)
     epochs: int = 10  # passes over the training examples (RoBERTa's GLUE recipe: 10)
     batch_size: int = 16  # examples per optimizer step
     lr: float | None = None  # peak learning rate (default: 2e-5 * (768 / hidden size)^2, at most 1e-3; printed)

@@ -88,7 +88,7 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
     are present), and tied word embeddings kept only as `lm_head.decoder.weight` (as
     safetensors' save_model keeps a shared tensor under the name that sorts first)."""
     hf_to_layer_name = {hf: native for native, hf in _LAYER_RENAMES.items()}
-    state_dict = {re.sub(r"((?:^|\.)(?:LayerNorm|layer_norm))\.(gamma|beta)$",
+    state_dict = {re.sub(r"((?:^|\.)LayerNorm)\.(gamma|beta)$",  # transformers renames these only
                          lambda m: f"{m.group(1)}.{'weight' if m.group(2) == 'gamma' else 'bias'}", key): value
                   for key, value in state_dict.items()}
     out, unknown, qkv = {}, [], {}

@@ -86,8 +86,9 @@ def _is_cjk(data: bytes) -> bool:
 def _cjk_edges(token: str) -> tuple[bool, bool]:
     """(a CJK character starts at the first byte, a complete one ends at the last) of a byte-level
     BPE token, whose bytes may start or end mid-character (then not). A character cut after its
-    first bytes (a rare one in a small vocabulary: [lead][rest]) counts when every character
-    with those first bytes is CJK."""
+    first bytes (a rare one in a small vocabulary: [lead][rest]) counts when the lowest and the
+    highest characters with those first bytes are CJK (a lone 0xE4 also starts U+4DC0-4DFF, the
+    Yijing hexagrams, which BERT's ranges leave out: taken as a word start all the same)."""
     data = bytes(_BYTE_OF_CHAR.get(c, 0) for c in token)
     n = {0xE0: 3, 0xF0: 4}.get(data[0] & 0xF0, 0) if data else 0  # CJK is 3 or 4 UTF-8 bytes
     head = data[:n]
