@@ -107,6 +107,7 @@ class FinetuneConfig:
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps (default: never); rerun to go on
     keep_checkpoints: int = 1  # checkpoints kept in OUT/checkpoints, the newest (each holds the model and Adam's state)
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
+    reinit_head: bool = False  # a --model whose task head has other shapes (another label count, regression): start a new head (transformers' ignore_mismatched_sizes)
     allow_schedule_change: bool = False  # resume with a changed LR schedule (--lr, --epochs, --batch-size, --warmup-ratio, data)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
 
@@ -159,7 +160,16 @@ class Finetuner:
             log(f"note: {note}")
         with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
             warnings.simplefilter("always")
-            self.model = task.model_class.from_pretrained(cfg.model, backend=cfg.backend, **task.model_kwargs())
+            try:
+                self.model = task.model_class.from_pretrained(cfg.model, backend=cfg.backend,
+                                                              ignore_mismatched_sizes=cfg.reinit_head,
+                                                              **task.model_kwargs())
+            except ValueError as err:  # a fine-tuned model's head, another label set: say the CLI's fix
+                if "ignore_mismatched_sizes" not in str(err):
+                    raise
+                raise ValueError(f"--model {cfg.model}'s task head does not fit this task ({task.describe()}): "
+                                 f"{str(err).split(' (ignore_mismatched_sizes')[0]}; pass --reinit-head to start a "
+                                 "new head, or fine-tune from the pretrained model") from None
         for w in caught:
             log(f"note: {w.message}")
         if cfg.activation_checkpointing:

@@ -204,6 +204,23 @@ def test_resume_never_runs_code_from_a_checkpoint(task, tmp_path, capsys):
     assert not marker.exists(), "resuming ran the checkpoint's code"
 
 
+def test_a_fine_tuned_model_with_another_head_needs_reinit_head(task, tmp_path):
+    """--model a fine-tuned model whose head has another label count: refused with the CLI's fix
+    (--reinit-head), which starts a new head as transformers' ignore_mismatched_sizes does."""
+    three = tmp_path / "three.csv"
+    three.write_text("sentence,label\n" + "".join(f"word{i} word,{'abc'[i % 3]}\n" for i in range(12)))
+    two = rf.RobertaForSequenceClassification.from_pretrained(task / "model", num_labels=2)
+    two.save_pretrained(tmp_path / "two")
+    rf.RobertaTokenizer.from_pretrained(task / "model").save(tmp_path / "two")
+    run = dict(model=str(tmp_path / "two"), train=str(three), valid=None)
+    with pytest.raises(ValueError, match=r"task head does not fit this task \(3 classes .*\): checkpoint weight "
+                                         r"classifier\.out_proj\.\w+ has shape \(2.*pass --reinit-head"):
+        Finetuner(config(task, tmp_path / "a", **run), log=lambda *_: None)
+    logged = []
+    finetuner = Finetuner(config(task, tmp_path / "b", reinit_head=True, **run), log=logged.append)
+    assert finetuner.model.num_labels == 3 and any("newly initialised" in line for line in logged), logged
+
+
 def test_bad_input_names_the_problem(task, tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\nhello,pos\n")
