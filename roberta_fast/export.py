@@ -89,7 +89,12 @@ def model_from_checkpoint(state: dict):
     else:
         cls = RobertaForMaskedLM
     model = cls(config, backend="reference")
-    model.load_state_dict(state["model"])
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if missing or unexpected:
+        named = ", ".join(f"{what} {keys[:4]}{' ...' if len(keys) > 4 else ''}"
+                          for what, keys in (("lacks", missing), ("has extra", unexpected)) if keys)
+        raise ValueError(f"the checkpoint's model {named} for a {cls.__name__} of its config: written by another "
+                         "roberta_fast version, or edited? Export it with the version that wrote it")
     return model.eval()
 
 

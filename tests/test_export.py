@@ -87,6 +87,14 @@ def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
     argv = [str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o"), "--tokenizer", str(data / "tokenizer")]
     assert main(argv) == 0 and (tmp_path / "o" / "tokenizer.json").is_file()
 
+    state = torch.load(run / "checkpoints" / "step_00000003.pt", weights_only=True)
+    del state["model"]["roberta.embeddings.word_embeddings.weight"]  # another version's, or an edited one
+    (tmp_path / "old").mkdir()
+    atomic_torch_save(state, tmp_path / "old" / "step_00000003.pt")
+    assert main([str(tmp_path / "old" / "step_00000003.pt"), "--out", str(tmp_path / "o2")]) == 2
+    assert ("the checkpoint's model lacks ['roberta.embeddings.word_embeddings.weight']"
+            in capsys.readouterr().err) and not (tmp_path / "o2").exists()
+
 
 def test_an_out_holding_anything_but_an_export_is_refused_and_kept(stopped_run, tmp_path, capsys, monkeypatch):
     """The export replaces --out whole: the run directory itself (checkpoints, metrics), a file or the
