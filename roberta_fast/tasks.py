@@ -337,9 +337,9 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
         if not str(row[cfg.label_field]).strip():
             raise ValueError(f"{where}: the label ({cfg.label_field!r}) is empty on this line; fill it in or "
                              "remove the row")
-        if any(not str(row[name]).strip() for name in fields):
+        if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions
             place = where[len(str(path)):]  # ":12" (a line) or "@row3" (a table's row)
-            empty_text.append(f"line {place[1:]}" if place.startswith(":") else place[1:])  # kept, as GLUE's loaders keep QQP's empty questions
+            empty_text.append(f"line {place[1:]}" if place.startswith(":") else place[1:])
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
     if first is not None and len(examples) >= 3:
