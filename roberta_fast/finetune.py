@@ -55,6 +55,7 @@ import torch
 
 from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint
 from .files import absolute_if_local
+from .hf import MismatchedSizes
 from .metrics import MetricsLogger
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
@@ -164,12 +165,10 @@ class Finetuner:
                 self.model = task.model_class.from_pretrained(cfg.model, backend=cfg.backend,
                                                               ignore_mismatched_sizes=cfg.reinit_head,
                                                               **task.model_kwargs())
-            except ValueError as err:  # a fine-tuned model's head, another label set: say the CLI's fix
-                if "ignore_mismatched_sizes" not in str(err):
-                    raise
+            except MismatchedSizes as err:  # a fine-tuned model's head, another label set: say the CLI's fix
                 raise ValueError(f"--model {cfg.model}'s task head does not fit this task ({task.describe()}): "
-                                 f"{str(err).split(' (ignore_mismatched_sizes')[0]}; pass --reinit-head to start a "
-                                 "new head, or fine-tune from the pretrained model") from None
+                                 f"{err.detail}; pass --reinit-head to start a new head, or fine-tune from the "
+                                 "pretrained model") from None
         for w in caught:
             log(f"note: {w.message}")
         if cfg.activation_checkpointing:

@@ -132,6 +132,15 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
 
 
 # ------------------------------------------------------------------ checkpoints
+class MismatchedSizes(ValueError):
+    """A checkpoint weight whose shape differs from the model's (a head of another num_labels);
+    `detail` names it, for callers that say their own fix (finetune's --reinit-head)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"{detail} (ignore_mismatched_sizes=True initialises it instead)")
+        self.detail = detail
+
+
 def read_hf_checkpoint(path_or_model, revision: str | None = None, **download) -> tuple[RobertaConfig, dict]:
     """(config, HF-named state dict) from an HF model directory, a Hub name or a `transformers` model;
     `download`: huggingface_hub's options for a Hub name (hub.model_dir)."""
@@ -374,8 +383,8 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
             if not ignore_mismatched_sizes:
                 names = _hf_names(key, prefix)  # the checkpoint's names; a fused qkv is three of a third each
                 shapes = [(t.shape[0] // len(names), *t.shape[1:]) for t in (state[key], expected[key])]
-                raise ValueError(f"checkpoint weight {' / '.join(names)} has shape {shapes[0]}, the config "
-                                 f"implies {shapes[1]} (ignore_mismatched_sizes=True initialises it instead)")
+                raise MismatchedSizes(f"checkpoint weight {' / '.join(names)} has shape {shapes[0]}, the config "
+                                      f"implies {shapes[1]}")
             mismatched.append((key, tuple(state.pop(key).shape), tuple(expected[key].shape)))
     if mismatched:
         warnings.warn(f"newly initialised (shape differs from the checkpoint's): {mismatched}", stacklevel=3)
