@@ -244,11 +244,17 @@ class FusedAdam(torch.optim.Optimizer):
                                          f"elements, its parameter {p.numel()}")
                     v = v.to(device=p.device, dtype=torch.float32, copy=True)
                 state[p][name] = v
-        # the saved values of FusedAdam's hyperparameters (torch's foreach, fused, ... are dropped)
-        groups = [{**group, **{k: v for k, v in saved.items() if k in group and k != "params"},
+        # every saved group key, as torch's optimizers keep them (an LR scheduler's initial_lr, a user's
+        # own keys), but torch's implementation switches, which FusedAdam does not take
+        groups = [{**group, **{k: v for k, v in saved.items() if k not in _TORCH_ONLY_KEYS and k != "params"},
                    "params": group["params"]} for saved, group in zip(saved_groups, self.param_groups)]
         self.__setstate__({"state": state, "param_groups": groups})
         self.found_inf, self._pending_clip = None, None
+
+
+# torch.optim.Adam(W)'s switches of how it computes: not FusedAdam's settings, dropped on load
+_TORCH_ONLY_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad",
+                              "decoupled_weight_decay"})
 
 
 def _same_scale(a, b) -> bool:

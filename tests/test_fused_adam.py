@@ -418,3 +418,19 @@ def test_a_non_contiguous_gradient_is_named(device):
     p.grad = torch.zeros(4, 3, device=device).t()
     with pytest.raises(ValueError, match=r"gradients must be contiguous.*p\.grad\.contiguous"):
         rf.FusedAdam([p]).step()
+
+
+def test_load_state_dict_keeps_the_saved_group_keys(device):
+    """An LR scheduler writes initial_lr into the groups and needs it to resume (last_epoch >= 0);
+    load_state_dict kept only the keys a fresh FusedAdam has, so the scheduler's rebuild raised a
+    KeyError, where torch's optimizers keep every saved key (their own switches, foreach etc., are dropped)."""
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    opt = rf.FusedAdam([p], lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    opt.param_groups[0]["my_tag"] = "encoder"
+    fresh = rf.FusedAdam([torch.nn.Parameter(torch.ones(3, device=device))], lr=1e-3)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["initial_lr"] == 1e-3 and fresh.param_groups[0]["my_tag"] == "encoder"
+    torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 1.0, last_epoch=3)  # raised KeyError
+    fresh.load_state_dict(torch.optim.AdamW([p], foreach=True).state_dict())
+    assert "foreach" not in fresh.param_groups[0]
