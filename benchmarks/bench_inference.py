@@ -30,7 +30,8 @@ pass over the batches each in turn, median of --repeats, after one warm-up pass)
     rf-int8-whole  rf-int8 with cpu_group_tokens = None (batches run whole, as rf-unpadded-whole)
     rf-int8-fbgemm    the same with engine="fbgemm" (PyTorch's quantized Linear on fbgemm, for comparison)
     rf-int8-auto  the same with engine="auto": both packings, fbgemm for calls of few tokens, oneDNN for the rest
-    onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults)
+    onnxruntime-int8  that ONNX export through onnxruntime.quantization.quantize_dynamic (its defaults; --head mlm:
+                  its MatMuls only, the tied decoder's table stored transposed so it is an int8 matmul too)
     onnxruntime-int8-7bit  the same with reduce_range=True (7-bit weights): ONNX Runtime's advice for its
                   u8s8 int8 on CPUs without VNNI, where the defaults' products can saturate (bench_cpu_linear.py)
     rf-int8-onnxruntime  rf-int8's model exported with roberta_fast.quantization.onnx_translation_table()
@@ -131,10 +132,37 @@ def hidden(out):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def onnx_int8(path, out, reduce_range=False, tied_decoder=False):
+    """onnxruntime's quantize_dynamic (with `reduce_range`) of the ONNX model at `path`, written to `out`.
+
+    `tied_decoder` (an MLM export): its decoder multiplies by Transpose(word embeddings), which quantize_dynamic
+    cannot make an integer matmul (its weight is no initializer), and its defaults quantize the table for
+    the embedding Gather, leaving a DequantizeLinear of the whole (H, V) table run every request. So the
+    transposed table is stored as the decoder's own initializer and only MatMuls are quantized: every
+    Linear, the decoder included, is an int8 matmul and the embedding lookup stays fp32."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    if tied_decoder:
+        import onnx
+        from onnx import numpy_helper
+
+        graph_model = onnx.load(path)
+        graph = graph_model.graph
+        tables = {t.name: t for t in graph.initializer}
+        for node in [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in tables]:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            table = numpy_helper.to_array(tables[node.input[0]]).transpose(perm).copy()
+            graph.initializer.append(numpy_helper.from_array(table, node.output[0]))
+            graph.node.remove(node)
+        onnx.save(graph_model, path)
+    quantize_dynamic(path, out, reduce_range=reduce_range,  # uint8 activations
+                     **({"op_types_to_quantize": ["MatMul"]} if tied_decoder else {}))
+
+
 def onnx_runner(name, model, example, int8=False, translations=None, reduce_range=False):
     """The rf encoder exported by torch.onnx.export (dynamic batch and length, `translations()` as its
     custom_translation_table) in an onnxruntime CPU session with all graph optimisations, after
-    onnxruntime's quantize_dynamic (with `reduce_range`) when `int8`; a string saying why when it cannot run."""
+    onnx_int8 (with `reduce_range`) when `int8`; a string saying why when it cannot run."""
     try:
         import onnxruntime  # noqa: F401  (bc.onnxruntime_cpu_session's)
     except ImportError:
@@ -150,9 +178,7 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
         path = os.path.join(folder, "encoder.onnx")
         program.save(path)
         if int8:
-            from onnxruntime.quantization import quantize_dynamic
-
-            quantize_dynamic(path, path.replace(".onnx", "-int8.onnx"), reduce_range=reduce_range)  # uint8 activations
+            onnx_int8(path, path.replace(".onnx", "-int8.onnx"), reduce_range, tied_decoder=hasattr(model, "lm_head"))
             path = path.replace(".onnx", "-int8.onnx")
         session = weighed(name, lambda: bc.onnxruntime_cpu_session(path))  # the session holds the model read in
     names = [i.name for i in session.get_inputs()]

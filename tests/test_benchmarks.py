@@ -224,6 +224,37 @@ def test_inference_benchmark_times_the_mlm_head_with_every_framework_on_the_same
     assert speed and all(t["status"].startswith("not measured (--head mlm") for t in speed), speed
 
 
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="needs onnxruntime")
+def test_onnxruntime_int8_of_the_mlm_head_runs_its_decoder_as_an_int8_matmul(tmp_path):
+    """onnxruntime-int8 with --head mlm: the tied decoder is an integer matmul on an int8 table and the
+    embedding lookup stays fp32, not a DequantizeLinear of the whole quantized table before an fp32 MatMul
+    (quantize_dynamic's defaults), which dequantizes the (H, V) table every request."""
+    import warnings
+
+    import onnx
+
+    bench = _load_benchmark("bench_inference")
+    cfg = bench.rf.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=34)
+    torch.manual_seed(0)
+    model = bench.rf.RobertaForMaskedLM(cfg).eval()
+    ids = torch.randint(3, cfg.vocab_size, (2, 8))
+    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=cfg.max_seq_len)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": torch.ones_like(ids)}, dynamo=True,
+                                    verbose=False, dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+    program.save(str(tmp_path / "mlm.onnx"))
+    bench.onnx_int8(str(tmp_path / "mlm.onnx"), str(tmp_path / "mlm-int8.onnx"), tied_decoder=True)
+    graph = onnx.load(str(tmp_path / "mlm-int8.onnx")).graph
+    assert "DequantizeLinear" not in {n.op_type for n in graph.node}  # no int8 table made fp32 again per request
+    fp32 = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    lookup = next(n for n in graph.node if n.op_type == "Gather" and "input_ids" in n.input)
+    assert lookup.input[0] in fp32, list(lookup.input)
+    integer = [n for n in graph.node if n.op_type == "MatMulInteger"]
+    assert len(integer) == 4 * cfg.num_hidden_layers + 2  # qkv, out, FFN in and out per layer; head dense, decoder
+
+
 def test_preprocess_benchmark_writes_its_json_after_each_section(tmp_path, monkeypatch):
     """bench_preprocess writes the formats' rows before the next section starts: a run cut off
     there (a time cap) still leaves them in --json."""
