@@ -11,7 +11,7 @@ token classification, question answering or multiple-choice task.
 which has no header row, by column number: --text-field 3 --label-field 1) or JSONL rows
 holding a text, optionally a second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa
 does) and a label (any strings or integers; sorted, they become class ids and the config's
-id2label); validation loss, accuracy, macro_f1, mcc (Matthews correlation, GLUE's CoLA metric) and, with
+id2label; a --model whose head names them keeps its order, as run_glue); validation loss, accuracy, macro_f1, mcc (Matthews correlation, GLUE's CoLA metric) and, with
 two classes, f1 of the second label ("1" of 0/1: GLUE's MRPC / QQP F1). Numeric labels that are not all integers
 (GLUE's STS-B scores), or --problem-type regression, train a regression instead: one output,
 MSE loss, Pearson (the best epoch's) and Spearman correlation. The other tasks' formats and metrics are
@@ -108,7 +108,7 @@ class FinetuneConfig:
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps (default: never); rerun to go on
     keep_checkpoints: int = 1  # checkpoints kept in OUT/checkpoints, the newest (each holds the model and Adam's state)
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
-    reinit_head: bool = False  # a --model whose task head has other shapes (another label count, regression): start a new head (transformers' ignore_mismatched_sizes)
+    reinit_head: bool = False  # a --model whose task head has other shapes (another label count, regression) or names other labels (its id2label): start a new head (transformers' ignore_mismatched_sizes)
     allow_schedule_change: bool = False  # resume with a changed LR schedule (--lr, --epochs, --batch-size, --warmup-ratio, data)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
 
@@ -162,15 +162,16 @@ class Finetuner:
         with warnings.catch_warnings(record=True) as caught:  # a new head is expected: say it once, briefly
             warnings.simplefilter("always")
             try:
-                self.model = task.model_class.from_pretrained(cfg.model, backend=cfg.backend,
-                                                              ignore_mismatched_sizes=cfg.reinit_head,
-                                                              **task.model_kwargs())
+                self.model, loaded = task.model_class.from_pretrained(cfg.model, backend=cfg.backend,
+                                                                      ignore_mismatched_sizes=cfg.reinit_head,
+                                                                      output_loading_info=True, **task.model_kwargs())
             except MismatchedSizes as err:  # a fine-tuned model's head, another label set: say the CLI's fix
                 raise ValueError(f"--model {cfg.model}'s task head does not fit this task ({task.describe()}): "
                                  f"{err.detail}; pass --reinit-head to start a new head, or fine-tune from the "
                                  "pretrained model") from None
         for w in caught:
             log(f"note: {w.message}")
+        self.follow_head_labels({*loaded["missing_keys"], *(key for key, *_ in loaded["mismatched_keys"])})
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
         limit = self.model.config.max_seq_len
@@ -205,6 +206,24 @@ class Finetuner:
         self.epochs_evaluated = 0  # a stop on an epoch's last step leaves its evaluation to the resumed run
         self.export_pending = False  # the best epoch's export is not written yet (a full disk stopped it)
         self.lock = lock_out(self.out, log)  # one writer per --out, as the trainer (last: nothing can fail after)
+
+    def follow_head_labels(self, new_weights: set) -> None:
+        """A --model whose head came with the checkpoint (no weight of it in `new_weights`) keeps its label
+        order (its rows mean its config's id2label classes: Task.follow_head_labels). A head that names
+        other labels than the data's, though it fits in shape, is refused: its rows would silently mean
+        other classes; --reinit-head starts a new one."""
+        id2label = self.model.config.id2label
+        if any(key.startswith("classifier.") for key in new_weights) or self.task.follow_head_labels(id2label):
+            self.names = self.task.names
+            return
+        head = [id2label[i] for i in sorted(id2label)]
+        if not self.cfg.reinit_head:
+            raise ValueError(f"--model {self.cfg.model}'s task head was trained on the labels {head} (its "
+                             f"config.json's id2label), this data has {self.task.names}: the head's outputs would "
+                             "mean other classes. Pass --reinit-head to start a new head, or name the labels in the "
+                             "data as the model does")
+        self.model.classifier.apply(self.model._init_weights)
+        self.log(f"note: --reinit-head: a new head for {self.task.names} (the --model's was trained on {head})")
 
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.task))

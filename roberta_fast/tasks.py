@@ -289,6 +289,20 @@ class Task:
     def describe(self) -> str:
         return f"{len(self.names)} labels {self.names}"
 
+    def follow_head_labels(self, id2label: dict) -> bool:
+        """Number the labels as the --model's kept head does (its config's id2label), as run_glue / run_ner
+        do, so that each of its rows keeps meaning its class: True when the head names this data's labels
+        (letter case aside, as run_glue compares them; the data's spelling is kept) or only has transformers'
+        placeholders LABEL_0, LABEL_1, ... (no names: the data's order stays); False when it names others."""
+        order = [str(id2label[i]) for i in sorted(id2label)]
+        if not self.names or order == [f"LABEL_{i}" for i in range(len(order))]:
+            return True
+        spelt = {name.lower(): name for name in self.names}
+        if len(spelt) != len(self.names) or sorted(n.lower() for n in order) != sorted(spelt):
+            return False
+        self.names = [spelt[n.lower()] for n in order]
+        return True
+
     @staticmethod
     def after_export(directory: Path) -> None:
         """Adjust an exported model directory for this task (finetune's and roberta_fast.export's)."""

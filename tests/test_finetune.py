@@ -221,6 +221,50 @@ def test_a_fine_tuned_model_with_another_head_needs_reinit_head(task, tmp_path):
     assert finetuner.model.num_labels == 3 and any("newly initialised" in line for line in logged), logged
 
 
+def head_model(task, directory, id2label, bias):
+    """A classifier of --model's encoder whose head names id2label and always predicts class `bias` (its id)."""
+    with warnings.catch_warnings():  # the new head, the unused MLM head
+        warnings.simplefilter("ignore")
+        model = rf.RobertaForSequenceClassification.from_pretrained(task / "model", id2label=id2label)
+    with torch.no_grad():
+        model.classifier.out_proj.weight.zero_()
+        model.classifier.out_proj.bias.copy_(torch.tensor([10.0 if i == bias else -10.0 for i in id2label]))
+    model.save_pretrained(directory)
+    rf.RobertaTokenizer.from_pretrained(task / "model").save(directory)
+    return model
+
+
+def test_a_fine_tuned_head_keeps_its_label_order_or_is_refused(task, tmp_path):
+    """--model a classifier whose id2label names the data's labels in another order than sorted: its
+    rows keep their classes (as run_glue), so it scores as before and exports its own id2label. A head
+    naming other labels, though it fits, is refused (--reinit-head starts a new one); transformers'
+    placeholder names LABEL_0, LABEL_1 keep the data's sorted order and the head."""
+    only_pos = tmp_path / "pos.jsonl"
+    with open(task / "valid.jsonl") as f:
+        only_pos.write_text("".join(line for line in f if json.loads(line)["label"] == "pos"))
+    quiet = dict(log=lambda *_: None)
+    head_model(task, tmp_path / "swapped", {0: "pos", 1: "neg"}, bias=0)  # always "pos"
+    tuner = Finetuner(config(task, tmp_path / "a", model=str(tmp_path / "swapped"), valid=str(only_pos)), **quiet)
+    assert tuner.names == ["pos", "neg"] and tuner.model.config.id2label == {0: "pos", 1: "neg"}
+    assert tuner.evaluate()["accuracy"] == 1.0
+    cont = config(task, tmp_path / "e", model=str(tmp_path / "swapped"), valid=str(only_pos), epochs=1, lr=1e-12)
+    Finetuner(FinetuneConfig(**{**cont.__dict__, "stop_after": 2}), **quiet).run()
+    assert Finetuner(cont, **quiet).run()["best"]["accuracy"] == 1.0  # resumed: the same labels, the same order
+    exported = json.loads((tmp_path / "e" / "model" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "pos", "1": "neg"}
+    head_model(task, tmp_path / "other", {0: "good", 1: "bad"}, bias=0)
+    with pytest.raises(ValueError, match=r"head was trained on the labels \['good', 'bad'\] .*this data has "
+                                         r"\['neg', 'pos'\].*Pass --reinit-head"):
+        Finetuner(config(task, tmp_path / "b", model=str(tmp_path / "other")), **quiet)
+    logged = []
+    tuner = Finetuner(config(task, tmp_path / "c", model=str(tmp_path / "other"), reinit_head=True), log=logged.append)
+    assert tuner.names == ["neg", "pos"] and any("--reinit-head: a new head" in line for line in logged), logged
+    assert tuner.model.classifier.out_proj.bias.abs().max() == 0  # initialised anew, not the saved +-10
+    head_model(task, tmp_path / "placeholders", {0: "LABEL_0", 1: "LABEL_1"}, bias=1)
+    tuner = Finetuner(config(task, tmp_path / "d", model=str(tmp_path / "placeholders"), valid=str(only_pos)), **quiet)
+    assert tuner.names == ["neg", "pos"] and tuner.evaluate()["accuracy"] == 1.0
+
+
 def test_bad_input_names_the_problem(task, tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\nhello,pos\n")

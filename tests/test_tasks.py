@@ -300,6 +300,28 @@ def test_token_task_end_to_end(model_dir, tmp_path):
                             for e in entities)
 
 
+def test_a_fine_tuned_taggers_tag_order_is_kept_as_run_ner(model_dir, tmp_path):
+    """--model a tagger whose id2label names the data's tags in another order: numbered in its order (its
+    rows keep their tags, as run_ner), so its predictions score as they did, and the export keeps it."""
+    import warnings
+
+    tags = sorted({t for _, ts in read_tagged(CONLL) for t in ts}, reverse=True)
+    with warnings.catch_warnings():  # the new head, the unused MLM head
+        warnings.simplefilter("ignore")
+        tagger = rf.RobertaForTokenClassification.from_pretrained(model_dir, id2label=dict(enumerate(tags)))
+    with torch.no_grad():  # always the tag "O"
+        tagger.classifier.weight.zero_()
+        tagger.classifier.bias.copy_(torch.tensor([10.0 if t == "O" else -10.0 for t in tags]))
+    tagger.save_pretrained(tmp_path / "tagger")
+    rf.RobertaTokenizer.from_pretrained(model_dir).save(tmp_path / "tagger")
+    cfg = FinetuneConfig(model=str(tmp_path / "tagger"), out=str(tmp_path / "run"), task="token", train=str(CONLL),
+                         valid=str(CONLL), device="cpu", precision="fp32")
+    tuner = Finetuner(cfg, log=lambda *_: None)
+    assert tuner.names == tags and tuner.model.config.id2label == dict(enumerate(tags))
+    words = [t for _, ts in read_tagged(CONLL) for t in ts]
+    assert tuner.evaluate()["accuracy"] == pytest.approx(words.count("O") / len(words))
+
+
 def same_logits_in_transformers(auto_class, ours_class, exported, inputs):
     """transformers' Auto class loads the export and computes our model's outputs."""
     hf = auto_class.from_pretrained(exported).eval()
