@@ -343,6 +343,26 @@ def test_inference_figures_come_from_unrounded_medians(monkeypatch):
     assert target["achieved"] == bench.bc.sig(1.2449 / 1.2351) == 1.01  # 1.24 / 1.24 from the rounded figures: 1.0
 
 
+def test_inference_graph_counts_are_each_compile_contenders_own(monkeypatch):
+    """graphs_after_warmup / graphs_after_timing count the graphs each torch.compile contender's own passes
+    compiled, not dynamo's process-wide total (which gave rf-compile hf-compile's graphs)."""
+    bench = _load_benchmark("bench_inference")
+    total = [0]
+    compiles = {"hf-sdpa": iter([0, 0, 0]), "rf-compile": iter([6, 0, 0]), "hf-compile": iter([7, 1, 0])}
+
+    def one_pass(compiled, data, device):  # graphs compiled per pass: the warm-up, then 2 timed ones
+        total[0] += next(compiled)
+        return 1.0, None
+
+    monkeypatch.setattr(bench, "one_pass", one_pass)
+    monkeypatch.setattr(bench, "max_diff", lambda outs, reference, data: 0.0)
+    monkeypatch.setattr(bench, "graph_count", lambda: total[0])
+    rows, _ = bench.measure(compiles, [None], torch.device("cpu"), 2, None)
+    assert [rows["rf-compile"][k] for k in ("graphs_after_warmup", "graphs_after_timing")] == [6, 6]
+    assert [rows["hf-compile"][k] for k in ("graphs_after_warmup", "graphs_after_timing")] == [7, 8]
+    assert "graphs_after_warmup" not in rows["hf-sdpa"]
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="cpu_session.sh is a bash script")
 def test_cpu_session_script_runs_the_inference_benchmark_with_flags_it_takes():
     """benchmarks/cpu_session.sh (the CPU record in one command), rehearsed: every command it would
