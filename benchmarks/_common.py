@@ -194,12 +194,13 @@ def print_rows(rows, columns):
 
 
 def record_path(args, op, device):
-    """--json, or for a full GPU run the record file results/<op>-<device name>-<date>.json; else None."""
+    """--json, or for a full GPU run the record file results/bench_<op>-<device name>-<date>.json (the name
+    results/README.md gives kernel benchmarks' files, which throughput.py --refresh-record tabulates); else None."""
     if args.json is not None or device.type != "cuda" or args.quick:
         return args.json
     stamp = environment(device)["date"].replace(":", "").replace("+0000", "Z")
     name = device_facts(device)["name"].replace(" ", "_")
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{op}-{name}-{stamp}.json")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"bench_{op}-{name}-{stamp}.json")
 
 
 def write_json(path, env, results, **extra):

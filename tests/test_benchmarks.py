@@ -442,6 +442,20 @@ def test_record_table_keeps_the_latest_gpu_run_per_device(tmp_path):
     assert "| bench_attention | GPU-A | 2026-02-02 | fedcba98 | bench_attention-gpu-a-1.json |" in text
 
 
+def test_kernel_benchmarks_record_themselves_where_the_record_table_finds_them(tmp_path, monkeypatch):
+    """A full GPU run of a kernel benchmark (bench_fused_adam.py, ...) without --json names its record
+    with _common.record_path; that name is one the record table lists (bench_<op>-<device>-<date>.json)."""
+    bc = importlib.import_module("_common")
+    gpu = {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(bc, "device_facts", lambda device: dict(gpu))
+    args = type("Args", (), {"json": None, "quick": False})()
+    path = Path(bc.record_path(args, "fused_adam", torch.device("cuda")))
+    assert path.parent == BENCH / "results"
+    env = {"device": gpu, "commit": "abc1234", "date": "2026-11-28T04:00:00+00:00"}
+    (tmp_path / path.name).write_text(json.dumps({"environment": env, "results": []}))
+    assert f"| bench_fused_adam | {gpu['name']} | 2026-11-28 | abc1234 | {path.name} |" in T.record_table(tmp_path)
+
+
 def test_record_readme_without_markers_is_an_error(tmp_path):
     (tmp_path / "README.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
