@@ -589,6 +589,25 @@ def encode_words(tokenizer, sentences, max_len: int) -> tuple[list[np.ndarray], 
     return ids, word_index, truncated
 
 
+def with_prefix_space(backend):
+    """A copy of a tokenizers.Tokenizer whose byte-level pre-tokenizer and RoBERTa post-processor (also
+    inside a Sequence) add a space before the text, their other settings kept."""
+    from tokenizers import Tokenizer
+
+    def prefixed(part):
+        if isinstance(part, dict):
+            part = {key: [prefixed(p) for p in value] if key in ("pretokenizers", "processors") else value
+                    for key, value in part.items()}
+            if part.get("type") in ("ByteLevel", "RobertaProcessing"):
+                part["add_prefix_space"] = True
+        return part
+
+    data = json.loads(backend.to_str())
+    for key in ("pre_tokenizer", "post_processor"):
+        data[key] = prefixed(data.get(key))
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def first_subtoken_labels(word_index: np.ndarray, tag_ids) -> np.ndarray:
     """Each word's tag id on its first sub-token, -100 on the other sub-tokens and the special tokens."""
     first = (word_index >= 0) & np.r_[True, word_index[1:] != word_index[:-1]]
@@ -656,10 +675,17 @@ class TokenTask(Task):
     def after_export(directory: Path) -> None:
         """add_prefix_space in tokenizer_config.json, so transformers (the token-classification
         pipeline) encodes raw text as the words were encoded in training, the first one with a
-        space before it; run_ner saves RoBERTa's tokenizer so too."""
+        space before it; run_ner saves RoBERTa's tokenizer so too. And in tokenizer.json's
+        pre-tokenizer and post-processor, as transformers writes it when it saves such a tokenizer,
+        for what reads that file alone (tokenizers.Tokenizer, RobertaTokenizer, TEI, Rust / JS)."""
+        from tokenizers import Tokenizer
+
         path = Path(directory) / "tokenizer_config.json"
         config = json.loads(path.read_text(encoding="utf-8"))
         write_text_atomic(path, json.dumps({**config, "add_prefix_space": True}, indent=2))
+        path = Path(directory) / "tokenizer.json"
+        if path.is_file():
+            write_text_atomic(path, with_prefix_space(Tokenizer.from_file(str(path))).to_str(pretty=True))
 
     def encode(self, tokenizer, max_len):
         index = {n: i for i, n in enumerate(self.names)}

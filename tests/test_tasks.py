@@ -125,6 +125,28 @@ def test_words_encode_as_transformers_is_split_into_words(tok, model_dir):
     assert truncated == 1 and len(short[0]) == 6 and short[0][-1] == tok.eos_id and owner[0][-1] == -1
 
 
+def test_a_token_export_adds_the_prefix_space_in_tokenizer_json_too(tok, tmp_path):
+    """The export's tokenizer.json (pre-tokenizer and post-processor) says add_prefix_space as its
+    tokenizer_config.json does, as transformers re-saves it: transformers, tokenizers.Tokenizer and our
+    tokenizer then encode raw text alike, and as the words were encoded in training."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from roberta_fast.tasks import TokenTask
+
+    tok.save(tmp_path)
+    TokenTask.after_export(tmp_path)
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert saved["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                                      "use_regex": True}
+    assert saved["post_processor"]["type"] == "RobertaProcessing" and saved["post_processor"]["add_prefix_space"]
+    words = ["Peter", "Blackburn", "visited", "BRUSSELS"]
+    want = encode_words(tok, [(words, None)], 64)[0][0].tolist()
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path)(" ".join(words)).input_ids == want
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(" ".join(words)).ids == want
+    assert rf.RobertaTokenizer.from_pretrained(tmp_path).encode(" ".join(words)) == want
+
+
 def test_entity_chunks_follow_seqeval():
     """seqeval's default (conlleval) rules: an I- after O or another type starts an entity,
     a change of type ends one, IOBES singletons and ends."""
