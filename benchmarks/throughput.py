@@ -905,6 +905,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda needs a CUDA GPU, and torch sees none")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # CUDA events (and Triton launches) use the current device: GPU N, not 0
     quick = args.quick
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 5)
     args.steps = args.steps or (1 if quick else 10)

@@ -456,6 +456,22 @@ def test_kernel_benchmarks_record_themselves_where_the_record_table_finds_them(t
     assert f"| bench_fused_adam | {gpu['name']} | 2026-11-28 | abc1234 | {path.name} |" in T.record_table(tmp_path)
 
 
+def test_throughput_on_a_named_gpu_makes_it_the_current_device(monkeypatch):
+    """--device cuda:N: the CUDA events that time a block record on the current device's stream, so
+    throughput.py makes GPU N the current device before anything runs (else it times GPU 0's stream)."""
+    class Selected(Exception):
+        pass
+
+    def set_device(device):
+        raise Selected(torch.device(device))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(Selected) as selected:
+        T.main(["--quick", "--device", "cuda:1", "--no-record"])
+    assert selected.value.args[0] == torch.device("cuda:1")
+
+
 def test_record_readme_without_markers_is_an_error(tmp_path):
     (tmp_path / "README.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
