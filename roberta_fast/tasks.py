@@ -543,7 +543,9 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
         try:
             with open(path, encoding="utf-8-sig") as f:
                 for number, line in enumerate(f, start=1):
-                    columns = line.split()
+                    # ASCII spaces and tabs only (as datasets' conll2003 splits on " "): str.split() would cut a
+                    # word at a no-break or ideographic space ('§\u00a0433') and silently drop its rest
+                    columns = [c for c in re.split(r"[ \t]+", line.rstrip("\r\n")) if c]
                     if columns and columns[0] == "-DOCSTART-":
                         continue
                     if not columns:

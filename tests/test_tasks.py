@@ -54,6 +54,15 @@ def test_tagged_readers():
     assert read_tagged(TABS) == read_tagged(TAGS_JSONL)[:1] + [(["the", "EU"], ["O", "B-ORG"])]
 
 
+def test_conll_columns_split_at_ascii_spaces_and_tabs_only(tmp_path):
+    """A word holding a no-break or ideographic space stays whole (str.split() cut it and dropped the
+    rest), as datasets' conll2003 loader splits on " "; a line of spaces and tabs is blank."""
+    path = tmp_path / "nbsp.conll"
+    path.write_text("gemäß\tO\n§\u00a0433  B-NORM\nBGB\tI-NORM\n \t \n東京\u3000都\tB-LOC\n", encoding="utf-8")
+    assert read_tagged(path) == [(["gemäß", "§\u00a0433", "BGB"], ["O", "B-NORM", "I-NORM"]),
+                                 (["東京\u3000都"], ["B-LOC"])]
+
+
 def test_every_reader_skips_a_utf8_byte_order_mark(tmp_path):
     """Excel's "CSV UTF-8", pandas' utf-8-sig and Windows editors start files with a BOM."""
     from roberta_fast.tasks import delimited_rows, json_lines
