@@ -12,8 +12,8 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
   RobertaTokenizerFast(add_prefix_space=True) encodes `is_split_into_words` input: each word
-  with a space before it; the tag goes to its first sub-token, -100 to the others (as
-  run_ner). Accuracy over words, and entity precision/recall/F1 with seqeval's default
+  with a space before it (none when it starts with one; a special token's text is that token);
+  the tag goes to its first sub-token, -100 to the others (as run_ner). Accuracy over words, and entity precision/recall/F1 with seqeval's default
   (conlleval) chunking of BIO / IOB2 / IOBES tags, when every tag is `O` or `X-TYPE`.
 - qa: SQuAD v1.1 / v2.0 JSON. Long contexts are cut into windows of --max-len tokens that
   overlap by --doc-stride tokens (default: a third of --max-len, run_qa's 128 of 384); an answer outside a window, or an
@@ -571,18 +571,19 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
 def encode_words(tokenizer, sentences, max_len: int) -> tuple[list[np.ndarray], list[np.ndarray], int]:
     """(ids, word index per token (-1 on `<s>`, `</s>`), sentences truncated) for word lists.
 
-    As RobertaTokenizerFast(add_prefix_space=True) with is_split_into_words=True: each word
-    is encoded with a space before it (the byte-level pre-tokenizer splits at spaces anyway,
-    so no token spans two words); at most max_len tokens with `<s>` and `</s>`."""
-    flat = [" " + w for words, _ in sentences for w in words]
-    pieces = iter(tokenizer.encode_batch(flat, add_special_tokens=False))
+    As RobertaTokenizerFast(add_prefix_space=True) with is_split_into_words=True, by the same means
+    (tokenizers' pre-tokenized input): each word encoded alone with a space before it, none when it
+    starts with one, and a word that is a special token's text (`<s>`) as that token; at most
+    max_len tokens with `<s>` and `</s>`."""
+    backend = with_prefix_space(tokenizer.backend)
+    backend.no_truncation()
+    backend.no_padding()
+    encodings = backend.encode_batch([words for words, _ in sentences], is_pretokenized=True,
+                                     add_special_tokens=False)
     ids, word_index, truncated = [], [], 0
-    for words, _ in sentences:
-        tokens, owner = [tokenizer.bos_id], [-1]
-        for i in range(len(words)):
-            piece = next(pieces)
-            tokens += piece
-            owner += [i] * len(piece)
+    for encoding in encodings:
+        tokens = [tokenizer.bos_id] + encoding.ids
+        owner = [-1] + [-1 if w is None else w for w in encoding.word_ids]
         if len(tokens) + 1 > max_len:
             tokens, owner = tokens[:max_len - 1], owner[:max_len - 1]
             truncated += 1

@@ -117,11 +117,14 @@ def test_tagged_readers_name_the_bad_line(tmp_path):
 
 
 def test_words_encode_as_transformers_is_split_into_words(tok, model_dir):
-    """Ids and word ids as RobertaTokenizerFast(add_prefix_space=True)(words, is_split_into_words=True);
-    the tag on each word's first sub-token, -100 elsewhere (run_ner's label_all_tokens=False)."""
+    """Ids and word ids as RobertaTokenizerFast(add_prefix_space=True)(words, is_split_into_words=True),
+    words that start with a space or are a special token's text included; the tag on each word's first
+    sub-token, -100 elsewhere (run_ner's label_all_tokens=False)."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(model_dir, add_prefix_space=True)
-    sentences = read_tagged(CONLL) + [(["Ünïcode", "1996-08-22", "U.S.", "'s"], ["O"] * 4)]
+    sentences = read_tagged(CONLL) + [(["Ünïcode", "1996-08-22", "U.S.", "'s"], ["O"] * 4),
+                                      ([" x", "y", "\tz", "\u00a0w"], ["O"] * 4),
+                                      (["<s>", "x", "<mask>", "a<s>b", " </s>"], ["O"] * 5)]
     ids, owners, truncated = encode_words(tok, sentences, max_len=64)
     assert truncated == 0
     for (words, _), x, owner in zip(sentences, ids, owners):
