@@ -361,12 +361,13 @@ class RobertaEmbeddings(nn.Module):
             position_ids = self.position_ids(input_ids, inputs_embeds)
         words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         x = words + self.position_embeddings(position_ids)
-        if token_type_ids is None:
+        if token_type_ids is None and not _has_hooks(self.token_type_embeddings):
             x = x + self.token_type_embeddings.weight[0]
-        else:
+        else:  # a hooked embedding is called (on type 0 everywhere when not given), as transformers calls it
+            if token_type_ids is None:
+                token_type_ids = words.new_zeros(words.shape[:-1], dtype=torch.long)
             x = x + self.token_type_embeddings(token_type_ids)
-        x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
-                                       self.layer_norm.eps, 0.0, backend)
+        x = _add_norm(self.layer_norm, x, None, 0.0, backend)
         p = self.dropout_p if self.training else 0.0
         return F.dropout(x, p=p, training=p > 0)
 
@@ -383,6 +384,19 @@ def _linear_gelu(linear: nn.Module, x, backend: str):
     if hasattr(linear, "forward_gelu"):
         return linear.forward_gelu(x)
     return F.gelu(linear(x))
+
+
+def _add_norm(norm: nn.LayerNorm, x, residual, dropout_p: float, backend: str, cast_dtype=None):
+    """ops.dropout_add_layer_norm with `norm`'s parameters; a norm with forward (pre-)hooks is called
+    as a module on dropout(x) + residual, so its hooks fire and a hook's returned output is used,
+    as in transformers (cast_dtype: the copy the next matmul reads, cast from that output)."""
+    if not _has_hooks(norm):
+        return ops.dropout_add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, dropout_p, backend,
+                                          cast_dtype)
+    if dropout_p > 0:
+        x = F.dropout(x, p=dropout_p)
+    y = norm(x if residual is None else x + residual)
+    return y if cast_dtype is None else (y, y.to(cast_dtype))
 
 
 def _inference_spec(linear: nn.Module, tokens: int) -> tuple | None:
@@ -461,14 +475,12 @@ class RobertaLayer(nn.Module):
             a = ops.attention(qkv, attention_mask, attention_p, backend)
         a = self.attn_out(a.reshape(*x.shape[:-1], hidden))
         ffn_cast_dtype = ops.autocast_copy_dtype(x, backend)
-        out = ops.dropout_add_layer_norm(a, x, self.attn_norm.weight, self.attn_norm.bias,
-                                         self.attn_norm.eps, hidden_p, backend, ffn_cast_dtype)
+        out = _add_norm(self.attn_norm, a, x, hidden_p, backend, ffn_cast_dtype)
         x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
         f = _linear_gelu(self.ffn_in, x_ffn, backend)
         f = self.ffn_out(f)
-        out = ops.dropout_add_layer_norm(f, x, self.ffn_norm.weight, self.ffn_norm.bias,
-                                         self.ffn_norm.eps, hidden_p, backend, cast_dtype)
+        out = _add_norm(self.ffn_norm, f, x, hidden_p, backend, cast_dtype)
         x, x_cast = out if cast_dtype is not None else (out, None)
         return x, x_cast, probs
 
@@ -484,7 +496,7 @@ class RobertaLayer(nn.Module):
                 or torch.compiler.is_exporting() or _ext.optional("inference_layer") is None):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
-        if any(map(_has_hooks, linears)):  # (the norms are not called as modules on either path)
+        if any(map(_has_hooks, (*linears, self.attn_norm, self.ffn_norm))):  # the C++ op calls no module
             return None
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
         specs = [_inference_spec(linear, tokens) for linear in linears]
@@ -1043,8 +1055,7 @@ class RobertaLMHead(nn.Module):
 
     def forward(self, x, decoder_weight, backend="reference"):
         x = _linear_gelu(self.dense, x, backend)
-        x = ops.dropout_add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias,
-                                       self.layer_norm.eps, 0.0, backend)
+        x = _add_norm(self.layer_norm, x, None, 0.0, backend)
         if self.packed_decoder is not None:
             return self.packed_decoder(x, decoder_weight, self.bias)
         return F.linear(x, decoder_weight, self.bias)

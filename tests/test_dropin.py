@@ -130,6 +130,35 @@ def test_labels_at_padded_positions_count_as_in_transformers(cls, backend):
                                    hf(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
 
+HOOKED = {  # our module: transformers' (a LayerNorm or embedding our layers use by its tensors when unhooked)
+    "roberta.embeddings.token_type_embeddings": "roberta.embeddings.token_type_embeddings",
+    "roberta.embeddings.layer_norm": "roberta.embeddings.LayerNorm",
+    "roberta.layers.0.attn_norm": "roberta.encoder.layer.0.attention.output.LayerNorm",
+    "roberta.layers.1.ffn_norm": "roberta.encoder.layer.1.output.LayerNorm",
+    "lm_head.layer_norm": "lm_head.layer_norm",
+}
+
+
+@pytest.mark.parametrize("name", HOOKED)
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "grad"])
+def test_hooks_on_norms_and_token_types_fire_and_change_the_output_as_in_transformers(name, grad):
+    hf = hf_model("RobertaForMaskedLM")
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    valid = mask.bool()
+    with torch.inference_mode():
+        unhooked = ours(ids, attention_mask=mask).logits
+    for model, module in ((hf, HOOKED[name]), (ours, name)):
+        model.get_submodule(module).register_forward_hook(lambda module, args, out: out * 0)
+    seen = []
+    ours.get_submodule(name).register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    with torch.set_grad_enabled(grad):  # without gradients: the C++ inference layer's condition
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        actual = ours(ids, attention_mask=mask).logits
+    assert seen and rel_err(actual[valid], expected[valid]) < 1e-5
+    assert not torch.allclose(actual[valid], unhooked[valid])
+
+
 def test_regression_and_multilabel_losses_follow_transformers():
     for num_labels, labels in ((1, torch.randn(4)), (3, torch.randint(0, 2, (4, 3)).float())):
         hf = hf_model("RobertaForSequenceClassification", num_labels=num_labels)

@@ -173,6 +173,36 @@ def test_hooks_attention_probabilities_and_gradients_take_the_python_path(calls)
     assert not calls
 
 
+# the modules the layers use by their tensors when unhooked (transformers calls them: their hooks fire)
+NORMS = ("roberta.embeddings.token_type_embeddings", "roberta.embeddings.layer_norm", "roberta.layers.0.attn_norm",
+         "roberta.layers.0.ffn_norm", "lm_head.layer_norm")
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_hooks_on_the_norms_and_the_token_types_fire_and_their_outputs_are_used(packing, calls):
+    skip_without(packing)
+    model = PACKINGS[packing](model_of("RobertaForMaskedLM"))
+    ids, mask = awkward_inputs("RobertaForMaskedLM")
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask, output_hidden_states=True)
+    seen = []
+    for name in NORMS:
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(lambda module, args, name=name: seen.append("pre " + name))
+        module.register_forward_hook(lambda module, args, out, name=name: seen.append(name))
+    calls.clear()
+    with torch.inference_mode():
+        got = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert sorted(seen) == sorted(NORMS + tuple("pre " + name for name in NORMS))
+    assert len(calls) == 1  # layer 0 (its norms hooked) in Python, layer 1 in C++
+    assert_equal([got.logits, *got.hidden_states], [want.logits, *want.hidden_states])  # the modules' values
+
+    model.roberta.layers[1].ffn_norm.register_forward_hook(lambda module, args, out: out * 0)
+    with torch.inference_mode():
+        got = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert not got.hidden_states[-1].any() and not torch.equal(got.logits, want.logits)  # the hook's output is used
+
+
 def test_what_the_python_path_refuses_is_still_refused(calls):
     model = rf.quantize(model_of("RobertaModel"))
     ids, mask = awkward_inputs("RobertaModel")
