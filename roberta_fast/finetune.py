@@ -11,7 +11,8 @@ token classification, question answering or multiple-choice task.
 which has no header row, by column number: --text-field 3 --label-field 1) or JSONL rows
 holding a text, optionally a second text (a pair, encoded `<s> a </s></s> b </s>` as RoBERTa
 does) and a label (any strings or integers; sorted, they become class ids and the config's
-id2label; a --model whose head names them keeps its order, as run_glue); validation loss, accuracy, macro_f1, mcc (Matthews correlation, GLUE's CoLA metric) and, with
+id2label; a --model whose head names them keeps its order, as run_glue); validation loss, accuracy,
+macro_f1, mcc (Matthews correlation, GLUE's CoLA metric) and, with
 two classes, f1 of the second label ("1" of 0/1: GLUE's MRPC / QQP F1). Numeric labels that are not all integers
 (GLUE's STS-B scores), or --problem-type regression, train a regression instead: one output,
 MSE loss, Pearson (the best epoch's) and Spearman correlation. The other tasks' formats and metrics are
