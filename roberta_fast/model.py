@@ -1082,7 +1082,8 @@ class RobertaForMaskedLM(_PreTrained):
         """Logits (batch, seqlen, vocab) and, given labels, the MLM loss.
 
         masked_only=True (training): the head runs only on positions with a label, and
-        `logits` is (num_predicted, vocab) in row-major order of those positions.
+        `logits` is (num_predicted, vocab) in row-major order of those positions; the same loss
+        as without it (labels on padding run the batch padded, as then).
         loss_reduction: "mean" over predicted tokens (HF's) or "sum" (for callers that
         normalise over several micro-batches or ranks themselves).
         cu_seqlens / max_seqlen (with position_ids, without attention_mask): packed rows,
@@ -1105,12 +1106,12 @@ class RobertaForMaskedLM(_PreTrained):
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
                                             cu_seqlens, labels, max_seqlen)
         if masked_only:
-            # Flat indices of the predicted positions, found before the encoder runs: the one
-            # host sync (for their count) then waits for the masking, not for the encoder.
+            # Flat indices of the predicted positions, found before the encoder runs: the host
+            # sync (for their count; and _labels_on_padding's) then waits for the masking, not the encoder.
             predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, cu_seqlens, max_seqlen,
-                                      inputs_embeds, padded=not masked_only and _labels_on_padding(labels, attention_mask))
+                                      inputs_embeds, padded=_labels_on_padding(labels, attention_mask))
         x = encoded.last_hidden_state
         backend = self._backend_for(x)
         if masked_only:

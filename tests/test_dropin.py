@@ -125,6 +125,8 @@ def test_labels_at_padded_positions_count_as_in_transformers(cls, backend):
         actual = ours(ids, attention_mask=mask, labels=labels)
         assert rel_err(actual.loss, expected.loss) < 1e-5
         assert rel_err(actual.logits, expected.logits) < 1e-5  # the pad positions included
+        if cls == "RobertaForMaskedLM":  # the head on the labelled positions only: the same loss
+            assert rel_err(ours(ids, attention_mask=mask, labels=labels, masked_only=True).loss, expected.loss) < 1e-5
         labels[~mask.bool()] = -100  # the usual collators' labels: the batch runs unpadded, the same loss
         torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
                                    hf(input_ids=ids, attention_mask=mask, labels=labels).loss)
