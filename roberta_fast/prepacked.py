@@ -77,6 +77,9 @@ class _InferenceLinear(nn.Module):
             raise RuntimeError(f"{self.KIND} Linear layers have no gradient: run a {self.KIND} model under "
                                f"torch.no_grad() or torch.inference_mode(), with its parameters frozen "
                                f"({self.FUNCTION} freezes them)")
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # (not only its bf16 activations' dtype)
+            raise RuntimeError(f"a {self.KIND} model computes in fp32 (its Linear layers on their own packed weights, "
+                               f"which torch.autocast cannot cast): call it outside torch.autocast")
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise RuntimeError(f"{self.KIND} Linear layers take fp32 inputs on the CPU, got {x.dtype} on {x.device}: "
                                f"a {self.KIND} model stays fp32 on the CPU (do not .half(), .to(bfloat16) or move it; "

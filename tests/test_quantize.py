@@ -405,13 +405,17 @@ def test_torch_compile_of_a_quantized_model_equals_eager(dtype):
 
 
 def assert_inference_only(model, kind, ids, mask):
-    """A packed (`kind`: quantized, prepacked) classifier comes frozen, and refuses training mode and,
-    unfrozen, a gradient; it is left in eval mode, unfrozen."""
+    """A packed (`kind`: quantized, prepacked) classifier comes frozen, and refuses training mode, autocast
+    and, unfrozen, a gradient; it is left in eval mode, unfrozen."""
     assert not any(p.requires_grad for p in model.parameters())
     model.train()
     with pytest.raises(RuntimeError, match=f"a {kind} model is for inference: call model.eval"):
         model(ids, attention_mask=mask)
-    model.eval().requires_grad_(True)  # unfrozen: a gradient would be asked of the packed layers
+    model.eval()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # not told to keep it fp32 on the CPU
+        with pytest.raises(RuntimeError, match=f"a {kind} model computes in fp32 .*: call it outside torch.autocast"):
+            model(ids, attention_mask=mask)
+    model.requires_grad_(True)  # unfrozen: a gradient would be asked of the packed layers
     with pytest.raises(RuntimeError, match=f"{kind} Linear layers have no gradient"):
         model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0]))
 
