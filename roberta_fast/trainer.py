@@ -162,8 +162,22 @@ class Optimizer:
     def state_dict(self) -> dict:
         return self.opt.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Load the saved moments and step, keeping this run's weight decay, betas and eps (the
+        saved groups' values would win, so a resume with changed flags would train with the old
+        ones while the run's config records the new); returns the changes, e.g. "--eps 1e-06 -> 1e-08"."""
+        mine = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.opt.param_groups]
         self.opt.load_state_dict(state)
+        changed = []
+        for group, keep in zip(self.opt.param_groups, mine):  # the no-decay group keeps its 0
+            saved = {k: group[k] for k in keep}
+            group.update(keep)
+            for flag, a, b in [("--weight-decay", saved["weight_decay"], keep["weight_decay"]),
+                               ("--beta1", saved["betas"][0], keep["betas"][0]),
+                               ("--beta2", saved["betas"][1], keep["betas"][1]), ("--eps", saved["eps"], keep["eps"])]:
+                if a != b and f"{flag} {a} -> {b}" not in changed:
+                    changed.append(f"{flag} {a} -> {b}")
+        return changed
 
 
 # ---------------------------------------------------------------------- resume
@@ -580,7 +594,10 @@ class Trainer:
         check_schedule(state["schedule"], self.schedule, SCHEDULE_SETTINGS, self.cfg.allow_schedule_change,
                        self.print)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        changed = self.optimizer.load_state_dict(state["optimizer"])
+        if changed:
+            self.print(f"note: the optimizer goes on with this run's settings, not the checkpoint's: "
+                       f"{', '.join(changed)}")
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.loader.load_state_dict(state["loader"])

@@ -7,6 +7,7 @@ All runs share one small dataset (1 MB of the embedded corpus, vocab 1024) and u
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import warnings
@@ -170,6 +171,24 @@ def test_resume_refuses_a_changed_lr_schedule(dataset, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: --allow-schedule-change: continuing on a new LR schedule (--max-steps 6 -> 8)" in out
     assert train_losses(tmp_path / "run")[-1][0] == 8 and (tmp_path / "run" / "final").is_dir()
+
+
+def test_resume_trains_with_changed_optimizer_flags_and_says_so(dataset, tmp_path, capsys):
+    """A resume with another --weight-decay (or betas, eps) trains with it, as the run's config then
+    records (the checkpoint's optimizer groups once won silently); biases and LayerNorm keep no decay,
+    and the same command resumes without a note."""
+    run(small_config(dataset, tmp_path / "a", stop_at=3))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    argv = small_argv(dataset) + ["--stop-at", "4"]
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert "note: the optimizer" not in capsys.readouterr().out
+    assert main(argv + ["--out", str(tmp_path / "b"), "--weight-decay", "0.5", "--eps", "1e-8"]) == 0
+    assert ("note: the optimizer goes on with this run's settings, not the checkpoint's: --weight-decay 0.01 -> 0.5, "
+            "--eps 1e-06 -> 1e-08") in capsys.readouterr().out
+    same, changed = (torch.load(tmp_path / x / "checkpoints" / "step_00000004.pt", weights_only=True) for x in "ab")
+    assert [(g["weight_decay"], g["eps"]) for g in changed["optimizer"]["param_groups"]] == [(0.5, 1e-8), (0.0, 1e-8)]
+    assert not torch.equal(same["model"]["roberta.embeddings.word_embeddings.weight"],
+                           changed["model"]["roberta.embeddings.word_embeddings.weight"])
 
 
 def test_rerunning_a_resume_path_command_goes_on_from_the_newer_checkpoint_in_out(dataset, tmp_path, capsys):
