@@ -145,6 +145,7 @@ def read_hf_checkpoint(path_or_model, revision: str | None = None, **download) -
     """(config, HF-named state dict) from an HF model directory, a Hub name or a `transformers` model;
     `download`: huggingface_hub's options for a Hub name (hub.model_dir)."""
     if isinstance(path_or_model, torch.nn.Module):
+        _refuse_unconvertible_module(path_or_model)
         hf_config = getattr(path_or_model, "config", None)
         if hf_config is None or not hasattr(hf_config, "to_dict"):
             raise ValueError("from_pretrained got a torch module without an HF `config`; pass a "
@@ -165,6 +166,17 @@ def read_hf_checkpoint(path_or_model, revision: str | None = None, **download) -
         )
     config = RobertaConfig.from_pretrained(path)
     return config, _read_weights(path)
+
+
+def _refuse_unconvertible_module(module: torch.nn.Module):
+    """Refuse, naming the fix, a module from_pretrained cannot read as a checkpoint: one quantized by
+    torch.ao.quantization (packed weights, not tensors)."""
+    quantized = [name for name, m in module.named_modules()
+                 if type(m).__module__.startswith(("torch.ao.nn.quantized", "torch.nn.quantized"))]
+    if quantized:
+        raise ValueError(f"from_pretrained got a model quantized by torch.ao.quantization (quantize_dynamic: "
+                         f"{quantized[0]} holds packed weights, which roberta_fast cannot read back): load the "
+                         f"fp32 transformers model, pass it to from_pretrained, then call rf.quantize(model)")
 
 
 def _read_weights(path: str) -> dict:

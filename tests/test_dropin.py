@@ -161,6 +161,16 @@ def test_hooks_on_norms_and_token_types_fire_and_change_the_output_as_in_transfo
     assert not torch.allclose(actual[valid], unhooked[valid])
 
 
+def test_from_pretrained_refuses_a_torch_ao_quantized_model_naming_the_fix():
+    """A transformers model quantized by torch's quantize_dynamic (packed weights, not tensors) crashed
+    with an AttributeError: refused, saying to load the fp32 model and call rf.quantize."""
+    hf = hf_model("RobertaForSequenceClassification", num_labels=3)
+    quantized = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(ValueError, match=r"quantized by torch\.ao\.quantization .*load the fp32 transformers "
+                                         r"model, pass it to from_pretrained, then call rf\.quantize\(model\)"):
+        rf.RobertaForSequenceClassification.from_pretrained(quantized)
+
+
 def test_regression_and_multilabel_losses_follow_transformers():
     for num_labels, labels in ((1, torch.randn(4)), (3, torch.randint(0, 2, (4, 3)).float())):
         hf = hf_model("RobertaForSequenceClassification", num_labels=num_labels)
