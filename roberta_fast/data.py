@@ -64,6 +64,7 @@ available.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import queue
@@ -282,6 +283,13 @@ class TokenStream:
             pos += hi - lo
             s += 1
         return out
+
+    @property
+    def fingerprint(self) -> str | None:
+        """SHA-256 over the SHA-256s the manifest records for the split's files: the content's identity
+        wherever the dataset lies (a copy has the same); None if the manifest records none."""
+        digests = [shard.get(f"{kind}_sha256") for shard in self._info for kind in ("bin", "idx")]
+        return None if None in digests else hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
     @property
     def doc_starts(self) -> np.ndarray:
@@ -596,7 +604,8 @@ class BatchLoader:
         """Where the loader stands: the next batch is batch `step` of `epoch`."""
         return {"epoch": self.epoch, "step": self.step, "samples_seen": self.step * self.global_batch,
                 "seed": self.seed, "global_batch": self.global_batch, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "dataset_len": len(self.dataset)}
+                "drop_last": self.drop_last, "dataset_len": len(self.dataset),
+                "data_sha256": self.dataset.stream.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the batch after the saved one; the order must be the same (seed, data, global batch)."""
@@ -607,6 +616,14 @@ class BatchLoader:
                     f"cannot resume: the saved loader had {key}={state[key]!r}, this one has {mine[key]!r}; "
                     "resume with the same data, seed and options"
                 )
+        saved = state.get("data_sha256")  # None: a checkpoint of before it was recorded, or a manifest without
+        if saved is not None and mine["data_sha256"] is not None and saved != mine["data_sha256"]:
+            raise ValueError(
+                f"cannot resume: the dataset's content is not the one the run trained on (fingerprint "
+                f"{mine['data_sha256'][:12]}, the checkpoint's {saved[:12]}; re-made from other text?), so the saved "
+                "position would point at other samples. Resume with the run's dataset; to train on this one, start "
+                "a new run (new --out) with --init-from an export of the checkpoint (python -m roberta_fast.export)"
+            )
         if state["samples_seen"] % self.global_batch:
             raise ValueError(
                 f"cannot resume: {state['samples_seen']} samples were seen, not a whole number of global "

@@ -5,6 +5,7 @@ preprocessed into many small shards so that rows cross shard boundaries; expecte
 contents are rebuilt from the tokenizer's direct encodings.
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -217,6 +218,23 @@ def test_resume_jumps_to_the_next_batch(built):
         BatchLoader(ds, 4, seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="global"):
         BatchLoader(ds, 5, seed=7).load_state_dict(state)  # 12 samples seen: not whole batches of 5
+
+
+def test_resume_refuses_a_dataset_of_other_content(built, tmp_path):
+    """A dataset re-made from other text can have as many rows as the run's: the loader state records
+    the content's fingerprint (from the manifest's checksums) and a resume on other content is refused;
+    a copy of the dataset elsewhere resumes, and so does a checkpoint written before the fingerprint."""
+    path, _, _ = built
+    loader = BatchLoader(PretrainingDataset(path, seq_len=S), 4, seed=7, prefetch=0)
+    next(iter(loader))
+    state = loader.state_dict()
+    shutil.copytree(path, tmp_path / "copy")
+    BatchLoader(PretrainingDataset(tmp_path / "copy", seq_len=S), 4, seed=7).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "data_sha256"}
+    BatchLoader(PretrainingDataset(path, seq_len=S), 4, seed=7).load_state_dict(old)
+    other = {**state, "data_sha256": "0" * 64}
+    with pytest.raises(ValueError, match=r"the dataset's content is not the one the run trained on .*--init-from"):
+        BatchLoader(PretrainingDataset(path, seq_len=S), 4, seed=7).load_state_dict(other)
 
 
 def test_prefetch_stops_cleanly(built):
