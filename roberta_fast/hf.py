@@ -169,8 +169,20 @@ def read_hf_checkpoint(path_or_model, revision: str | None = None, **download) -
 
 
 def _refuse_unconvertible_module(module: torch.nn.Module):
-    """Refuse, naming the fix, a module from_pretrained cannot read as a checkpoint: one quantized by
-    torch.ao.quantization (packed weights, not tensors)."""
+    """Refuse, naming the fix, the modules from_pretrained would otherwise misread as a checkpoint lacking
+    weights: a roberta_fast model (its names are not transformers'), one with PEFT adapters (the base
+    weights under other names, the adapters' beside them) or one quantized by torch.ao.quantization
+    (packed weights, not tensors)."""
+    from .model import _PreTrained
+
+    if isinstance(module, _PreTrained):
+        raise ValueError(f"from_pretrained got a roberta_fast model ({type(module).__name__}), not a transformers "
+                         "one: it is already a roberta_fast model; copy it with copy.deepcopy(model), load its "
+                         "weights into a model of its class with load_state_dict(model.state_dict()), or, for "
+                         "another class, save the fp32 model (model.save_pretrained(dir)) and from_pretrained(dir)")
+    if hasattr(module, "peft_config") or any(hasattr(m, "base_layer") for m in module.modules()):
+        raise ValueError("from_pretrained got a model with PEFT adapters (LoRA layers): merge them into the "
+                         "weights first (a PeftModel's model.merge_and_unload()) and pass that transformers model")
     quantized = [name for name, m in module.named_modules()
                  if type(m).__module__.startswith(("torch.ao.nn.quantized", "torch.nn.quantized"))]
     if quantized:

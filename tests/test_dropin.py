@@ -171,6 +171,25 @@ def test_from_pretrained_refuses_a_torch_ao_quantized_model_naming_the_fix():
         rf.RobertaForSequenceClassification.from_pretrained(quantized)
 
 
+def test_from_pretrained_refuses_a_roberta_fast_or_an_unmerged_peft_model_naming_the_fix():
+    """Both were read as checkpoints lacking encoder weights: refused, each with its fix."""
+    ours = rf.RobertaForMaskedLM(rf.RobertaConfig(**FIELDS)).eval()
+    for model in (ours, rf.quantize(copy.deepcopy(ours)), rf.prepack(copy.deepcopy(ours))):
+        with pytest.raises(ValueError, match="already a roberta_fast model; copy it with copy.deepcopy"):
+            rf.RobertaModel.from_pretrained(model)
+    peft = pytest.importorskip("peft")
+    hf = hf_model("RobertaForSequenceClassification", num_labels=3)
+    lora = peft.LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(copy.deepcopy(hf), lora)
+    for adapted in (wrapped, peft.inject_adapter_in_model(lora, copy.deepcopy(hf))):  # with and without PeftModel
+        with pytest.raises(ValueError, match=r"PEFT adapters .*merge_and_unload\(\)"):
+            rf.RobertaForSequenceClassification.from_pretrained(adapted)
+    merged = wrapped.merge_and_unload()
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        got = rf.RobertaForSequenceClassification.from_pretrained(merged)(ids, attention_mask=mask).logits
+        assert rel_err(got, merged(input_ids=ids, attention_mask=mask).logits) < 1e-5
+
 def test_regression_and_multilabel_losses_follow_transformers():
     for num_labels, labels in ((1, torch.randn(4)), (3, torch.randint(0, 2, (4, 3)).float())):
         hf = hf_model("RobertaForSequenceClassification", num_labels=num_labels)
