@@ -190,6 +190,7 @@ def test_from_pretrained_refuses_a_roberta_fast_or_an_unmerged_peft_model_naming
         got = rf.RobertaForSequenceClassification.from_pretrained(merged)(ids, attention_mask=mask).logits
         assert rel_err(got, merged(input_ids=ids, attention_mask=mask).logits) < 1e-5
 
+
 def test_regression_and_multilabel_losses_follow_transformers():
     for num_labels, labels in ((1, torch.randn(4)), (3, torch.randint(0, 2, (4, 3)).float())):
         hf = hf_model("RobertaForSequenceClassification", num_labels=num_labels)
