@@ -3,7 +3,8 @@
     with atomic_path(path) as tmp:        # any writer fills tmp (open, torch.save, save_file, savefig)
         ...                               # then tmp is renamed onto path; on an error it is removed
     write_text_atomic(path, text)
-    tmp = temp_dir_for(directory)         # a directory to fill, then os.replace it onto `directory`
+    with temp_dirs_guarded(directory):    # first removes the ones killed writers left beside it
+        tmp = temp_dir_for(directory)     # a directory to fill, then os.replace it onto `directory`
 
 Every file the package writes goes through a temporary name and a rename, so no reader
 ever sees half a file. `tempfile.mkstemp` makes the temporary file private (0600) and
@@ -16,6 +17,8 @@ owner-only, as the user asked.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import stat
 import tempfile
 from contextlib import contextmanager
@@ -97,6 +100,45 @@ def temp_dir_for(directory: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     os.chmod(tmp, dir_mode())
     return tmp
+
+
+@contextmanager
+def temp_dirs_guarded(directory: str | os.PathLike) -> Iterator[None]:
+    """For a block that writes a temp_dir_for(directory) and renames it onto `directory`: first
+    removes the ones writers killed before their rename left beside it (exactly `.NAME.XXXXXXXX`,
+    temp_dir_for's names for it; nothing else), then holds a shared flock on the parent directory
+    until the block ends. The removal needs the exclusive flock, so it never takes a live writer's
+    directory (another process exporting there) for a stale one; where there is no flock (not
+    POSIX, a filesystem without locks) nothing is removed."""
+    directory = Path(directory)
+    try:
+        import fcntl
+
+        fd = os.open(directory.parent, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        if _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):  # no writer at work beside it: theirs are stale
+            stale = re.compile(re.escape(f".{directory.name}.") + "[a-z0-9_]{8}")  # mkdtemp's 8 characters
+            for path in directory.parent.iterdir():
+                if stale.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+        _flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _flock(fd: int, operation: int) -> bool:
+    """flock(fd, operation); False if another process holds the lock or the filesystem has none."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, operation)
+        return True
+    except OSError:
+        return False
 
 
 def _fsync(path: str | os.PathLike) -> None:

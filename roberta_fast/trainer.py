@@ -34,6 +34,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -746,8 +747,11 @@ class Trainer:
                             break
                     self.window["t0"] += time.perf_counter() - paused
             if self.step == cfg.max_steps and status == "finished":
-                if self.dist.is_main and cfg.export:
-                    self.export(self.out / "final")
+                if cfg.export:
+                    with ExportSignal():  # on every rank: the others wait in the barrier
+                        if self.dist.is_main:
+                            self.export(self.out / "final")
+                        self.dist.barrier()
             elif status == "finished":
                 status = f"stopped at step {self.step} (stop_at)"
                 checkpoint = self.checkpoints.latest() if self.dist.is_main else None  # saved at this step
@@ -880,6 +884,19 @@ EXPORT_FILES = {"config.json", "model.safetensors", "model.safetensors.index.jso
                 "tokenizer.json", "vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"}
 
 
+class ExportSignal(StopSignal):
+    """While installed, SIGTERM and the first SIGINT let the final export finish (killed, it would be
+    redone by the rerun); the run then ends as finished. A second Ctrl-C aborts it."""
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{self.requested} received: finishing the export of the final model first "
+                  "(Ctrl-C again to abort it)", file=sys.stderr, flush=True)
+
+
 def check_export_target(directory) -> Path:
     """`directory` resolved, or ValueError if an export there would delete something not an export's:
     it must be missing, empty, or an earlier export (the export replaces it whole)."""
@@ -910,7 +927,7 @@ def export_pretrained(model, tokenizer, directory) -> Path:
     DiskSpaceError, in one line naming the directory and the room needed, if the disk has no
     room for it (checked first) or fills while writing; nothing half-written is left."""
     from .checkpoint import estimate_size
-    from .files import temp_dir_for
+    from .files import temp_dir_for, temp_dirs_guarded
     from .integrity import human_bytes, is_no_space
     from .tokenizer import RobertaTokenizer
 
@@ -927,24 +944,25 @@ def export_pretrained(model, tokenizer, directory) -> Path:
             f"and that disk has {human_bytes(free)} free; nothing was written there. Free some space (or "
             "choose another directory), then rerun the same command")
 
-    free = shutil.disk_usage(directory.parent).free
-    if free < need:
-        raise no_room(free)
-    tmp = temp_dir_for(directory)  # a plain mkdir's permissions: the export can be shared
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save(tmp, model_max_length=model.config.max_seq_len)  # transformers truncates to it
-        old = directory.with_name(f".{directory.name}.old")
-        if directory.exists():
+    with temp_dirs_guarded(directory):  # first removes the temporary directories of killed exports
+        free = shutil.disk_usage(directory.parent).free
+        if free < need:
+            raise no_room(free)
+        tmp = temp_dir_for(directory)  # a plain mkdir's permissions: the export can be shared
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save(tmp, model_max_length=model.config.max_seq_len)  # transformers truncates to it
+            old = directory.with_name(f".{directory.name}.old")
+            if directory.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(directory, old)
+            os.replace(tmp, directory)
             shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_no_space(err):
-            raise no_room(shutil.disk_usage(directory.parent).free) from None
-        raise
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_no_space(err):
+                raise no_room(shutil.disk_usage(directory.parent).free) from None
+            raise
     return directory
 
 

@@ -261,6 +261,55 @@ def test_the_readme_flow_trains_then_finetunes(dataset, tmp_path, monkeypatch):
     assert (tmp_path / "runs/cls/model/model.safetensors").is_file()
 
 
+def test_the_final_export_outlasts_sigterm_and_removes_what_killed_exports_left(dataset, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A kill during the final export left a model-sized `.final.XXXXXXXX` in --out each time: an export
+    removes exactly those (temp_dir_for's names for it), but not while another export works beside it
+    (roberta_fast.export holds no run lock). A SIGTERM during the final export lets it finish."""
+    from roberta_fast import trainer as trainer_module
+
+    out = tmp_path / "run"
+    stale, kept = out / ".final.ab_12xyz", [out / ".final.keepme", out / ".final.abcdefghi", out / ".other.abcdefgh"]
+    for d in [stale, *kept]:
+        (d / "model.safetensors").parent.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 100)
+    export = trainer_module.export_pretrained
+
+    def sigterm_then_export(*args):
+        signal.raise_signal(signal.SIGTERM)
+        return export(*args)
+
+    class Killed(Exception):
+        pass
+
+    def killed(*_):
+        raise Killed  # what SIGTERM's default action (death) would do, without ending pytest
+
+    monkeypatch.setattr(trainer_module, "export_pretrained", sigterm_then_export)
+    previous = signal.signal(signal.SIGTERM, killed)
+    try:
+        trainer, summary = run(small_config(dataset, out))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert summary["status"] == "finished" and summary["signal"] is None
+    assert "SIGTERM received: finishing the export of the final model first" in capsys.readouterr().err
+    assert (out / "final" / "model.safetensors").is_file() and not stale.exists()
+    assert all(d.is_dir() for d in kept) and sorted(p.name for p in out.glob(".final.*")) == [".final.abcdefghi",
+                                                                                              ".final.keepme"]
+    stale.mkdir()
+    held = os.open(out, os.O_RDONLY)
+    try:
+        import fcntl
+
+        fcntl.flock(held, fcntl.LOCK_SH)  # another export at work in --out: its directory is not stale
+        export(trainer.model, trainer.tokenizer, out / "final")
+        assert stale.is_dir()
+    finally:
+        os.close(held)
+    export(trainer.model, trainer.tokenizer, out / "final")
+    assert not stale.exists() and (out / "final" / "config.json").is_file()
+
+
 def test_cli_run_loss_falls_and_export_matches_transformers(dataset, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "run"
