@@ -234,15 +234,14 @@ def test_inference_benchmark_times_the_mlm_head_with_every_framework_on_the_same
     assert speed and all(t["status"].startswith("not measured (--head mlm") for t in speed), speed
 
 
-@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="needs onnxruntime")
 def test_onnxruntime_int8_of_the_mlm_head_runs_its_decoder_as_an_int8_matmul(tmp_path):
     """onnxruntime-int8 with --head mlm: the tied decoder is an integer matmul on an int8 table and the
     embedding lookup stays fp32, not a DequantizeLinear of the whole quantized table before an fp32 MatMul
     (quantize_dynamic's defaults), which dequantizes the (H, V) table every request."""
     import warnings
 
-    import onnx
-
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime (the [export] extra)")
+    onnx = pytest.importorskip("onnx", reason="needs onnx (the [export] extra)")
     bench = _load_benchmark("bench_inference")
     cfg = bench.rf.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=64, max_position_embeddings=34)
