@@ -851,7 +851,9 @@ class RobertaModel(_PreTrained):
         positions (set `model.unpad = False` to compute those positions as HF does). A batch
         with a row whose first token is masked (left padding) runs padded: the pooler and
         the classification head read position 0, which HF computes from the pad token.
-        padded=True runs the batch padded too (a head with labels at masked positions).
+        padded=True runs the batch padded too (a head with labels at masked positions), and so does
+        a batch when a module of the encoder has forward hooks (whole, not in row groups): each
+        hook then sees the (batch, seqlen, ...) tensors transformers' would.
 
         Packed rows (several documents per row, DOC-SENTENCES packing): `cu_seqlens`
         (int32, flash-attention's convention over the batch·seqlen flattened tokens)
@@ -867,7 +869,9 @@ class RobertaModel(_PreTrained):
         """
         shaped = input_ids if inputs_embeds is None else inputs_embeds
         token_type_ids, position_ids = (_batch_rows(t, shaped.shape[0]) for t in (token_type_ids, position_ids))
-        groups = self._row_groups(shaped, attention_mask, cu_seqlens, padded)
+        hooked = self._hooked()  # then the batch runs whole and padded: hooks see transformers' shapes
+        padded = padded or (hooked and attention_mask is not None)
+        groups = None if hooked else self._row_groups(shaped, attention_mask, cu_seqlens, padded)
         if groups is None:
             return self._encode(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
                                 output_attentions, cu_seqlens, max_seqlen, inputs_embeds, unpad=not padded)
@@ -885,6 +889,17 @@ class RobertaModel(_PreTrained):
         return BaseModelOutput(*(_cat_rows([getattr(out, name) for out in outs])
                                  for name in ("last_hidden_state", "pooler_output", "hidden_states", "attentions",
                                               "cross_attentions")))
+
+    def _hooked(self) -> bool:
+        """Whether a module of the encoder has forward (pre-)hooks (or global ones are set): then the batch
+        runs whole and padded, so each hook sees the (batch, seqlen, ...) tensors transformers' would,
+        not row groups or unpadded tokens."""
+        embeddings = self.embeddings
+        modules = [embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings,
+                   embeddings.layer_norm]
+        for layer in self.layers:
+            modules += (layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out, layer.attn_norm, layer.ffn_norm)
+        return any(map(_has_hooks, modules))
 
     def _row_groups(self, shaped, attention_mask, cu_seqlens, padded: bool = False) -> list[slice] | None:
         """encode's groups: consecutive row ranges of at most `cpu_group_tokens` tokens each (the

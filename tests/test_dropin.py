@@ -161,6 +161,25 @@ def test_hooks_on_norms_and_token_types_fire_and_change_the_output_as_in_transfo
     assert not torch.allclose(actual[valid], unhooked[valid])
 
 
+@pytest.mark.parametrize("name", ["roberta.layers.1.ffn_norm", "roberta.embeddings.layer_norm"])
+def test_a_hook_sees_the_tensors_transformers_hook_sees(name):
+    """Without gradients on the CPU a batch runs unpadded and in row groups of cpu_group_tokens: a hook
+    recording its module's output got (tokens, hidden) rows, or one call per group. A hooked encoder
+    runs its batch whole and padded, so the hook sees transformers' (batch, seqlen, hidden) tensor."""
+    hf = hf_model("RobertaForMaskedLM")
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf).eval()
+    ours.roberta.cpu_group_tokens = 8  # several groups for this batch
+    ids, mask = padded_batch("right")
+    seen = {"ours": [], "hf": []}
+    hf.get_submodule(HOOKED[name]).register_forward_hook(lambda module, args, out: seen["hf"].append(out))
+    ours.get_submodule(name).register_forward_hook(lambda module, args, out: seen["ours"].append(out))
+    with torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask)
+        ours(ids, attention_mask=mask)
+    assert len(seen["ours"]) == len(seen["hf"]) == 1
+    assert rel_err(seen["ours"][0], seen["hf"][0]) < 1e-5  # the pad positions included
+
+
 def test_from_pretrained_refuses_a_torch_ao_quantized_model_naming_the_fix():
     """A transformers model quantized by torch's quantize_dynamic (packed weights, not tensors) crashed
     with an AttributeError: refused, saying to load the fp32 model and call rf.quantize."""

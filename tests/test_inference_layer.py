@@ -183,8 +183,11 @@ def test_hooks_on_the_norms_and_the_token_types_fire_and_their_outputs_are_used(
     skip_without(packing)
     model = PACKINGS[packing](model_of("RobertaForMaskedLM"))
     ids, mask = awkward_inputs("RobertaForMaskedLM")
-    with torch.inference_mode():
+    model.roberta.unpad, groups = False, model.roberta.cpu_group_tokens
+    model.roberta.cpu_group_tokens = None
+    with torch.inference_mode():  # as a hooked model runs: whole and padded (hooks see transformers' shapes)
         want = model(ids, attention_mask=mask, output_hidden_states=True)
+    model.roberta.unpad, model.roberta.cpu_group_tokens = True, groups
     seen = []
     for name in NORMS:
         module = model.get_submodule(name)
