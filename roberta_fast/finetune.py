@@ -256,7 +256,9 @@ class Finetuner:
                              f"{self.schedule.total_steps} steps: use another --out")
         check_schedule(state["schedule"], self.schedule, SCHEDULE_SETTINGS, self.cfg.allow_schedule_change, self.log)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        changed = self.optimizer.load_state_dict(state["optimizer"])  # this run's --weight-decay, betas, eps
+        if changed:
+            self.log(f"note: the optimizer goes on with this run's settings, not the checkpoint's: {', '.join(changed)}")
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.best = state["step"], state["best"]

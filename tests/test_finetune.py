@@ -421,6 +421,17 @@ def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
     assert any(line.startswith("note: --allow-schedule-change: continuing on a new LR schedule") for line in lines)
 
 
+def test_resume_with_changed_optimizer_flags_says_so(task, tmp_path):
+    """A resume goes on with this run's --weight-decay / --eps (the optimizer keeps them over the
+    checkpoint's), as train does; it did so without a word, where train prints a note."""
+    Finetuner(config(task, tmp_path / "run", epochs=2, stop_after=3), log=lambda *_: None).run()
+    lines = []
+    Finetuner(config(task, tmp_path / "run", epochs=2, stop_after=4, weight_decay=0.01, eps=1e-8),
+              log=lines.append).run()
+    assert any(line.startswith("note: the optimizer goes on with this run's settings") and "--weight-decay 0.1 -> 0.01"
+               in line and "--eps 1e-06 -> 1e-08" in line for line in lines), lines
+
+
 def test_a_checkpoint_exports_as_a_classifier(task, tmp_path, capsys, monkeypatch):
     """python -m roberta_fast.export turns a mid-run fine-tuning checkpoint into the classifier
     of that step, with the labels and the model's tokenizer, as transformers loads it; from any
