@@ -168,6 +168,14 @@ def read_hf_checkpoint(path_or_model, revision: str | None = None, **download) -
     return config, _read_weights(path)
 
 
+def _rf_quantized(model: torch.nn.Module) -> bool:
+    """Whether rf.quantize packed this roberta_fast model's layers (int8 or fp16 weights; not rf.prepack's
+    fp32 packing, whose state_dict and save_pretrained are the plain model's)."""
+    from .quantization import Fp16WeightLinear, Int8Linear
+
+    return any(isinstance(m, (Int8Linear, Fp16WeightLinear)) for m in model.modules())
+
+
 def _refuse_unconvertible_module(module: torch.nn.Module):
     """Refuse, naming the fix, the modules from_pretrained would otherwise misread as a checkpoint lacking
     weights: a roberta_fast model (its names are not transformers'), one with PEFT adapters (the base
@@ -175,6 +183,11 @@ def _refuse_unconvertible_module(module: torch.nn.Module):
     (packed weights, not tensors)."""
     from .model import _PreTrained
 
+    if isinstance(module, _PreTrained) and _rf_quantized(module):
+        raise ValueError(f"from_pretrained got a roberta_fast model quantized by rf.quantize ({type(module).__name__}), "
+                         "not a transformers one: copy it with copy.deepcopy(model), or from_pretrained the fp32 "
+                         "model it came from and rf.quantize that (a quantized model's weights are not "
+                         "transformers' format: it neither saves with save_pretrained nor loads into an fp32 model)")
     if isinstance(module, _PreTrained):
         raise ValueError(f"from_pretrained got a roberta_fast model ({type(module).__name__}), not a transformers "
                          "one: it is already a roberta_fast model; copy it with copy.deepcopy(model), load its "

@@ -193,9 +193,12 @@ def test_from_pretrained_refuses_a_torch_ao_quantized_model_naming_the_fix():
 def test_from_pretrained_refuses_a_roberta_fast_or_an_unmerged_peft_model_naming_the_fix():
     """Both were read as checkpoints lacking encoder weights: refused, each with its fix."""
     ours = rf.RobertaForMaskedLM(rf.RobertaConfig(**FIELDS)).eval()
-    for model in (ours, rf.quantize(copy.deepcopy(ours)), rf.prepack(copy.deepcopy(ours))):
+    for model in (ours, rf.prepack(copy.deepcopy(ours))):
         with pytest.raises(ValueError, match="already a roberta_fast model; copy it with copy.deepcopy"):
             rf.RobertaModel.from_pretrained(model)
+    with pytest.raises(ValueError, match="quantized by rf.quantize .* copy.deepcopy.* or from_pretrained the fp32 "
+                                         "model it came from and rf.quantize that"):
+        rf.RobertaModel.from_pretrained(rf.quantize(copy.deepcopy(ours)))  # its state_dict loads into no fp32 model
     peft = pytest.importorskip("peft")
     hf = hf_model("RobertaForSequenceClassification", num_labels=3)
     lora = peft.LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False)
