@@ -620,8 +620,10 @@ class BatchLoader:
         if saved is not None and mine["data_sha256"] is not None and saved != mine["data_sha256"]:
             raise ValueError(
                 f"cannot resume: the dataset's content is not the one the run trained on (fingerprint "
-                f"{mine['data_sha256'][:12]}, the checkpoint's {saved[:12]}; re-made from other text?), so the saved "
-                "position would point at other samples. Resume with the run's dataset; to train on this one, start "
+                f"{mine['data_sha256'][:12]}, the checkpoint's {saved[:12]}: re-made from other text, or with other "
+                "preprocess options, --shard-mb included, as the fingerprint covers each shard file), so the saved "
+                "position may point at other samples. Resume with the run's dataset (or re-make it with the options "
+                "in its manifest.json); to train on this one, start "
                 "a new run (new --out) with --init-from an export of the checkpoint (python -m roberta_fast.export)"
             )
         if state["samples_seen"] % self.global_batch:
