@@ -484,6 +484,7 @@ class StopSignal:
     """While installed, SIGTERM and the first SIGINT set `requested` instead of killing."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    WHAT_NEXT = "saving a checkpoint after this step, then exiting (Ctrl-C again to abort without saving)"
 
     def __init__(self):
         self.requested: str | None = None
@@ -495,8 +496,7 @@ class StopSignal:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.requested = name
         if os.environ.get("RANK", "0") == "0":  # once per job under torchrun, which signals every rank
-            print(f"\n{name} received: saving a checkpoint after this step, then exiting "
-                  "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+            print(f"\n{name} received: {self.WHAT_NEXT}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignal":
         import threading

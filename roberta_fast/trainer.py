@@ -34,7 +34,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -888,13 +887,7 @@ class ExportSignal(StopSignal):
     """While installed, SIGTERM and the first SIGINT let the final export finish (killed, it would be
     redone by the rerun); the run then ends as finished. A second Ctrl-C aborts it."""
 
-    def _handle(self, signum, frame):
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        if os.environ.get("RANK", "0") == "0":
-            print(f"\n{self.requested} received: finishing the export of the final model first "
-                  "(Ctrl-C again to abort it)", file=sys.stderr, flush=True)
+    WHAT_NEXT = "finishing the export of the final model first (Ctrl-C again to abort it)"
 
 
 def check_export_target(directory) -> Path:
