@@ -443,7 +443,8 @@ class RobertaLayer(nn.Module):
 
     def forward(self, x, attention_mask=None, backend="reference", packed=None, output_attentions=False,
                 x_cast=None, cast_dtype=None):
-        """x: (batch, seqlen, hidden), or (total_tokens, hidden) when `packed` = (cu_seqlens, max_seqlen).
+        """x: (batch, seqlen, hidden), or (total_tokens, hidden) when `packed` = (cu_seqlens, max_seqlen,
+        min_seqlen) (_Packing.attention_args).
 
         Under autocast the residual stream x stays fp32 (as HF's) and each matmul reads a
         half copy. x_cast: that copy of x, written by the previous fused LayerNorm, read by
@@ -468,7 +469,8 @@ class RobertaLayer(nn.Module):
         qkv = qkv.view(*x.shape[:-1], 3, self.num_heads, hidden // self.num_heads)
         probs = None
         if packed is not None:
-            a = ops.attention_varlen(qkv, *packed, attention_p, backend)
+            cu_seqlens, max_seqlen, min_seqlen = packed
+            a = ops.attention_varlen(qkv, cu_seqlens, max_seqlen, attention_p, backend, min_seqlen)
         elif output_attentions:
             a, probs = ops.attention_with_probs(qkv, attention_mask, attention_p)
         else:
@@ -941,7 +943,8 @@ class RobertaModel(_PreTrained):
             position_ids = self.embeddings.position_ids(input_ids, inputs_embeds)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # once here, not a 0/1 check in every layer's kernel
-        varlen = not output_attentions and ops.unpad_impl(backend, shaped.device, self.config.head_dim) is not None
+        impl = None if output_attentions else ops.unpad_impl(backend, shaped.device, self.config.head_dim)
+        varlen = impl is not None
         packing = None
         if cu_seqlens is not None:
             if varlen:
@@ -954,7 +957,7 @@ class RobertaModel(_PreTrained):
             input_ids, position_ids, token_type_ids, inputs_embeds = (
                 packing.pack(t) for t in (input_ids, position_ids, token_type_ids, inputs_embeds))
         x = self.embeddings(input_ids, token_type_ids, position_ids, backend, inputs_embeds)
-        packed = (packing.cu_seqlens, packing.max_seqlen) if packing is not None else None
+        packed = packing.attention_args(impl) if packing is not None else None
         cast_dtype = ops.autocast_copy_dtype(x, backend)  # None unless fused under autocast
         states, attentions, x_cast = [x], [], None
         for i, layer in enumerate(self.layers):
@@ -1009,11 +1012,24 @@ class _Packing:
     """How a (batch, seqlen) batch maps to packed tokens for variable-length attention.
 
     indices: the kept positions of the flattened batch·seqlen tokens (None: all of them).
+    max_seqlen / min_seqlen: the longest / shortest sequence (min_seqlen None when not known: only
+    SDPA's nested attention below sm_80 needs it, see min_seqlen_for).
     """
 
-    def __init__(self, shape, cu_seqlens, max_seqlen: int | None = None, indices=None):
+    def __init__(self, shape, cu_seqlens, max_seqlen: int | None = None, indices=None, min_seqlen: int | None = None):
         self.shape, self.cu_seqlens, self.indices = tuple(shape), cu_seqlens, indices
-        self.max_seqlen = int(cu_seqlens.diff().max()) if max_seqlen is None else int(max_seqlen)
+        if max_seqlen is None:  # one host sync for both
+            steps = cu_seqlens.diff()
+            max_seqlen, min_seqlen = torch.stack([steps.max(), steps.min()]).tolist()
+        self.max_seqlen, self.min_seqlen = int(max_seqlen), min_seqlen
+
+    def attention_args(self, impl: str | None) -> tuple:
+        """(cu_seqlens, max_seqlen, min_seqlen) for ops.attention_varlen. Under SDPA's nested
+        attention (impl "sdpa-nested") an unknown min_seqlen is read here, once per forward;
+        otherwise SDPA's backend choice reads it from the device three times per layer."""
+        if impl == "sdpa-nested" and self.min_seqlen is None:
+            self.min_seqlen = int(self.cu_seqlens.diff().min())
+        return self.cu_seqlens, self.max_seqlen, self.min_seqlen
 
     @classmethod
     def from_mask(cls, attention_mask):
@@ -1025,7 +1041,8 @@ class _Packing:
         keep = attention_mask.bool()
         lengths = keep.sum(dim=1, dtype=torch.int32)
         # the one host sync
-        total, longest, first_kept = torch.stack([lengths.sum(), lengths.max(), keep[:, :1].all()]).tolist()
+        total, longest, shortest, first_kept = torch.stack(
+            [lengths.sum(), lengths.max(), lengths.min(), keep[:, :1].all()]).tolist()
         if total == keep.numel():
             return None, None
         if not first_kept:
@@ -1034,7 +1051,7 @@ class _Packing:
         # the kept positions in order, as nonzero() gives them, without its second sync:
         # a stable sort of "masked" (0 before 1) puts them first
         indices = torch.argsort(keep.flatten().logical_not().to(torch.uint8), stable=True)[:total]
-        return cls(keep.shape, cu_seqlens, longest, indices), None  # indices: (total_tokens,) into batch·seqlen
+        return cls(keep.shape, cu_seqlens, longest, indices, shortest), None  # indices: (total_tokens,) into batch·seqlen
 
     def pack(self, t):
         """(batch, seqlen, ...) -> (total_tokens, ...); None stays None."""

@@ -191,9 +191,12 @@ def attention(qkv, attention_mask, dropout_p: float, backend: str):
     return out.transpose(1, 2)  # (batch, seqlen, heads, head_dim)
 
 
-def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float, backend: str = "fused"):
+def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float, backend: str = "fused",
+                     min_seqlen: int | None = None):
     """Attention over packed sequences; qkv: (total_tokens, 3, heads, head_dim) -> (total_tokens,
     heads, head_dim). Sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1] and attends only within itself.
+    max_seqlen: the longest sequence; min_seqlen: the shortest, when known (the nested path
+    below sm_80 needs it; None there costs a host sync).
 
     fused: the Triton variable-length kernel, or (attention_impl "sdpa", below sm_80) SDPA's
     memory-efficient kernel over a jagged nested tensor (cu_seqlens passed through, no padding);
@@ -202,19 +205,23 @@ def attention_varlen(qkv, cu_seqlens, max_seqlen: int, dropout_p: float, backend
     if backend != "fused":
         return attention_varlen_sdpa(qkv, cu_seqlens, dropout_p)
     if attention_impl(qkv.device) == "sdpa":
-        return _attention_varlen_nested(qkv, cu_seqlens, max_seqlen, dropout_p)
+        return _attention_varlen_nested(qkv, cu_seqlens, max_seqlen, dropout_p, min_seqlen)
     return _kernels().attention_qkvpacked(qkv, None, dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                           validate=False)
 
 
-def _attention_varlen_nested(qkv, cu_seqlens, max_seqlen: int, dropout_p: float):
+def _attention_varlen_nested(qkv, cu_seqlens, max_seqlen: int, dropout_p: float, min_seqlen: int | None = None):
     """attention_varlen through SDPA on jagged nested tensors: on CUDA the efficient kernel reads
-    cu_seqlens itself (no padding, no per-sequence launches); max_seqlen given, so no host sync."""
+    cu_seqlens itself (no padding, no per-sequence launches). Both extremes are given: SDPA's backend
+    choice otherwise reads each from the device, one host sync per q, k and v (three per layer)."""
     offsets = cu_seqlens.to(torch.int64)
+    if min_seqlen is None:
+        min_seqlen = int(offsets.diff().min())  # one sync instead of SDPA's three
 
     def nested(t):  # (total_tokens, heads, head_dim) -> (batch, heads, jagged seqlen, head_dim)
         # contiguous: nested SDPA needs dense values under the transpose (a slice of qkv is strided)
-        return torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=max_seqlen).transpose(1, 2)
+        return torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=max_seqlen,
+                                                min_seqlen=min_seqlen).transpose(1, 2)
 
     q, k, v = (nested(t) for t in qkv.unbind(1))
     out = _sdpa_tensor_cores(q, k, v, dropout_p=dropout_p)

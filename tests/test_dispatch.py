@@ -112,6 +112,21 @@ def test_below_sm80_the_fused_model_runs_sdpa_attention_and_the_triton_elementwi
     monkeypatch.setattr(ops, "_attention_varlen_nested", nested)
     gelu = Spy(kernels.bias_gelu)
     monkeypatch.setattr(kernels, "bias_gelu", gelu)
+    from torch.nested._internal import nested_tensor, sdpa as nested_sdpa
+
+    # SDPA's nested backend choice on a GPU checks the shortest sequence of q, k and v for the
+    # efficient kernel and reads it from the device when not given: a host sync each. Run that check
+    # as on a GPU (then math, as the CPU has no efficient kernel) and count the reads.
+    extreme_reads = Spy(nested_tensor._get_sdpa_extreme_seqlen)
+    monkeypatch.setattr(nested_tensor, "_get_sdpa_extreme_seqlen", extreme_reads)
+    jagged_check = nested_sdpa._can_use_efficient_sdpa_jagged
+
+    def efficient_check_then_math(params, debug=False):
+        jagged_check(params, debug)
+        return False
+
+    monkeypatch.setattr(nested_sdpa, "can_use_efficient_attention", lambda params, debug=False: True)
+    monkeypatch.setattr(nested_sdpa, "_can_use_efficient_sdpa_jagged", efficient_check_then_math)
     ids, mask, labels = batch()
     kwargs, call_mask = {}, mask
     if layout == "padded":
@@ -130,6 +145,7 @@ def test_below_sm80_the_fused_model_runs_sdpa_attention_and_the_triton_elementwi
     layers = CONFIG["num_hidden_layers"]
     assert sdpa.calls == layers and gelu.calls >= layers
     assert nested.calls == (0 if layout == "padded" else layers)
+    assert extreme_reads.calls == 0  # both extremes passed in, forward and backward
     valid = mask.bool()
     torch.testing.assert_close(logits[valid], ref_logits[valid], atol=2e-5, rtol=2e-5)
     for name, grad in ref_grads.items():
