@@ -1415,9 +1415,10 @@ class RobertaForMultipleChoice(_PreTrained):
 
 # -------------------------------------------------------------------------- MFU
 # Datasheet dense fp16/bf16 peaks, matched by substring of the device name, first match wins
-# (so the PCIe and NVL H100s and the NVL H200 are not taken for the SXM part).
+# (so the PCIe and NVL H100s, the NVL H200 and the PCIe / "S" V100s are not taken for the SXM part).
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
-              ("H200", 989e12), ("A100", 312e12), ("V100", 125e12))
+              ("H200", 989e12), ("A100", 312e12), ("V100S", 130e12), ("V100-PCIE", 112e12), ("V100", 125e12),
+              ("Tesla T4", 65e12))
 
 
 def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, seq_len: int) -> float:

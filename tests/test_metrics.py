@@ -116,6 +116,7 @@ def test_plot(tmp_path):
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
     ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12),
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12), ("Tesla V100-SXM2-16GB", 125e12),
+    ("Tesla V100-PCIE-32GB", 112e12), ("Tesla V100S-PCIE-32GB", 130e12), ("Tesla T4", 65e12),
 ])
 def test_mfu_peak_by_device_name(name, peak):
     """torch.cuda.get_device_name() strings -> the dense bf16/fp16 datasheet peak; NaN elsewhere."""
