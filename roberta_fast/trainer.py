@@ -126,9 +126,37 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        check_torch_runs_on(torch.cuda.get_device_capability(device), torch.cuda.get_arch_list(),
+                            torch.cuda.get_device_name(device))
     elif device.type != "cpu":
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
     return device
+
+
+def check_torch_runs_on(capability: tuple[int, int], arch_list: list[str], gpu_name: str) -> None:
+    """Refuse, before any work, a GPU this torch build has no kernels for: torch only warns and
+    then fails at the first kernel with "no kernel image is available". The case users meet: a V100
+    (sm_70) under torch >= 2.11's CUDA 12.8 / 13 wheels, which dropped Volta (the CUDA 12.6 ones
+    keep it). Rules as torch's own check: an sm_XY binary runs on the same major version and a
+    minor at least Y; compute_XY (PTX) on any capability at least X.Y."""
+    if not arch_list:  # a build that lists nothing (ROCm): nothing to check against
+        return
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        digits = "".join(c for c in number if c.isdigit())  # "sm_90a" -> "90"
+        if len(digits) < 2:
+            continue
+        built = (int(digits[:-1]), int(digits[-1]))
+        if (kind == "sm" and built[0] == capability[0] and built[1] <= capability[1]) or \
+                (kind == "compute" and built <= capability):
+            return
+    sm = f"sm_{capability[0]}{capability[1]}"
+    fix = ("install torch's CUDA 12.6 build (pip install torch --index-url "
+           "https://download.pytorch.org/whl/cu126), which keeps sm_70 and older, and rebuild roberta_fast "
+           "with a CUDA 12 nvcc (README, Install)" if capability < (7, 5) else
+           "install a torch build that lists it (https://pytorch.org/get-started/locally/)")
+    raise ValueError(f"{gpu_name} ({sm}) has no kernels in this torch build ({torch.__version__}, built for "
+                       f"{' '.join(arch_list)}); {fix}, or use --device cpu")
 
 
 # ---------------------------------------------------------------------- optimizer

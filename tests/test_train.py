@@ -859,3 +859,41 @@ def test_under_torchrun_a_mistake_every_rank_makes_is_reported_once(monkeypatch,
         assert capsys.readouterr().err.strip().startswith(expected) if expected else not capsys.readouterr().err
     report(RuntimeError("out of memory"), every_rank=True)
     assert capsys.readouterr().err == "error: [rank 1] out of memory\n"
+
+
+@pytest.mark.parametrize("capability, arch_list, runs", [
+    ((7, 0), ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"], False),  # V100, torch cu130
+    ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"], True),  # V100, torch cu126
+    ((7, 5), ["sm_75", "sm_80", "sm_90"], True),
+    ((8, 6), ["sm_80", "sm_90"], True),  # sm_80 binaries run on sm_86
+    ((9, 0), ["sm_80", "sm_90a"], True),
+    ((8, 9), ["sm_75", "compute_75"], True),  # PTX JIT-compiles for newer GPUs
+    ((12, 0), ["sm_80", "sm_90"], False),
+])
+def test_a_gpu_this_torch_has_no_kernels_for_is_refused_before_training(capability, arch_list, runs):
+    """torch >= 2.11's CUDA 12.8 / 13 wheels dropped sm_70: a V100 user gets a clear error naming the
+    CUDA 12.6 build, not torch's "no kernel image is available" at the first kernel."""
+    from roberta_fast.trainer import check_torch_runs_on
+
+    if runs:
+        check_torch_runs_on(capability, arch_list, "GPU")
+        return
+    with pytest.raises(ValueError, match="has no kernels in this torch build") as err:
+        check_torch_runs_on(capability, arch_list, "Tesla V100-SXM2-16GB")
+    assert ("whl/cu126" in str(err.value)) == (capability < (7, 5)) and "--device cpu" in str(err.value)
+
+
+def test_resolve_device_checks_the_gpu_against_torch_s_kernels(monkeypatch):
+    """resolve_device runs that check on the GPU it picks (CUDA faked: no GPU here)."""
+    from roberta_fast import trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-PCIE-32GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90"])
+    with pytest.raises(ValueError, match=r"Tesla V100-PCIE-32GB \(sm_70\) has no kernels"):
+        trainer.resolve_device("auto", 0)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_70", "sm_75"])
+    assert trainer.resolve_device("auto", 0) == torch.device("cuda", 0)
