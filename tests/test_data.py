@@ -335,3 +335,41 @@ def test_bad_arguments(built):
         assert len(empty) == 0
         with pytest.raises(ValueError, match="no samples"):
             BatchLoader(empty, 1, seed=0)
+
+
+def test_pack_planning_is_next_fit_in_chunks_without_a_python_int_per_document(monkeypatch):
+    """pack=True planning (_pack_runs) = plain next fit over the runs, whatever the chunking, and its
+    peak memory is the result plus a chunk: it once held every run as a Python int (~60-80 bytes
+    per document; a C4-sized corpus would have needed ~20 GB per rank just to plan)."""
+    import tracemalloc
+    import types
+
+    from roberta_fast import data
+
+    seq_len, body = 16, 14
+    lengths = np.random.default_rng(0).integers(0, 40, 5000)
+    runs = -(-lengths // body)
+
+    expected, fill = [0], 0  # plain next fit, the definition
+    run_len = [min(body, n - body * r) + 2 for n, count in zip(lengths, runs) for r in range(count)]
+    for k, n in enumerate(run_len):
+        if fill + n > seq_len:
+            expected.append(k)
+            fill = 0
+        fill += n
+    expected.append(len(run_len))
+    owner = types.SimpleNamespace(seq_len=seq_len)
+    for chunk in (1, 7, 1 << 20):
+        monkeypatch.setattr(data, "PACK_CHUNK", chunk)
+        np.testing.assert_array_equal(PretrainingDataset._pack_runs(owner, lengths, runs, body), expected)
+
+    lengths = np.random.default_rng(1).integers(20, 1400, 200_000)
+    runs = -(-lengths // 510)
+    monkeypatch.setattr(data, "PACK_CHUNK", 1000)
+    tracemalloc.start()
+    try:
+        PretrainingDataset._pack_runs(types.SimpleNamespace(seq_len=512), lengths, runs, 510)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak / runs.sum() < 16, f"{peak / runs.sum():.1f} bytes per run at peak"
