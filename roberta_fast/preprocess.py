@@ -47,7 +47,9 @@ and Arrow record batches. Chunks run in parallel worker processes, each writing 
 via temporary files and renames, then its chunks/ marker. A rerun with the same inputs and options skips the
 finished chunks whose shards still match the sizes and checksums in their markers (one
 read of them) and redoes the others, so a rerun also repairs a damaged dataset;
-different inputs or options are refused unless --overwrite.
+different inputs or options are refused unless --overwrite. Ctrl-C or SIGTERM stops the
+run and its workers at once, says how many chunks are done and exits 130 / 143 (as train
+does); on Linux the workers are also killed when the run is (SIGKILL, the OOM killer).
 
 Bad input never crashes the run or vanishes silently: invalid UTF-8 is replaced by
 U+FFFD and counted, naming the files (as are lone surrogates escaped in JSON), empty files
@@ -69,6 +71,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import time
 import zlib
@@ -341,6 +344,11 @@ def _plan(sources: list[documents.Source], shard_bytes: int, doc_per_file: bool,
 
 
 # --------------------------------------------------------------------------- driver
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM, from main) stopped the run: the message says how far it got. The
+    finished chunks are kept; the rerun resumes."""
+
+
 def preprocess(
     inputs: Sequence[str | os.PathLike],
     tokenizer: RobertaTokenizer | str | os.PathLike,
@@ -397,9 +405,14 @@ def preprocess(
         _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
                  sum(_segment_bytes(*segment[3:]) for t in tasks for segment in t["segments"]))
 
-    run(tasks)
-    run(_top_up_valid(out, chunks, valid_fraction, log,
-                      {"out": str(out), "dtype": dtype, "options": run_options}))
+    try:
+        run(tasks)
+        run(_top_up_valid(out, chunks, valid_fraction, log,
+                          {"out": str(out), "dtype": dtype, "options": run_options}))
+    except KeyboardInterrupt:
+        done = sum((out / "chunks" / f"{i:05d}.json").exists() for i in range(len(chunks)))
+        raise Interrupted(f"interrupted: {done} of {len(chunks)} chunks done; rerun the same command to resume") \
+            from None
     manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
     splits = manifest["splits"]
     if not splits["train"]["documents"] + splits["valid"]["documents"]:
@@ -552,12 +565,14 @@ def _execute(tasks: list[dict], tokenizer_file: str, workers: int, progress: boo
 
 
 def _execute_pool(tasks: list[dict], tokenizer_file: str, workers: int, update: Callable) -> list[dict]:
-    """Run tasks in spawned worker processes; return those left undone if the pool broke."""
+    """Run tasks in spawned worker processes; return those left undone if the pool broke. On Ctrl-C
+    (or SIGTERM, see main) the pending tasks are cancelled and the workers stopped at once: their
+    chunks' temporary files are removed by the rerun, which redoes those chunks."""
     ctx = mp.get_context("spawn")  # no fork of a process that may hold Rust thread pools
     counters = ctx.Array("q", 2)  # bytes, tokens done: shared with the workers for the progress bar
     seen = [0, 0]
     with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_pool,
-                             initargs=(tokenizer_file, counters)) as pool:
+                             initargs=(tokenizer_file, counters, os.getpid())) as pool:
         futures = {pool.submit(_run_chunk, task): task for task in tasks}
         pending = set(futures)
         try:
@@ -571,10 +586,28 @@ def _execute_pool(tasks: list[dict], tokenizer_file: str, workers: int, update: 
         except BrokenProcessPool:  # e.g. a calling script without a __main__ guard
             print("preprocess: worker processes could not run; continuing in this process", file=sys.stderr)
             return [futures[f] for f in futures if not (f.done() and f.exception() is None)]
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no chunk more, none finished
+            for process in (pool._processes or {}).values():  # (no public way to stop a running task)
+                process.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return []
 
 
-def _init_pool(tokenizer_file: str, counters) -> None:
+def _init_pool(tokenizer_file: str, counters, parent: int) -> None:
+    """A worker: Ctrl-C is the parent's to handle (it stops the workers), and on Linux the worker
+    is killed when the parent dies (SIGKILL, the OOM killer), rather than tokenizing on alone
+    and holding the parent's stderr (a `| tee`) open."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # the parent died before prctl
+            os._exit(1)
+
     def progress(nbytes: int, ntokens: int) -> None:
         with counters.get_lock():
             counters[0] += nbytes
@@ -663,6 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stopped_by = [signal.SIGINT]
+
+    def on_sigterm(signum, frame):  # a scheduler's SIGTERM stops the run as Ctrl-C does
+        stopped_by[0] = signum
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         preprocess(args.inputs, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                    text_field=args.text_field, doc_per_file=args.doc_per_file, shard_mb=args.shard_mb,
@@ -671,6 +711,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:  # FileNotFoundError: a tokenizer name the Hub lacks
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # 130 for SIGINT, 143 for SIGTERM, as train exits
+        print(err if isinstance(err, Interrupted) else "interrupted; rerun the same command to resume",
+              file=sys.stderr)
+        return 128 + stopped_by[0]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

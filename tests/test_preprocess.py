@@ -5,10 +5,14 @@ preprocessing treats "<mask>" in text as text) loaded from the saved tokenizer; 
 input is written into tmp_path.
 """
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -377,3 +381,72 @@ def test_stale_temporary_chunk_markers_are_removed(tok, tmp_path):
     (tmp_path / "out" / "chunks" / ".00000.json.abc123.tmp").write_text("{")
     run([tmp_path / "in"], tok, tmp_path / "out")
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def start_long_run(tok, tmp_path):
+    """A CLI run of 2 workers over 60 small chunks, once its first chunk is done: (process, its out)."""
+    (tmp_path / "in").mkdir()
+    words = [f"w{i}x{i * 7 % 13}" for i in range(500)]
+    text = "\n\n".join(" ".join(words[(d + k) % 500] for k in range(60)) for d in range(6000))
+    (tmp_path / "in" / "a.txt").write_text(text + "\n")
+    tok.save(tmp_path / "tok")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "roberta_fast.preprocess", "--tokenizer", str(tmp_path / "tok"), "--out", str(out),
+           "--quiet", "--workers", "2", "--shard-mb", str(len(text) / 60e6), str(tmp_path / "in")]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 60
+    while not list((out / "chunks").glob("*.json")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, p.communicate()[1]
+    return p, out
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_the_workers_at_once(tok, tmp_path, sig):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM (to preprocess alone): no chunk more, one line, 130 / 143."""
+    p, out = start_long_run(tok, tmp_path)
+    t0 = time.time()
+    if sig == "SIGINT":
+        os.killpg(p.pid, signal.SIGINT)
+    else:
+        os.kill(p.pid, signal.SIGTERM)
+    try:
+        err = p.communicate(timeout=20)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        err = p.communicate()[1]
+    done = len(list((out / "chunks").glob("*.json")))
+    assert time.time() - t0 < 3 and done < 30, (time.time() - t0, done)
+    assert p.returncode == 128 + getattr(signal, sig), err
+    assert err.strip() == f"interrupted: {done} of 60 chunks done; rerun the same command to resume", err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_die_with_a_killed_parent(tok, tmp_path):
+    """SIGKILL of preprocess alone (the OOM killer): its workers do not tokenize on."""
+    p, out = start_long_run(tok, tmp_path)
+
+    def ppid(stat: Path) -> int:
+        try:
+            return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            return 0
+
+    children = [int(s.parent.name) for s in Path("/proc").glob("[0-9]*/stat") if ppid(s) == p.pid]
+    assert children
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+
+    def running(c: int) -> bool:  # (a zombie waiting to be reaped counts as dead)
+        try:
+            return Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 5
+    while any(map(running, children)) and time.time() < deadline:
+        time.sleep(0.05)
+    alive = [c for c in children if running(c)]
+    for c in alive:
+        os.kill(c, signal.SIGKILL)
+    assert not alive
