@@ -47,7 +47,8 @@ and Arrow record batches. Chunks run in parallel worker processes, each writing 
 via temporary files and renames, then its chunks/ marker. A rerun with the same inputs and options skips the
 finished chunks whose shards still match the sizes and checksums in their markers (one
 read of them) and redoes the others, so a rerun also repairs a damaged dataset;
-different inputs or options are refused unless --overwrite. Ctrl-C or SIGTERM stops the
+different inputs or options are refused unless --overwrite, and a second run on a DATADIR
+that one is writing is refused (a flock on DATADIR/.preprocess.lock). Ctrl-C or SIGTERM stops the
 run and its workers at once, says how many chunks are done and exits 130 / 143 (as train
 does); on Linux the workers are also killed when the run is (SIGKILL, the OOM killer).
 
@@ -66,12 +67,14 @@ that cannot be read), counted and named in the manifest's `refused`, as binary f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import zlib
@@ -91,6 +94,7 @@ from roberta_fast.tokenizer import RobertaTokenizer
 FORMAT = "roberta_fast.tokens"
 VERSION = 1
 BATCH_CHARS = 1 << 20  # chars per encode_batch call
+LOCK_NAME = ".preprocess.lock"  # flock-ed by the run writing the directory: one run per --out
 MIN_VALID_TOKENS = 16 * 128  # a valid split smaller than one batch of the tiny preset is topped up
 MAX_TOP_UP = 64  # documents a top-up may add (also at most 10% of them); each chunk keeps this many candidates
 
@@ -390,46 +394,47 @@ def preprocess(
                 "bytes": f.size, "mtime_ns": os.stat(f.path).st_mtime_ns} for f in files]
     plan = {"format": FORMAT, "version": VERSION, "tokenizer_hash": tokenizer.tokenizer_hash,
             "dtype": dtype, "options": options, "sources": sources}
-    _prepare_out(out, plan, overwrite)
-    tokenizer.save(out / "tokenizer")
-    chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
-    todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, log)]
-    if len(todo) < len(chunks):
-        log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
-    run_options = {**options, "skip_damaged": skip_damaged}  # (skipping is no part of what the shards are)
-    tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": run_options}
-             for i in todo]
-    t0 = time.time()
+    with _locked(out):  # one run per --out: a second's cleanup would delete this one's temporary files
+        _prepare_out(out, plan, overwrite)
+        tokenizer.save(out / "tokenizer")
+        chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
+        todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, log)]
+        if len(todo) < len(chunks):
+            log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
+        run_options = {**options, "skip_damaged": skip_damaged}  # (skipping is no part of what the shards are)
+        tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": run_options}
+                 for i in todo]
+        t0 = time.time()
 
-    def run(tasks: list[dict]) -> None:
-        _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
-                 sum(_segment_bytes(*segment[3:]) for t in tasks for segment in t["segments"]))
+        def run(tasks: list[dict]) -> None:
+            _execute(tasks, str(out / "tokenizer" / "tokenizer.json"), workers, progress,
+                     sum(_segment_bytes(*segment[3:]) for t in tasks for segment in t["segments"]))
 
-    try:
-        run(tasks)
-        run(_top_up_valid(out, chunks, valid_fraction, log,
-                          {"out": str(out), "dtype": dtype, "options": run_options}))
-    except KeyboardInterrupt:
-        done = sum((out / "chunks" / f"{i:05d}.json").exists() for i in range(len(chunks)))
-        raise Interrupted(f"interrupted: {done} of {len(chunks)} chunks done; rerun the same command to resume") \
-            from None
-    manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
-    splits = manifest["splits"]
-    if not splits["train"]["documents"] + splits["valid"]["documents"]:
+        try:
+            run(tasks)
+            run(_top_up_valid(out, chunks, valid_fraction, log,
+                              {"out": str(out), "dtype": dtype, "options": run_options}))
+        except KeyboardInterrupt:
+            done = sum((out / "chunks" / f"{i:05d}.json").exists() for i in range(len(chunks)))
+            raise Interrupted(f"interrupted: {done} of {len(chunks)} chunks done; rerun the same command to resume") \
+                from None
+        manifest = _manifest(out, tokenizer, plan, len(chunks), refused)
+        splits = manifest["splits"]
+        if not splits["train"]["documents"] + splits["valid"]["documents"]:
+            _print_report(manifest, time.time() - t0, log)
+            if fresh:  # leave nothing that would refuse a corrected rerun ("made from other inputs")
+                shutil.rmtree(out, ignore_errors=True)
+                if existed:
+                    out.mkdir()
+            raise ValueError(documents.nothing_to_read(inputs, refused, manifest["counts"]))
+        # the manifest before the report: a reader that stops at the summary (`| head`) ends this process
+        # there, and must not leave a dataset without its manifest
+        write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
         _print_report(manifest, time.time() - t0, log)
-        if fresh:  # leave nothing that would refuse a corrected rerun ("made from other inputs")
-            shutil.rmtree(out, ignore_errors=True)
-            if existed:
-                out.mkdir()
-        raise ValueError(documents.nothing_to_read(inputs, refused, manifest["counts"]))
-    # the manifest before the report: a reader that stops at the summary (`| head`) ends this process
-    # there, and must not leave a dataset without its manifest
-    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
-    _print_report(manifest, time.time() - t0, log)
-    if not splits["valid"]["documents"]:
-        log(f"warning: the valid split is empty ({splits['train']['documents']} documents, --valid-fraction "
-            f"{valid_fraction}): python -m roberta_fast.train needs one; give more text or a larger --valid-fraction")
-    return manifest
+        if not splits["valid"]["documents"]:
+            log(f"warning: the valid split is empty ({splits['train']['documents']} documents, --valid-fraction "
+                f"{valid_fraction}): python -m roberta_fast.train needs one; give more text or a larger --valid-fraction")
+        return manifest
 
 
 def _top_up_valid(out: Path, chunks: list, fraction: float, log: Callable, common: dict) -> list[dict]:
@@ -504,6 +509,28 @@ def _shard_files(out: Path, split: str, index: int, info: dict, dtype: str) -> d
     return entry
 
 
+@contextlib.contextmanager
+def _locked(out: Path):
+    """Hold an exclusive flock on `out`/.preprocess.lock (made with `out`), or raise ValueError
+    naming the run that holds it. (A filesystem without locks runs unlocked.)"""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK_NAME, "a+") as f:
+        try:
+            import fcntl
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ValueError(f"another preprocess ({f.read().strip() or 'pid unknown'}) is writing to {str(out)!r}: "
+                             "wait for it to end (or stop it), or pass another --out") from None
+        except (ImportError, OSError):  # not POSIX, or no locks on this filesystem
+            pass
+        else:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+        yield  # closing the file releases the lock
+
+
 def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
     """Create the output tree, or check that an existing one is the same run (resume). plan.json is
     written before the folders: a run killed in between leaves a directory its rerun knows as its own."""
@@ -516,7 +543,7 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
         folder (left by a run killed before plan.json)."""
         if p.name in ("train", "valid", "chunks", "tokenizer"):
             return any(p.iterdir())
-        return p.name != "inputs"
+        return p.name not in ("inputs", LOCK_NAME)
 
     if out.exists() and any(run_output(p) for p in out.iterdir()):
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None

@@ -370,7 +370,7 @@ def test_a_run_killed_before_its_plan_is_written_reruns(tok, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         run([tmp_path / "in"], tok, tmp_path / "out2")
     monkeypatch.undo()
-    assert [p.name for p in (tmp_path / "out2").iterdir()] == ["plan.json"]
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == [pp.LOCK_NAME, "plan.json"]
     m, _ = run([tmp_path / "in"], tok, tmp_path / "out2")
     assert m["counts"]["documents"] == len(DOCS)
 
@@ -450,3 +450,21 @@ def test_workers_die_with_a_killed_parent(tok, tmp_path):
     for c in alive:
         os.kill(c, signal.SIGKILL)
     assert not alive
+
+
+def test_a_second_run_on_one_out_is_refused(tok, tmp_path):
+    """A run holding --out's lock (another terminal, a scheduler retry) keeps a second one out, which
+    would delete its temporary files as stale; once it ends, the same out is used again."""
+    fcntl = pytest.importorskip("fcntl")
+    write_corpus(tmp_path, DOCS)
+    out = tmp_path / "out"
+    run([tmp_path / "in"], tok, out)
+    with open(out / pp.LOCK_NAME, "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        with pytest.raises(ValueError, match=r"another preprocess \(pid 4242 on elsewhere\) is writing to"):
+            run([tmp_path / "in"], tok, out)
+    m, log = run([tmp_path / "in"], tok, out)
+    assert "resuming" in log and m["counts"]["documents"] == len(DOCS)
