@@ -7,7 +7,8 @@
 Both `preprocess` (in chunks, in parallel) and `RobertaTokenizer.train` read through here.
 
 Formats, told apart by their first bytes (magic), then by their extension:
-- text (.txt .text .md .rst): documents separated by blank lines (or one per file);
+- text (.txt .text .md .rst): documents separated by blank lines (or one per file); `\r\n`
+  reads as `\n`, but a lone `\r` (old Mac line ends) is no line break: it stays in the text;
 - JSONL (.jsonl .ndjson .json, as C4 ships): one JSON object per line, the text under `text_field`
   (a .json holding one JSON array, or one object spread over lines, is refused by name);
 - either compressed: gzip (1f 8b), bzip2 ("BZh"), xz (fd "7zXZ" 00) with the standard library,
@@ -736,12 +737,18 @@ class SegmentReader:
         newline = ""  # "\n" owed before the next line of the document
         at_line_start = True
         dropping = False  # the rest of a line holding a NUL byte is dropped too
+        carry = b""  # a "\r" ending a block, held back: the next block may start with its "\n"
         while not exact or pos < end:
             offset[0] = pos
-            raw = f.readline(READ_BLOCK)
-            if not raw:
+            block = f.readline(READ_BLOCK)
+            if not block and not carry:
                 break
-            pos += len(raw)
+            pos += len(block)
+            raw, carry = carry + block, b""
+            if block.endswith(b"\r") and (not exact or pos < end):  # (at the end: read as it is)
+                raw, carry = raw[:-1], b"\r"
+                if not raw:
+                    continue
             if offset[0] == 0 and self.start == 0:  # a UTF-8 byte order mark marks the encoding: not text
                 raw = raw.removeprefix(codecs.BOM_UTF8)
             if dropping or b"\x00" in raw:  # a zero-filled region (a log after a crash): not text

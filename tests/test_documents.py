@@ -398,3 +398,11 @@ def test_nul_bytes_past_the_sniffed_head_are_dropped_and_counted(tok, tmp_path):
     want, _ = run([tmp_path / "clean"], tok, tmp_path / "want", valid_fraction=0.0)
     assert shard_docs(tmp_path / "out") == shard_docs(tmp_path / "want")
     assert m["counts"]["documents"] == want["counts"]["documents"] == len(DOCS) + 2 + 3
+
+
+def test_a_crlf_cut_by_a_read_block_is_one_line_end(tmp_path, monkeypatch):
+    """"\\r\\n" reads as "\\n" also where a block of READ_BLOCK bytes ends between the two; a lone "\\r"
+    (old Mac line ends) is no line break, kept as text, at the end of the file too."""
+    monkeypatch.setattr(documents, "READ_BLOCK", 8)
+    (tmp_path / "a.txt").write_bytes(b"abcdefg\r\nnext\r\n\r\nold\rmac\r\n\r\n1234567\r")
+    assert list(documents.read_documents([tmp_path / "a.txt"])) == ["abcdefg\nnext", "old\rmac", "1234567\r"]
