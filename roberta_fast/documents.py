@@ -215,7 +215,8 @@ def _dataset_dir_files(p: Path) -> list[Path] | None:
 def find_sources(inputs, log: Callable[[str], None], cache_dir: Path | None = None,
                  skip_damaged: bool = False) -> tuple[list[Source], dict]:
     """The input files as Sources, and the files refused or skipped by reason. Directories are
-    searched recursively (a save_to_disk directory gives its .arrow files); a `datasets.Dataset`
+    searched recursively, following linked folders but reading each folder once, and leaving out
+    (logged) names starting with "." (a save_to_disk directory gives its .arrow files); a `datasets.Dataset`
     gives its cache files (an in-memory or reindexed one is first written to `cache_dir`).
     A compressed file whose start cannot be decompressed is a DamagedInputError, or with
     skip_damaged refused as a damaged file."""
@@ -276,8 +277,13 @@ def find_sources(inputs, log: Callable[[str], None], cache_dir: Path | None = No
             continue
         p = Path(item)
         if p.is_dir():
-            for root, dirs, names in os.walk(p):
+            hidden, walked = [], set()
+            for root, dirs, names in os.walk(p, followlinks=True):  # linked folders too (corpus/wiki -> /mnt/...)
                 root = Path(root)
+                if os.path.realpath(root) in walked:  # a link to a folder read already (or a loop)
+                    dirs[:] = []
+                    continue
+                walked.add(os.path.realpath(root))
                 if (root / "plan.json").is_file():  # a dataset directory: never read as input
                     log(f"skipping {root}: it is a preprocess output")
                     dirs[:] = []
@@ -288,10 +294,14 @@ def find_sources(inputs, log: Callable[[str], None], cache_dir: Path | None = No
                         add(path, explicit=True)
                     dirs[:] = []
                     continue
+                hidden += [str(root / n) for n in dirs + names if n.startswith(".")]
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for n in sorted(names):
                     if not n.startswith("."):
                         add(root / n, explicit=False)
+            if hidden:
+                log(f"skipping {len(hidden)} hidden files and folders (names starting with '.') in {p}: "
+                    + ", ".join(hidden[:5]) + (", ..." if len(hidden) > 5 else ""))
         elif p.is_file():
             add(p, explicit=True)
         else:

@@ -6,10 +6,11 @@
 
 Inputs are read by documents.py, the one reader of every format: `.txt` files (documents
 separated by blank lines, or one document per file with --doc-per-file; `\r\n` line ends
-read as `\n`), `.jsonl` files (one JSON object per line, the text under --text-field),
+read as `\n`, a lone `\r` kept as text), `.jsonl` files (one JSON object per line, the text under --text-field),
 either compressed (.gz .bz2 .xz .zst, told by their bytes), Parquet and Arrow files (the
 --text-field column), `datasets` save_to_disk directories, a `datasets.Dataset` (from
-Python), and directories of them, searched recursively. A Dataset held in memory or
+Python), and directories of them, searched recursively (linked folders too, each folder once;
+names starting with "." skipped, and logged). A Dataset held in memory or
 reindexed (shuffle, select) is first written to DATADIR/inputs/. The dataset directory holds:
 
     manifest.json           written last: tokenizer hash, vocab size, special ids, dtype,

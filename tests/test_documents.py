@@ -406,3 +406,21 @@ def test_a_crlf_cut_by_a_read_block_is_one_line_end(tmp_path, monkeypatch):
     monkeypatch.setattr(documents, "READ_BLOCK", 8)
     (tmp_path / "a.txt").write_bytes(b"abcdefg\r\nnext\r\n\r\nold\rmac\r\n\r\n1234567\r")
     assert list(documents.read_documents([tmp_path / "a.txt"])) == ["abcdefg\nnext", "old\rmac", "1234567\r"]
+
+
+def test_linked_folders_are_read_once_and_hidden_names_are_said(tmp_path):
+    """A linked folder (corpus/wiki -> another disk) is read like its own, a loop of links ends, a
+    folder reached twice is read once; files and folders named ".*" are skipped, and the log says so."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "w.txt").write_text("wiki doc\n")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("top doc\n")
+    (corpus / ".notes.txt").write_text("hidden\n")
+    (corpus / "wiki").symlink_to(tmp_path / "elsewhere")
+    (corpus / "wiki2").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "loop").symlink_to(corpus)
+    log = []
+    sources, _ = documents.find_sources([corpus], log.append)
+    assert [s.path for s in sources] == [str(corpus / "a.txt"), str(corpus / "wiki" / "w.txt")]
+    assert f"skipping 1 hidden files and folders (names starting with '.') in {corpus}: {corpus / '.notes.txt'}" in log
