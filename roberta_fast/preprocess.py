@@ -47,8 +47,10 @@ large .gz is read by one process, whose tokenizer then uses every core), Parquet
 and Arrow record batches. Chunks run in parallel worker processes, each writing its shards
 via temporary files and renames, then its chunks/ marker. A rerun with the same inputs and options skips the
 finished chunks whose shards still match the sizes and checksums in their markers (one
-read of them) and redoes the others, so a rerun also repairs a damaged dataset;
-different inputs or options are refused unless --overwrite, and a second run on a DATADIR
+read of them) and redoes the others, so a rerun also repairs a damaged dataset. Input files
+changed since (a damaged one replaced) are taken too: the chunks that read them, or whose input
+moved with them, are redone (each marker keeps the segments it read); other input files or
+options are refused unless --overwrite, and a second run on a DATADIR
 that one is writing is refused (a flock on DATADIR/.preprocess.lock). Ctrl-C or SIGTERM stops the
 run and its workers at once, says how many chunks are done and exits 130 / 143 (as train
 does); on Linux the workers are also killed when the run is (SIGKILL, the OOM killer).
@@ -273,6 +275,7 @@ def _tokenize_chunk(task: dict, segments: list, damaged: list) -> dict:
     stats["shards"] = {s: w.close() for s, w in writers.items()}
     stats["candidates"], stats["forced_valid"] = candidates.lowest(), sorted(forced)
     stats["damaged_files"] = damaged
+    stats["segments"] = _canonical(task["segments"])  # what it read: compared once input files changed
     write_text_atomic(out / "chunks" / f"{index:05d}.json", json.dumps(stats))
     return stats
 
@@ -396,9 +399,9 @@ def preprocess(
     plan = {"format": FORMAT, "version": VERSION, "tokenizer_hash": tokenizer.tokenizer_hash,
             "dtype": dtype, "options": options, "sources": sources}
     with _locked(out):  # one run per --out: a second's cleanup would delete this one's temporary files
-        _prepare_out(out, plan, overwrite)
-        tokenizer.save(out / "tokenizer")
         chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
+        _prepare_out(out, plan, overwrite, chunks, log)
+        tokenizer.save(out / "tokenizer")
         todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, log)]
         if len(todo) < len(chunks):
             log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
@@ -532,9 +535,44 @@ def _locked(out: Path):
         yield  # closing the file releases the lock
 
 
-def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
-    """Create the output tree, or check that an existing one is the same run (resume). plan.json is
-    written before the folders: a run killed in between leaves a directory its rerun knows as its own."""
+def _changed_files(old: dict, plan: dict) -> list[str] | None:
+    """The input files whose size or mtime differ between the plan `old` and `plan` of the same
+    files and options (a damaged file replaced), or None when `old` is another run's."""
+    def rest(p: dict) -> dict:
+        return {k: v for k, v in p.items() if k != "sources"}
+
+    if rest(old) != rest(plan) or [s["path"] for s in old["sources"]] != [s["path"] for s in plan["sources"]]:
+        return None
+    return [new["path"] for was, new in zip(old["sources"], plan["sources"]) if was != new]
+
+
+def _canonical(segments: list) -> list:
+    """Segments as a marker keeps them (JSON, absolute paths): what a chunk read."""
+    return json.loads(json.dumps([[os.path.abspath(path), *rest] for path, *rest in segments]))
+
+
+def _forget_changed(out: Path, chunks: list, changed: list[str], log: Callable) -> None:
+    """Remove the markers (to redo them) of the chunks that read a changed input file, or other
+    segments than they will now (their input moved), and those past the last chunk with their shards."""
+    log(f"{len(changed)} input files changed since the last run ({', '.join(changed[:5])}"
+        f"{', ...' if len(changed) > 5 else ''}): redoing the chunks that read them")
+    for marker in (out / "chunks").glob("*.json"):
+        i = int(marker.stem)
+        if i < len(chunks):
+            segments = json.loads(marker.read_text()).get("segments")
+            if segments == _canonical(chunks[i]) and not any(path in changed for path, *_ in segments):
+                continue
+        else:
+            for name in ("train/{}.bin", "train/{}.idx.npy", "valid/{}.bin", "valid/{}.idx.npy"):
+                (out / name.format(marker.stem)).unlink(missing_ok=True)
+        marker.unlink()
+
+
+def _prepare_out(out: Path, plan: dict, overwrite: bool, chunks: list, log: Callable) -> None:
+    """Create the output tree, or check that an existing one is the same run (resume) or that of
+    input files changed since (a damaged file replaced: the chunks they touch are forgotten), or
+    refuse another run's output. plan.json is written after that, before the folders: a run killed
+    in between leaves a directory its rerun knows as its own."""
     plan_file = out / "plan.json"
     for stale in out.glob(".plan.json.*.tmp"):  # a plan.json write killed half-way
         stale.unlink()
@@ -546,9 +584,12 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
             return any(p.iterdir())
         return p.name not in ("inputs", LOCK_NAME)
 
+    changed: list[str] = []
     if out.exists() and any(run_output(p) for p in out.iterdir()):
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None
-        if old != plan:
+        changed = [] if old == plan else _changed_files(old, plan) if old and not overwrite else None
+        if changed is None:
+            changed = []
             if not overwrite:
                 why = "was made from other inputs or options" if old else "is not a preprocess output"
                 raise ValueError(
@@ -560,6 +601,9 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool) -> None:
             for name in ("manifest.json", "plan.json"):
                 (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    if changed:
+        (out / "manifest.json").unlink(missing_ok=True)  # (written again at the end)
+        _forget_changed(out, chunks, changed, log)
     write_text_atomic(plan_file, json.dumps(plan, indent=1))
     for sub in ("train", "valid", "chunks", "tokenizer"):
         (out / sub).mkdir(exist_ok=True)

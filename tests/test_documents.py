@@ -424,3 +424,36 @@ def test_linked_folders_are_read_once_and_hidden_names_are_said(tmp_path):
     sources, _ = documents.find_sources([corpus], log.append)
     assert [s.path for s in sources] == [str(corpus / "a.txt"), str(corpus / "wiki" / "w.txt")]
     assert f"skipping 1 hidden files and folders (names starting with '.') in {corpus}: {corpus / '.notes.txt'}" in log
+
+
+def test_a_replaced_damaged_file_resumes_the_run(tok, tmp_path):
+    """The damaged-file error's advice followed: with the file replaced, the same command keeps the
+    chunks finished before it and redoes those that read it, or read what changed: the shards are a
+    fresh run's. So does a rerun after a finished file changed; other files are still refused."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:20]))
+    FORMATS["jsonl.gz"](d / "b.jsonl.gz", DOCS * 2)
+    (d / "c.jsonl").write_bytes(jsonl_bytes(DOCS[:10]))
+    intact = (d / "b.jsonl.gz").read_bytes()
+    damage(d / "b.jsonl.gz", "jsonl.gz")
+    out, kw = tmp_path / "out", dict(shard_mb=0.005, workers=1)
+    with pytest.raises(documents.DamagedInputError, match="replace it"):
+        run([d], tok, out, **kw)
+    done = len(list((out / "chunks").glob("*.json")))
+    assert done >= 1
+    (d / "b.jsonl.gz").write_bytes(intact)
+    m, log = run([d], tok, out, **kw)
+    assert f"resuming: {done} of" in log and f"1 input files changed since the last run ({d / 'b.jsonl.gz'})" in log
+    want, _ = run([d], tok, tmp_path / "fresh", **kw)
+    assert shard_docs(out) == shard_docs(tmp_path / "fresh") and m["counts"] == want["counts"]
+
+    (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:12]))  # fewer chunks: every one after shifts
+    m, log = run([d], tok, out, **kw)
+    want, _ = run([d], tok, tmp_path / "fresh2", **kw)
+    assert shard_docs(out) == shard_docs(tmp_path / "fresh2") and m["counts"] == want["counts"]
+    for sub in ("train", "valid", "chunks"):  # none left of the chunks past the new last one
+        assert sorted(p.name for p in (out / sub).iterdir()) == sorted(p.name for p in (tmp_path / "fresh2" / sub).iterdir())
+    (d / "d.jsonl").write_bytes(jsonl_bytes(DOCS[:3]))
+    with pytest.raises(ValueError, match="made from other inputs or options"):
+        run([d], tok, out, **kw)
