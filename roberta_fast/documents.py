@@ -934,7 +934,8 @@ def read_documents(inputs, text_field: str = "text", log: Callable[[str], None] 
     document by document (pieces of about PIECE_CHARS for longer ones): what
     `RobertaTokenizer.train` learns from. Inputs are checked now: the files skipped are logged,
     one line per reason; a ValueError names inputs that hold no file to read, or (when the
-    iterator ends) no document."""
+    iterator ends) no document. At the end it logs the text it replaced or left out (invalid
+    UTF-8, lone surrogates, lines with NUL bytes, undecodable JSONL lines), as preprocess counts them."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     items = [inputs] if isinstance(inputs, (str, os.PathLike)) or _is_dataset(inputs) else list(inputs)
     datasets = [i for i in items if _is_dataset(i)]
@@ -948,7 +949,7 @@ def read_documents(inputs, text_field: str = "text", log: Callable[[str], None] 
             log(f"skipped {len(names)} {why.replace('_', ' ')}: {', '.join(names[:MAX_EXAMPLES])}{more}")
 
     def documents() -> Iterator[str]:
-        stats, n = new_stats(), 0
+        stats, n, invalid = new_stats(), 0, _INVALID[0]
         for ds in datasets:
             for text in _dataset_texts(ds, text_field):
                 n += 1
@@ -964,6 +965,12 @@ def read_documents(inputs, text_field: str = "text", log: Callable[[str], None] 
                 if not skip_damaged:
                     raise
                 log(f"skipping damaged file: {err}")
+        stats["invalid_utf8_replaced"] += _INVALID[0] - invalid
+        said = [f"{k} {stats[k]}" + (f" ({', '.join(stats['examples'][k][:3])})" if stats["examples"].get(k) else "")
+                for k in ("invalid_utf8_replaced", "lone_surrogates_replaced", "nul_lines", "bad_json_lines",
+                          "records_without_text") if stats[k]]
+        if said:  # (preprocess counts them in its report and manifest)
+            log(f"read {n} documents, with text replaced or left out: {', '.join(said)}")
         if not n:
             raise ValueError(nothing_to_read(inputs, refused, stats))
 

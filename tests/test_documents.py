@@ -457,3 +457,17 @@ def test_a_replaced_damaged_file_resumes_the_run(tok, tmp_path):
     (d / "d.jsonl").write_bytes(jsonl_bytes(DOCS[:3]))
     with pytest.raises(ValueError, match="made from other inputs or options"):
         run([d], tok, out, **kw)
+
+
+def test_tokenizer_training_text_says_what_it_replaced_or_dropped(tmp_path):
+    """What RobertaTokenizer.train reads counts, as preprocess does, the invalid UTF-8 and lone
+    surrogates it replaced and the NUL lines and bad JSONL lines it left out, and logs them at the end."""
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 ok\n\n" + b"x" * documents.SNIFF_BYTES + b"\n\nbad \x00 line\nok\n")
+    record = b'{"text": "lone \\ud800 here"}\n'
+    (tmp_path / "b.jsonl").write_bytes(record + b"{not json\n")
+    log = []
+    texts = list(documents.read_documents([tmp_path], log=log.append))
+    assert texts[0] == "caf\ufffd ok" and texts[-1] == "lone \ufffd here" and "ok" in texts
+    assert log[-1] == ("read 4 documents, with text replaced or left out: invalid_utf8_replaced 1, "
+                       f"lone_surrogates_replaced 1, nul_lines 1 (a.txt@byte{documents.SNIFF_BYTES + 11}), "
+                       f"bad_json_lines 1 (b.jsonl@byte{len(record)})"), log
