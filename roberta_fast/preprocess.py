@@ -516,9 +516,11 @@ def _shard_files(out: Path, split: str, index: int, info: dict, dtype: str) -> d
 @contextlib.contextmanager
 def _locked(out: Path):
     """Hold an exclusive flock on `out`/.preprocess.lock (made with `out`), or raise ValueError
-    naming the run that holds it. (A filesystem without locks runs unlocked.)"""
+    naming the run that holds it. (A filesystem without locks runs unlocked.) An `out` it made is
+    removed again if the run leaves nothing else in it (refused, or failed before writing)."""
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / LOCK_NAME, "a+") as f:
+    with open(out / LOCK_NAME, "a+") as f, contextlib.ExitStack() as cleanup:
         try:
             import fcntl
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -532,7 +534,16 @@ def _locked(out: Path):
             f.truncate(0)
             f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
             f.flush()
+            if made:  # (only while locked: never the lock file of a run that made `out` at the same moment)
+                cleanup.callback(_remove_if_only_lock, out)
         yield  # closing the file releases the lock
+
+
+def _remove_if_only_lock(out: Path) -> None:
+    with contextlib.suppress(OSError):
+        if [p.name for p in out.iterdir()] == [LOCK_NAME]:
+            (out / LOCK_NAME).unlink()
+            out.rmdir()
 
 
 def _changed_files(old: dict, plan: dict) -> list[str] | None:
@@ -584,12 +595,11 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool, chunks: list, log: Call
             return any(p.iterdir())
         return p.name not in ("inputs", LOCK_NAME)
 
-    changed: list[str] = []
+    changed = None
     if out.exists() and any(run_output(p) for p in out.iterdir()):
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None
-        changed = [] if old == plan else _changed_files(old, plan) if old and not overwrite else None
-        if changed is None:
-            changed = []
+        changed = _changed_files(old, plan) if old and not overwrite else None
+        if old != plan and changed is None:
             if not overwrite:
                 why = "was made from other inputs or options" if old else "is not a preprocess output"
                 raise ValueError(
@@ -658,7 +668,7 @@ def _execute_pool(tasks: list[dict], tokenizer_file: str, workers: int, update: 
         except BrokenProcessPool:  # e.g. a calling script without a __main__ guard
             print("preprocess: worker processes could not run; continuing in this process", file=sys.stderr)
             return [futures[f] for f in futures if not (f.done() and f.exception() is None)]
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no chunk more, none finished
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop now, not after the chunks running
             for process in (pool._processes or {}).values():  # (no public way to stop a running task)
                 process.terminate()
             pool.shutdown(wait=True, cancel_futures=True)

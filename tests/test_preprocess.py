@@ -468,3 +468,12 @@ def test_a_second_run_on_one_out_is_refused(tok, tmp_path):
             run([tmp_path / "in"], tok, out)
     m, log = run([tmp_path / "in"], tok, out)
     assert "resuming" in log and m["counts"]["documents"] == len(DOCS)
+
+
+def test_a_refused_run_leaves_no_out_it_made(tok, tmp_path):
+    """An --out made for a run that then fails before writing anything (here: a damaged table) is
+    removed again, lock file and all."""
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"x" * 100)
+    with pytest.raises(documents.DamagedInputError):
+        run([tmp_path / "bad.parquet"], tok, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
