@@ -416,7 +416,7 @@ def test_ctrl_c_stops_the_workers_at_once(tok, tmp_path, sig):
         os.killpg(p.pid, signal.SIGKILL)
         err = p.communicate()[1]
     done = len(list((out / "chunks").glob("*.json")))
-    assert time.time() - t0 < 3 and done < 30, (time.time() - t0, done)
+    assert time.time() - t0 < 5 and done < 30, (time.time() - t0, done)
     assert p.returncode == 128 + getattr(signal, sig), err
     assert err.strip() == f"interrupted: {done} of 60 chunks done; rerun the same command to resume", err
 
@@ -473,6 +473,7 @@ def test_a_second_run_on_one_out_is_refused(tok, tmp_path):
 def test_a_refused_run_leaves_no_out_it_made(tok, tmp_path):
     """An --out made for a run that then fails before writing anything (here: a damaged table) is
     removed again, lock file and all."""
+    pytest.importorskip("pyarrow", reason="Parquet needs pyarrow (the [data] extra)")
     (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"x" * 100)
     with pytest.raises(documents.DamagedInputError):
         run([tmp_path / "bad.parquet"], tok, tmp_path / "out")
