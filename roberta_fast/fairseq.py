@@ -68,10 +68,19 @@ class _Inert:
         self.state = state
 
 
+# torch._utils' functions that rebuild a (dense) tensor or parameter, as torch's weights-only loader allows
+_TENSOR_REBUILDERS = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                      "_rebuild_parameter_with_state")
+
+
 def _is_safe(module: str, name: str) -> bool:
-    """What a checkpoint of tensors and plain containers needs, as torch's weights-only loader allows."""
+    """What a checkpoint of tensors and plain containers needs, as torch's weights-only loader allows:
+    exact names only. A dotted name is never safe: from pickle protocol 4 the unpickler follows it
+    attribute by attribute, so `_rebuild_tensor.__builtins__.get` would reach `exec`."""
+    if "." in name:
+        return False
     if module == "torch._utils":
-        return name.startswith("_rebuild")
+        return name in _TENSOR_REBUILDERS
     if module == "torch":
         return name in ("Size", "device") or isinstance(getattr(torch, name, None), torch.dtype)
     return (module, name) in {

@@ -322,3 +322,24 @@ def test_encoder_weights_the_conversion_does_not_use_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"2 encoder weights .*encoder\.sentence_encoder\.layer_norm\.bias, "
                                          r"encoder\.sentence_encoder\.layer_norm\.weight"):
         fairseq.convert(tmp_path / "ckpt.pt", tmp_path / "out")
+
+
+@pytest.mark.parametrize("payload", ["reduce", "dotted_name"])
+def test_a_malicious_fairseq_checkpoint_runs_no_code(tmp_path, payload):
+    """fairseq checkpoints are pickles with argparse / omegaconf objects, read by a restricted
+    unpickler: a payload calling os.system, or escaping the allow-list through a dotted name
+    (`_rebuild_tensor.__builtins__.get`, which a name-prefix check once let through to `exec`), runs
+    nothing."""
+    from malicious_checkpoint import write_dotted_name_checkpoint, write_malicious_checkpoint
+
+    marker, path = tmp_path / "PWNED", tmp_path / "evil" / "model.pt"
+    if payload == "reduce":
+        write_malicious_checkpoint(path, marker)
+    else:
+        path.parent.mkdir()
+        write_dotted_name_checkpoint(path, marker)
+    try:
+        fairseq.read_checkpoint(path)
+    except ValueError:
+        pass  # refusing it is fine too; running it is not
+    assert not marker.exists()
