@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
 import re
 import types
@@ -172,6 +173,9 @@ class TrainConfig:
               "mask_replace_prob and random_replace_prob must be >= 0 and sum to at most 1, got "
               f"{self.mask_replace_prob!r} + {self.random_replace_prob!r}")
         check(self.dropout is None or 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("lr", "min_lr", "weight_decay", "eps", "init_loss_scale"):  # inf passes the checks below
+            value = getattr(self, name)
+            check(not isinstance(value, float) or math.isfinite(value), f"{name} must be finite, got {value!r}")
         check(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
         check(0.0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
         check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay!r}")
@@ -289,7 +293,10 @@ def _field_types() -> dict[str, tuple[type, bool]]:
 def _coerce(name: str, value):
     """Convert a value read from a file or the command line to the field's type."""
     base, optional = _field_types()[name]
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+    if isinstance(value, str) and not value.strip():
+        # an unset shell variable (--init-from "$CKPT") must not quietly mean the default
+        raise ValueError(f"{name} is empty: give a value, or leave it out for its default")
+    if value is None or (optional and base is not str and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
         raise ValueError(f"{name} cannot be empty")

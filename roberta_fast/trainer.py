@@ -792,9 +792,13 @@ class Trainer:
             self.print(f"loss plot: {png}" if png else "loss plot skipped: install matplotlib for it")
         if self.dist.is_main:  # from the log, so a resumed run reports the whole run
             evals = [r for r in read_metrics(self.out / "metrics.jsonl") if r["kind"] == "eval"]
+            loss = [("not finite" if r["loss"] is None else f"{r['loss']:.4f}") for r in evals]  # None: NaN / inf
             if len(evals) >= 2:
-                self.print(f"validation MLM loss: first {evals[0]['loss']:.4f} (step {evals[0]['step']}) -> "
-                           f"last {evals[-1]['loss']:.4f} (step {evals[-1]['step']})")
+                self.print(f"validation MLM loss: first {loss[0]} (step {evals[0]['step']}) -> "
+                           f"last {loss[-1]} (step {evals[-1]['step']})")
+            if evals and evals[-1]["loss"] is None:
+                self.print("warning: the last validation loss is not finite: the weights saved and exported at the "
+                           "end do not work; lower --lr, check --weight-decay and --precision, and start again")
         # Every rank waits for rank 0's export: under gloo a rank that leaves the process group
         # while another still works can die of SIGABRT, and torchrun then fails the whole job.
         self.dist.barrier()

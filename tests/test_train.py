@@ -897,3 +897,38 @@ def test_resolve_device_checks_the_gpu_against_torch_s_kernels(monkeypatch):
         trainer.resolve_device("auto", 0)
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_70", "sm_75"])
     assert trainer.resolve_device("auto", 0) == torch.device("cuda", 0)
+
+
+def test_a_non_finite_last_validation_loss_is_reported_not_a_crash(dataset, tmp_path):
+    """metrics.jsonl records a NaN eval loss as null; the end-of-run summary once formatted that
+    None with :.4f (TypeError after the export). Now it says "not finite" and warns."""
+    lines = []
+
+    def ruin_weights(trainer):  # after the last step: the final evaluation sees NaN weights
+        if trainer.step == SMALL["max_steps"]:
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.fill_(float("nan"))
+
+    trainer = Trainer(small_config(dataset, tmp_path / "run"), log=lambda *a: lines.append(" ".join(map(str, a))))
+    try:
+        summary = trainer.run(on_step=ruin_weights)
+    finally:
+        trainer.close()
+    assert summary["status"] == "finished"
+    text = "\n".join(lines)
+    assert "-> last not finite (step 6)" in text and "warning: the last validation loss is not finite" in text
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--init-from", "", "init_from is empty"), ("--data", "", "data is empty"), ("--out", " ", "out is empty"),
+    ("--lr", "inf", "lr must be finite"), ("--eps", "inf", "eps must be finite"),
+    ("--weight-decay", "inf", "weight_decay must be finite"), ("--init-loss-scale", "inf", "init_loss_scale must be finite"),
+])
+def test_empty_paths_and_infinite_optimizer_values_are_refused(flag, value, message):
+    """An unset shell variable (--init-from "$CKPT") once meant random weights, --data "" the embedded
+    corpus; --lr inf trained to NaN weights and --eps inf trained nothing, both accepted."""
+    from roberta_fast.train_config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(["--preset", "tiny", flag, value])
