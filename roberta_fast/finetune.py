@@ -142,6 +142,17 @@ class Finetuner:
         if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
                 or not (cfg.lr is None or cfg.lr > 0) or cfg.keep_checkpoints < 1):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4, lr > 0 and keep_checkpoints >= 1")
+        empty = [f.name for f in dataclasses.fields(cfg)
+                 if isinstance(getattr(cfg, f.name), str) and not getattr(cfg, f.name).strip()]
+        if empty:  # an unset shell variable (--valid "$DEV") must not quietly mean the default
+            raise ValueError(f"--{empty[0].replace('_', '-')} is empty: give a value, or leave it out for its default")
+        finite = ("lr", "weight_decay", "eps", "warmup_ratio", "beta1", "beta2")
+        if not all(getattr(cfg, n) is None or math.isfinite(getattr(cfg, n)) for n in finite) or not (
+                0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.eps > 0 and cfg.weight_decay >= 0
+                and 0 <= cfg.warmup_ratio <= 1):
+            raise ValueError(f"need finite values with 0 <= beta1, beta2 < 1, eps > 0, weight_decay >= 0 and "
+                             f"0 <= warmup_ratio <= 1; got lr {cfg.lr}, beta1 {cfg.beta1}, beta2 {cfg.beta2}, "
+                             f"eps {cfg.eps}, weight_decay {cfg.weight_decay}, warmup_ratio {cfg.warmup_ratio}")
         if cfg.n_best < 1 or cfg.max_answer_len < 1:
             raise ValueError(f"need --n-best >= 1 and --max-answer-len >= 1 (got {cfg.n_best} and "
                              f"{cfg.max_answer_len}): with none, every predicted answer would be empty")

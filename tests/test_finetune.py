@@ -707,3 +707,15 @@ def test_the_glue_column_names_in_the_hint_read_glues_tsv_files(task, tmp_path):
         examples = read_examples(path, config(task, tmp_path, **fields))
         assert len(examples) == 3 and examples[1][2] == "1", (name, examples)
         assert (examples[0][1] is None) == (name in ("SST-2", "CoLA")), name
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(valid=""), "--valid is empty"), (dict(tokenizer=" "), "--tokenizer is empty"), (dict(pair_field=""), "--pair-field is empty"),
+    (dict(lr=float("inf")), "need finite values"), (dict(eps=float("inf")), "need finite values"),
+    (dict(weight_decay=float("nan")), "need finite values"), (dict(beta2=1.0), "need finite values"),
+    (dict(warmup_ratio=2.0), "need finite values"),
+])
+def test_empty_options_and_impossible_optimizer_values_are_refused(task, tmp_path, bad, message):
+    """--valid "$DEV" with DEV unset once held 10% of --train out instead, --lr inf trained to NaN."""
+    with pytest.raises(ValueError, match=message):
+        Finetuner(config(task, tmp_path / "run", **bad), log=lambda *_: None)
