@@ -409,10 +409,10 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
 
     if issubclass(cls, RobertaForMaskedLM):  # before the model is built, whose own refusal names no checkpoint
         _refuse_untied_decoder(config, _align_prefix(hf_state, "roberta."), "roberta.")
-    model = cls(config, backend=backend, **kwargs)
-    if any(p.is_meta for p in model.parameters()):
-        raise RuntimeError("You are using `from_pretrained` with a meta device context manager (torch.device('meta')): "
-                           "the weights would not be loaded; call from_pretrained outside it")
+    # The checkpoint is checked against a model of shapes only, so a config claiming a far larger model
+    # than its weights (from a directory someone else made) is refused before that model is allocated.
+    with torch.device("meta"):
+        model = cls(config, backend=backend, **kwargs)
     prefix = "roberta." if hasattr(model, "roberta") else ""
     hf_state = _align_prefix(hf_state, prefix)
     # An MLM head where the model has none is unused, reported by the checkpoint's names as transformers
@@ -441,6 +441,10 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
         warnings.warn(f"newly initialised (not in the checkpoint): {missing}", stacklevel=3)
     if unexpected:
         warnings.warn(f"checkpoint weights not used by {cls.__name__}: {unexpected}", stacklevel=3)
+    model = cls(config, backend=backend, **kwargs)
+    if any(p.is_meta for p in model.parameters()):
+        raise RuntimeError("You are using `from_pretrained` with a meta device context manager (torch.device('meta')): "
+                           "the weights would not be loaded; call from_pretrained outside it")
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)

@@ -1,4 +1,4 @@
-"""Model directories someone else made: an index naming files elsewhere."""
+"""Model directories someone else made: a config claiming a huge model, an index naming files elsewhere."""
 import json
 import os
 import shutil
@@ -15,6 +15,48 @@ TINY = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_he
 def _tiny_dir(path):
     rf.RobertaForMaskedLM(rf.RobertaConfig(**TINY)).save_pretrained(path)
     return path
+
+
+class _AllocationLimit(torch.overrides.TorchFunctionMode):
+    """Fails, before the memory is taken, once torch.empty (which nn.Linear, nn.Embedding and nn.LayerNorm
+    allocate with) is asked for more than 50 M elements (200 MB in fp32) of real, not meta, tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and torch.device(kwargs.get("device") or "cpu").type != "meta":
+            self.elements += torch.Size(args[0] if len(args) == 1 and not isinstance(args[0], int) else args).numel()
+            if self.elements > 50 * 2**20:
+                raise AssertionError(f"allocating {self.elements} elements before checking the checkpoint")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def allocation_limit():
+    with _AllocationLimit():
+        yield
+
+
+def _claim(directory, **fields):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def test_config_claiming_a_huge_model_is_refused_before_allocating_it(tmp_path, allocation_limit):
+    directory = _tiny_dir(tmp_path / "m")
+    _claim(directory, num_hidden_layers=300, hidden_size=1024, intermediate_size=4096, num_attention_heads=16)
+    with pytest.raises(ValueError, match=r"checkpoint lacks encoder weights: \['roberta.encoder.layer.1\."):
+        rf.RobertaForMaskedLM.from_pretrained(directory)  # a 3.8 G-parameter (15 GB) claim
+
+
+def test_a_mismatched_shape_is_refused_before_allocating_the_model(tmp_path, allocation_limit):
+    directory = _tiny_dir(tmp_path / "m")
+    _claim(directory, vocab_size=100_000_000)  # 6.4 GB of word embeddings, against the checkpoint's 50 rows
+    with pytest.raises(ValueError, match=r"checkpoint weight \S+ has shape \(50,.*\), the config implies \(100000000,"):
+        rf.RobertaForMaskedLM.from_pretrained(directory)
 
 
 def test_a_missing_head_is_still_initialised(tmp_path):
