@@ -119,7 +119,7 @@ def dataset_tokenizer(path: str | Path, manifest: dict | None = None):
 
     path = Path(path)
     manifest = manifest if manifest is not None else load_manifest(path)
-    directory = path / manifest.get("tokenizer_path", "tokenizer")
+    directory = _member(path, manifest.get("tokenizer_path", "tokenizer"), "tokenizer_path")
     if not directory.is_dir():  # checked first: a relative path would otherwise be tried as a Hub name
         raise _damaged(directory, "is missing (the tokenizer the dataset's ids belong to)")
     try:
@@ -168,6 +168,14 @@ def _damaged(file: Path, what: str) -> ValueError:
     return ValueError(f"{str(file)!r} {what}: the dataset is damaged; {REPAIR}")
 
 
+def _member(root: Path, name, entry: str) -> Path:
+    """`root / name` for a file the manifest names; ValueError if it lies outside the dataset directory."""
+    from .files import inside
+
+    return inside(root, name, f"{str(root / 'manifest.json')!r}: {entry}",
+                  f"the dataset is damaged or was not made by roberta_fast.preprocess; {REPAIR}")
+
+
 def _check_size(file: Path, expected: int) -> None:
     if not file.is_file():
         raise _damaged(file, "is missing")
@@ -210,13 +218,13 @@ def _check_shard(root: Path, shard: dict, dtype: np.dtype, vocab_size: int) -> N
     """A shard against its manifest entry: the byte size the manifest records, the token count
     times the dtype's size and the file's size agree; its index ends at the token count; its
     largest id (recorded by preprocess) fits the vocabulary."""
-    file = root / shard["bin"]
+    file = _member(root, shard["bin"], "the shard bin file")
     size = shard["tokens"] * dtype.itemsize
     if shard.get("bin_bytes", size) != size:
         raise _damaged(root / "manifest.json", f"records {shard['bin_bytes']} bytes for {shard['bin']}, but "
                                                f"{shard['tokens']} tokens of {dtype} are {size} bytes")
     _check_size(file, size)
-    _check_index(root / shard["idx"], shard)
+    _check_index(_member(root, shard["idx"], "the shard idx file"), shard)
     if shard.get("max_id", -1) >= vocab_size:
         raise _damaged(root / "manifest.json", f"says {shard['bin']} holds ids up to {shard['max_id']}, past its "
                                                f"{vocab_size}-id vocabulary")
@@ -235,11 +243,12 @@ def verify_checksums(path: str | Path, log=print) -> None:
             no_max += "max_id" not in shard
             for kind in ("bin", "idx"):
                 expected = shard.get(f"{kind}_sha256")
+                file = _member(path, shard[kind], f"the shard {kind} file")
                 if expected is None:
                     unrecorded += 1
-                elif not (path / shard[kind]).is_file():
+                elif not file.is_file():
                     bad.append(f"{shard[kind]} (missing)")
-                elif sha256_file(path / shard[kind]) != expected:
+                elif sha256_file(file) != expected:
                     bad.append(f"{shard[kind]} (checksum mismatch)")
     if bad:
         raise ValueError(f"the dataset {str(path)!r} is damaged: {', '.join(bad)}; {REPAIR}")
@@ -316,7 +325,7 @@ class PretrainingDataset:
             raise ValueError(f"seq_len must be an int >= 3 (<s>, a token, </s>), got {seq_len!r}")
         self.path = Path(path)
         self.manifest = load_manifest(self.path)
-        self.tokenizer_path = self.path / self.manifest.get("tokenizer_path", "tokenizer")
+        self.tokenizer_path = _member(self.path, self.manifest.get("tokenizer_path", "tokenizer"), "tokenizer_path")
         self.split, self.seq_len, self.mode, self.pack = split, seq_len, mode, pack
         self.stream = TokenStream(self.path, self.manifest, split)
         m = self.manifest

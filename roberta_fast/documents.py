@@ -204,12 +204,17 @@ def decompressed_head(source: Source) -> bytes:
 
 
 def _dataset_dir_files(p: Path) -> list[Path] | None:
-    """The .arrow files of a `datasets` save_to_disk directory, in order (None if it is not one)."""
+    """The .arrow files of a `datasets` save_to_disk directory, in order (None if it is not one).
+    ValueError if state.json names a file outside the directory (it was not made by save_to_disk)."""
+    from .files import inside
+
     state = p / "state.json"
     if not state.is_file() or not (p / "dataset_info.json").is_file():
         return None
     files = json.loads(state.read_text()).get("_data_files") or []
-    return [p / f["filename"] for f in files]
+    fix = "the directory is damaged or was not made by `datasets` save_to_disk; ask for a fresh copy"
+    return [inside(p, f.get("filename") if isinstance(f, dict) else f, f"{str(state)!r}: the _data_files entry",
+                   fix) for f in files]
 
 
 def find_sources(inputs, log: Callable[[str], None], cache_dir: Path | None = None,

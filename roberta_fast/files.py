@@ -162,3 +162,17 @@ def absolute_if_local(value: str | None) -> str | None:
     """`value` as an absolute path if it names a local file or directory, else as it is (a Hub
     name, None): what a checkpoint records, so a tool run from another directory finds it."""
     return str(Path(value).resolve()) if value and os.path.exists(value) else value
+
+
+def inside(root: str | os.PathLike, name, what: str, fix: str) -> Path:
+    """`root / name` for a file name read from a file in `root` (a manifest, state.json), refused
+    unless it is a relative path that stays inside `root` once resolved: a received directory must
+    not make a tool read files elsewhere. ValueError naming `what` (the entry), the name and `fix`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} is {name!r}, not a file name: {fix}")
+    if os.path.isabs(name):
+        raise ValueError(f"{what} is the absolute path {name!r}, not a file inside {str(root)!r}: {fix}")
+    path = Path(root) / name
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise ValueError(f"{what} {name!r} points outside {str(root)!r}: {fix}")
+    return path

@@ -373,3 +373,32 @@ def test_pack_planning_is_next_fit_in_chunks_without_a_python_int_per_document(m
     finally:
         tracemalloc.stop()
     assert peak / runs.sum() < 16, f"{peak / runs.sum():.1f} bytes per run at peak"
+
+
+@pytest.mark.parametrize("entry", ["bin", "idx", "tokenizer_path"])
+@pytest.mark.parametrize("how", ["escaping", "absolute"])
+def test_a_manifest_naming_a_file_outside_the_dataset_is_refused(built, tmp_path, entry, how):
+    """A received dataset must not make the loader read files elsewhere (here valid copies of its own)."""
+    from roberta_fast.data import verify_checksums
+
+    path, _, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    shard = manifest["splits"]["train"]["shards"][0]
+    name = shard[entry] if entry != "tokenizer_path" else manifest[entry]
+    shutil.move(copy / name, tmp_path / "outside")
+    outside = "../outside" if how == "escaping" else str(tmp_path / "outside")
+    if entry == "tokenizer_path":
+        manifest[entry] = outside
+    else:
+        shard[entry] = outside
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    what = f"the shard {entry} file" if entry != "tokenizer_path" else entry
+    refused = rf"manifest.json': {what} .*outside.*not made by roberta_fast.preprocess"
+    calls = [lambda: dataset_tokenizer(copy), lambda: PretrainingDataset(copy, seq_len=S)]
+    if entry != "tokenizer_path":
+        calls = [lambda: PretrainingDataset(copy, seq_len=S), lambda: verify_checksums(copy, log=lambda m: None)]
+    for call in calls:
+        with pytest.raises(ValueError, match=refused):
+            call()

@@ -471,3 +471,18 @@ def test_tokenizer_training_text_says_what_it_replaced_or_dropped(tmp_path):
     assert log[-1] == ("read 4 documents, with text replaced or left out: invalid_utf8_replaced 1, "
                        f"lone_surrogates_replaced 1, nul_lines 1 (a.txt@byte{documents.SNIFF_BYTES + 11}), "
                        f"bad_json_lines 1 (b.jsonl@byte{len(record)})"), log
+
+
+@pytest.mark.parametrize("how", ["escaping", "absolute"])
+def test_a_save_to_disk_state_naming_a_file_outside_it_is_refused(tmp_path, how):
+    """A received datasets folder must not make preprocess read (and tokenise) a file elsewhere."""
+    from roberta_fast.documents import find_sources
+
+    (tmp_path / "private.txt").write_text("secret notes\n")
+    received = tmp_path / "received"
+    received.mkdir()
+    name = "../private.txt" if how == "escaping" else str(tmp_path / "private.txt")
+    (received / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}]}))
+    (received / "dataset_info.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"state.json': the _data_files entry .*not made by `datasets`"):
+        find_sources([received], log=lambda m: None)
