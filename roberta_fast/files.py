@@ -166,13 +166,14 @@ def absolute_if_local(value: str | None) -> str | None:
 
 def inside(root: str | os.PathLike, name, what: str, fix: str) -> Path:
     """`root / name` for a file name read from a file in `root` (a manifest, state.json), refused
-    unless it is a relative path that stays inside `root` once resolved: a received directory must
-    not make a tool read files elsewhere. ValueError naming `what` (the entry), the name and `fix`."""
+    unless it is a relative path that stays inside `root`: a received directory must not make a tool
+    read files elsewhere. Checked on the name, not the resolved path, so links the directory's owner
+    made (train/ on another disk) still work. ValueError naming `what` (the entry), the name and `fix`."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{what} is {name!r}, not a file name: {fix}")
     if os.path.isabs(name):
         raise ValueError(f"{what} is the absolute path {name!r}, not a file inside {str(root)!r}: {fix}")
-    path = Path(root) / name
-    if not path.resolve().is_relative_to(Path(root).resolve()):
+    parts = Path(os.path.normpath(name)).parts
+    if parts and parts[0] == "..":
         raise ValueError(f"{what} {name!r} points outside {str(root)!r}: {fix}")
-    return path
+    return Path(root) / name
