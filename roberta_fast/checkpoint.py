@@ -40,7 +40,9 @@ download) cannot run code when it is loaded. What this package saves is made of 
 those (`rng_state` keeps NumPy's generator as a tensor). A file that needs more, such as a
 checkpoint from an older roberta_fast or a crafted one, is refused with an error naming
 the objects it asks for; `trust=True` (`--trust-checkpoint` in the CLIs) reads it with
-the full unpickler, for files the user wrote themselves.
+the full unpickler, for files the user wrote themselves. A loaded checkpoint's fields must have
+the types roberta_fast writes (`check_fields`), and `restoring` turns a field a resume cannot
+use into one ValueError naming it: an edited file fails with its field named, not a traceback.
 
 `RunLock` makes one writer per run directory (train and finetune): an advisory lock
 (flock) on `<out>/run.lock`, held while the run lives and released by the kernel when the
@@ -248,7 +250,57 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
         ) from err
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{str(path)!r} is not a roberta_fast training checkpoint")
+    check_fields(state, path)
     return state
+
+
+# The type of each field a train or finetune checkpoint may hold (absent ones are not checked here:
+# the reader of each says what it needs). A file from someone else passes weights_only loading with
+# any plain containers in these places; this check turns a wrong one into one ValueError instead
+# of a KeyError / TypeError deep in the export or the resume.
+_FIELD_TYPES = {
+    "step": int, "tokens_seen": int, "world_size": int, "epochs_evaluated": int,
+    "model": dict, "optimizer": dict, "schedule": dict, "scaler": dict, "loader": dict, "window": dict,
+    "config": dict, "model_config": dict, "rng": (dict, list), "tokenizer_hash": str,
+    "resumed_from": (list, type(None)), "labels": (list, type(None)), "task": str, "export_pending": bool,
+    "best": (dict, type(None)),
+}
+
+
+def check_fields(state: dict, path) -> None:
+    """ValueError naming the field if a checkpoint's top-level field, or one of its model weights,
+    is not of the type roberta_fast writes (an edited or foreign file)."""
+    def wrong(what: str, value) -> ValueError:
+        return ValueError(f"checkpoint {str(path)!r} is not a roberta_fast checkpoint: its {what} is "
+                          f"{type(value).__name__} {str(value)[:60]!r}; it was edited or written by another "
+                          "program (export or resume the run's own checkpoint)")
+
+    for field, types in _FIELD_TYPES.items():
+        value = state.get(field)
+        if field in state and (not isinstance(value, types) or (types is int and isinstance(value, bool))):
+            raise wrong(f"'{field}'", value)
+    for name, weight in state.get("model", {}).items():
+        if not isinstance(name, str) or not isinstance(weight, torch.Tensor):
+            raise wrong(f"model weight {name!r}", weight)
+
+
+@contextlib.contextmanager
+def restoring(path):
+    """Around a resume's load_state_dict: a field missing from or malformed in the checkpoint at
+    `path` (found only while restoring it: an edited file, another version's or program's) becomes
+    one ValueError naming it, instead of a KeyError deep in the optimizer or the loader."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError) as err:
+        raise ValueError(f"checkpoint {str(path)!r} cannot be resumed: restoring it met {type(err).__name__} "
+                         f"{str(err)[:200]}; it was edited, or written by another program or roberta_fast version: "
+                         "resume from another checkpoint, or use a new --out") from err
+    except RuntimeError as err:
+        if not str(err).startswith("Error(s) in loading state_dict"):
+            raise
+        raise ValueError(f"checkpoint {str(path)!r} cannot be resumed: its weights do not fit this run's model "
+                         f"({str(err).splitlines()[1].strip()[:200]}); it was edited, or written by another roberta_fast "
+                         "version: resume from another checkpoint, or use a new --out") from err
 
 
 def _refuse_unsafe(path: Path) -> None:

@@ -32,11 +32,18 @@ def run_tokenizer(state: dict):
     for fine-tuning; for pretraining the dataset's, checked against its manifest (ValueError naming
     --tokenizer if it is gone or damaged)."""
     cfg = state["config"]
+    recorded = (cfg.get("tokenizer") or cfg.get("model")) if "labels" in state else cfg.get("data")
+    if recorded is not None and not isinstance(recorded, str):
+        raise ValueError(f"the checkpoint's training config names its tokenizer as {recorded!r}, not a path: pass "
+                         "--tokenizer, the tokenizer the run used")
     if "labels" in state:
-        return cfg.get("tokenizer") or cfg["model"]
+        if not recorded:
+            raise ValueError("the checkpoint's training config names no model or tokenizer: pass --tokenizer, the "
+                             "tokenizer of the model the run fine-tuned")
+        return recorded
     from .data import dataset_tokenizer
 
-    if not cfg.get("data"):  # the embedded demonstration corpus (cached; rebuilt the same way if it is not)
+    if not recorded:  # the embedded demonstration corpus (cached; rebuilt the same way if it is not)
         from .corpus import default_dataset
 
         return dataset_tokenizer(default_dataset())
@@ -83,7 +90,11 @@ def model_from_checkpoint(state: dict):
     if "labels" in state:  # fine-tuning: the task's model (checkpoints before --task: classify)
         from .tasks import TASKS
 
-        cls = TASKS[state.get("task", "classify")].model_class
+        task = state.get("task", "classify")
+        if task not in TASKS:
+            raise ValueError(f"the checkpoint is of fine-tuning task {task!r}, which this roberta_fast does not "
+                             f"have (it has {', '.join(TASKS)}): export it with the version that wrote it")
+        cls = TASKS[task].model_class
     elif any(key.startswith("sbo.") for key in state["model"]):  # --objective mlm+sbo: sbo.safetensors too
         cls = RobertaForSpanBERT
     else:

@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint
+from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint, restoring
 from .files import absolute_if_local
 from .hf import MismatchedSizes
 from .metrics import MetricsLogger
@@ -336,7 +336,9 @@ class Finetuner:
         latest = self.checkpoints.latest() if self.cfg.resume else None
         if latest is not None:
             # onto the CPU: the RNG states must stay CPU tensors; load_state_dict moves the rest
-            self.load_state_dict(load_checkpoint(latest, trust=self.cfg.trust_checkpoint))
+            state = load_checkpoint(latest, trust=self.cfg.trust_checkpoint)
+            with restoring(latest):
+                self.load_state_dict(state)
             self.log(f"resumed from {latest} at step {self.step}")
             if self.export_pending:  # its best epoch was never exported (the disk was full)
                 self.export(self.out / "model")

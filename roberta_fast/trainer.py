@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .checkpoint import CheckpointManager, DamagedCheckpoint, DiskSpaceError, RunLock, StopSignal, load_checkpoint
+from .checkpoint import (CheckpointManager, DamagedCheckpoint, DiskSpaceError, RunLock, StopSignal, load_checkpoint,
+                         restoring)
 from .config import RobertaConfig
 from .files import absolute_if_local
 from .hf import WEIGHT_SHARD
@@ -669,7 +670,8 @@ class Trainer:
             path, state, skipped = found
         else:  # the one named: damaged is an error
             path, state, skipped = self._resume_path(resume)
-        self.load_state_dict(state)
+        with restoring(path):
+            self.load_state_dict(state)
         self.print(f"resumed from {path} at step {self.step}")
         if skipped:
             self.dist.barrier()  # every rank has read its checkpoint before rank 0 moves files

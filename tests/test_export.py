@@ -96,6 +96,35 @@ def test_refusals_name_the_problem(stopped_run, tmp_path, capsys):
             in capsys.readouterr().err) and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(config="oops"), "its 'config' is str"),
+    (lambda s: s.update(model_config=[1, 2]), "its 'model_config' is list"),
+    (lambda s: s.update(model=[1]), "its 'model' is list"),
+    (lambda s: s["model"].update({"roberta.pooler": [1]}), "its model weight 'roberta.pooler' is list"),
+    (lambda s: s.update(step="3"), "its 'step' is str"),
+    (lambda s: s.update(labels=["a", "b"], task="evil"), "fine-tuning task 'evil', which this roberta_fast does not have"),
+    (lambda s: s["config"].update(data=7), "names its tokenizer as 7, not a path"),
+])
+def test_a_checkpoint_with_wrong_typed_fields_is_refused_in_one_line(stopped_run, tmp_path, capsys, edit, message):
+    """A checkpoint from someone else loads under weights_only with any plain containers in its fields:
+    the export says which one is wrong (exit 2), not a KeyError / TypeError traceback."""
+    run, _, _ = stopped_run
+    state = torch.load(run / "checkpoints" / "step_00000003.pt", weights_only=True)
+    edit(state)
+    atomic_torch_save(state, tmp_path / "step_00000003.pt")  # sealed: it passes the checksum
+    assert main([str(tmp_path / "step_00000003.pt"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and not (tmp_path / "o").exists()
+
+
+def test_a_fine_tuning_checkpoint_naming_no_tokenizer_asks_for_one():
+    from roberta_fast.export import run_tokenizer
+
+    with pytest.raises(ValueError, match="names no model or tokenizer: pass --tokenizer"):
+        run_tokenizer({"labels": ["a", "b"], "config": {"model": ""}})
+    assert run_tokenizer({"labels": ["a", "b"], "config": {"model": "m", "tokenizer": None}}) == "m"
+
+
 def test_an_out_holding_anything_but_an_export_is_refused_and_kept(stopped_run, tmp_path, capsys, monkeypatch):
     """The export replaces --out whole: the run directory itself (checkpoints, metrics), a file or the
     current directory once were deleted or replaced. Only a new, empty or earlier export's directory is."""

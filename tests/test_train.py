@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from malicious_checkpoint import write_malicious_checkpoint
 
+from roberta_fast.checkpoint import atomic_torch_save
 from roberta_fast.metrics import read_metrics
 from roberta_fast.train import main
 from roberta_fast.train_config import TrainConfig, load_config
@@ -579,6 +580,29 @@ def test_resume_refusals(dataset, tmp_path):
         Trainer(small_config(dataset, tmp_path / "o", resume="never")).maybe_resume()
     with pytest.raises(ValueError, match=r"differs from this config in hidden_size \(32 vs 64\)"):
         Trainer(small_config(dataset, tmp_path / "o", hidden_size=64)).maybe_resume()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(schedule={}), "restoring it met KeyError 'num_updates'"),
+    (lambda s: s.update(optimizer={"x": 1}), "restoring it met KeyError 'param_groups'"),
+    (lambda s: s.update(loader={}), "restoring it met KeyError"),
+    (lambda s: s.update(scaler=[]), "its 'scaler' is list"),
+    (lambda s: s["model"].update({"roberta.embeddings.word_embeddings.weight": torch.zeros(1)}),
+     "its weights do not fit this run's model (size mismatch for roberta.embeddings.word_embeddings.weight"),
+])
+def test_resume_from_an_edited_checkpoint_says_which_field_is_wrong(dataset, tmp_path, capsys, edit, message):
+    """A checkpoint whose fields were edited (or written by another program) loads under weights_only;
+    --resume PATH refuses it in one line naming the field (exit 2), not a KeyError traceback."""
+    trainer = Trainer(small_config(dataset, tmp_path / "o"), log=lambda *a: None)
+    state = trainer.state_dict()
+    trainer.close()
+    edit(state)
+    (tmp_path / "edited").mkdir()
+    atomic_torch_save(state, tmp_path / "edited" / "step_00000000.pt")
+    resume = ["--out", str(tmp_path / "fresh"), "--resume", str(tmp_path / "edited" / "step_00000000.pt")]
+    assert main(small_argv(dataset) + resume) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint ") and message in err, err
 
 
 def test_resume_never_runs_code_from_a_checkpoint(dataset, tmp_path, capsys):
