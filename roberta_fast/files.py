@@ -169,7 +169,7 @@ def inside(root: str | os.PathLike, name, what: str, fix: str) -> Path:
     unless it is a relative path that stays inside `root`: a received directory must not make a tool
     read files elsewhere. Checked on the name, not the resolved path, so links the directory's owner
     made (train/ on another disk) still work. ValueError naming `what` (the entry), the name and `fix`."""
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or os.path.normpath(name or ".") == ".":
         raise ValueError(f"{what} is {name!r}, not a file name: {fix}")
     if os.path.isabs(name):
         raise ValueError(f"{what} is the absolute path {name!r}, not a file inside {str(root)!r}: {fix}")

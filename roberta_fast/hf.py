@@ -21,6 +21,7 @@ import torch
 
 from . import hub
 from .config import DECODER_SETTINGS, RobertaConfig, untied_decoder_error
+from .files import inside
 
 # Native name suffix <-> HF name suffix, per encoder layer ({i} is the layer index).
 _LAYER_RENAMES = {
@@ -218,7 +219,10 @@ def _read_weights(path: str) -> dict:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
             state = {}
             for shard in shards:
-                state.update(loader(_shard_file(path, index_name, shard)))
+                # a received index naming "../x" or an absolute path would load a file from elsewhere; the
+                # name is checked, not where a link leads (a Hub snapshot's shards link into its blob store)
+                state.update(loader(str(inside(path, shard, f"the shard of {index_name}",
+                                               "shard names must be files in the model's directory"))))
             return state
     binary = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(binary):
@@ -226,18 +230,6 @@ def _read_weights(path: str) -> dict:
     raise FileNotFoundError(
         f"no weights in {path!r}: expected model.safetensors or pytorch_model.bin (or a sharded index)"
     )
-
-
-def _shard_file(path: str, index_name: str, shard: str) -> str:
-    """The file of a shard an index names, which must lie in the model directory: an index from someone
-    else naming "../x" or an absolute path would otherwise load a file from elsewhere on this machine.
-    The name is checked, not where a symlink leads (a Hub snapshot's shards link into its blob store)."""
-    root = os.path.abspath(path)
-    file = os.path.normpath(os.path.join(root, shard))
-    if file == root or os.path.commonpath([root, file]) != root:
-        raise ValueError(f"{index_name} in {path!r} names the shard {shard!r}, outside the model directory: "
-                         "shard names must be files in the model's directory")
-    return file
 
 
 def _load_bin(file: str) -> dict:

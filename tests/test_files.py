@@ -146,3 +146,16 @@ def test_a_converted_fairseq_model_states_its_limit(tmp_path):
                     tmp_path / "gpt2" / "merges.txt")
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config["model_max_length"] == SIZES["max_position_embeddings"] - SIZES["pad_token_id"] - 1 == 32
+
+
+@pytest.mark.parametrize("name, refusal", [
+    ("../x.bin", "points outside"), ("a/../../x.bin", "points outside"), ("/etc/passwd", "is the absolute path"),
+    ("", "not a file name"), (".", "not a file name"), ("a/..", "not a file name"), (7, "not a file name"),
+])
+def test_a_name_read_from_a_received_directory_must_stay_inside_it(tmp_path, name, refusal):
+    from roberta_fast.files import inside
+
+    with pytest.raises(ValueError, match=f"the entry .*{refusal}.*: the fix"):
+        inside(tmp_path, name, "the entry", "the fix")
+    assert inside(tmp_path, "train/00.bin", "the entry", "the fix") == tmp_path / "train" / "00.bin"
+    assert inside(tmp_path, "a/../b.bin", "the entry", "the fix") == tmp_path / "a/../b.bin"
