@@ -398,6 +398,8 @@ def preprocess(
                 "bytes": f.size, "mtime_ns": os.stat(f.path).st_mtime_ns} for f in files]
     plan = {"format": FORMAT, "version": VERSION, "tokenizer_hash": tokenizer.tokenizer_hash,
             "dtype": dtype, "options": options, "sources": sources}
+    if refused["damaged_files"]:  # left out by --skip-damaged: a rerun with them replaced is this run's
+        plan["left_out"] = sorted(os.path.abspath(p) for p in refused["damaged_files"])
     with _locked(out):  # one run per --out: a second's cleanup would delete this one's temporary files
         chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
         _prepare_out(out, plan, overwrite, chunks, log)
@@ -548,13 +550,17 @@ def _remove_if_only_lock(out: Path) -> None:
 
 def _changed_files(old: dict, plan: dict) -> list[str] | None:
     """The input files whose size or mtime differ between the plan `old` and `plan` of the same
-    files and options (a damaged file replaced), or None when `old` is another run's."""
+    files and options (a damaged file replaced), or that one of them read and the other left out
+    as damaged (--skip-damaged); None when `old` is another run's."""
     def rest(p: dict) -> dict:
-        return {k: v for k, v in p.items() if k != "sources"}
+        return {k: v for k, v in p.items() if k not in ("sources", "left_out")}
 
-    if rest(old) != rest(plan) or [s["path"] for s in old["sources"]] != [s["path"] for s in plan["sources"]]:
+    was, now = {s["path"]: s for s in old["sources"]}, {s["path"]: s for s in plan["sources"]}
+    both = was.keys() & now.keys()  # read by both, in the same order (the order makes the chunks)
+    if (rest(old) != rest(plan) or {*was, *old.get("left_out", [])} != {*now, *plan.get("left_out", [])}
+            or [p for p in was if p in both] != [p for p in now if p in both]):
         return None
-    return [new["path"] for was, new in zip(old["sources"], plan["sources"]) if was != new]
+    return [path for path in {**was, **now} if was.get(path) != now.get(path)]
 
 
 def _canonical(segments: list) -> list:

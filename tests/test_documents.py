@@ -486,3 +486,28 @@ def test_a_save_to_disk_state_naming_a_file_outside_it_is_refused(tmp_path, how)
     (received / "dataset_info.json").write_text("{}")
     with pytest.raises(ValueError, match=r"state.json': the _data_files entry .*not made by `datasets`"):
         find_sources([received], log=lambda m: None)
+
+
+def test_a_file_left_out_as_damaged_from_its_start_and_then_replaced_resumes_the_run(tok, tmp_path):
+    """--skip-damaged leaves out a file that cannot be read from its first bytes (it never enters the
+    plan's files); replaced, the same command resumes (redoing the chunks from where it falls in the
+    order) to a fresh run's shards, instead of refusing the output as "made from other inputs"."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:20]))
+    FORMATS["jsonl.gz"](d / "b.jsonl.gz", DOCS * 2)
+    (d / "c.jsonl").write_bytes(jsonl_bytes(DOCS[:10]))
+    intact = (d / "b.jsonl.gz").read_bytes()
+    (d / "b.jsonl.gz").write_bytes(intact[:10] + b"\xff" * 64 + intact[74:])  # the deflate stream's start
+    out, kw = tmp_path / "out", dict(shard_mb=0.005, workers=1)
+    m, _ = run([d], tok, out, skip_damaged=True, **kw)
+    assert m["refused"]["damaged_files"] == [str(d / "b.jsonl.gz")]
+    (d / "b.jsonl.gz").write_bytes(intact)
+    m, log = run([d], tok, out, **kw)
+    assert f"1 input files changed since the last run ({d / 'b.jsonl.gz'})" in log and "resuming: " in log
+    want, _ = run([d], tok, tmp_path / "fresh", **kw)
+    assert shard_docs(out) == shard_docs(tmp_path / "fresh") and m["counts"] == want["counts"]
+    assert not m["refused"]["damaged_files"]
+
+    with pytest.raises(ValueError, match="made from other inputs or options"):  # another order: other chunks
+        run([d / "c.jsonl", d / "b.jsonl.gz", d / "a.jsonl"], tok, out, **kw)
