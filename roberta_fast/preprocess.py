@@ -51,7 +51,10 @@ read of them) and redoes the others, so a rerun also repairs a damaged dataset. 
 changed since (a damaged one replaced) are taken too: the chunks that read them, or whose input
 moved with them, are redone (each marker keeps the segments it read); other input files or
 options are refused unless --overwrite, and a second run on a DATADIR
-that one is writing is refused (a flock on DATADIR/.preprocess.lock). Ctrl-C or SIGTERM stops the
+that one is writing is refused (a flock on DATADIR/.preprocess.lock). DATADIR, or its train/
+valid/ chunks/, may be links (the shards on another disk): --overwrite keeps the links and
+removes only the run's files behind them; a linked tokenizer/ is replaced by a folder, never
+written through. Ctrl-C or SIGTERM stops the
 run and its workers at once, says how many chunks are done and exits 130 / 143 (as train
 does); on Linux the workers are also killed when the run is (SIGKILL, the OOM killer).
 
@@ -75,6 +78,7 @@ import heapq
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -276,6 +280,7 @@ def _tokenize_chunk(task: dict, segments: list, damaged: list) -> dict:
     stats["candidates"], stats["forced_valid"] = candidates.lowest(), sorted(forced)
     stats["damaged_files"] = damaged
     stats["segments"] = _canonical(task["segments"])  # what it read: compared once input files changed
+    stats["made_with"] = task["made_with"]  # tokenizer, dtype, options: a marker of another run is never taken
     write_text_atomic(out / "chunks" / f"{index:05d}.json", json.dumps(stats))
     return stats
 
@@ -386,8 +391,10 @@ def preprocess(
     if not isinstance(tokenizer, RobertaTokenizer):
         tokenizer = RobertaTokenizer.from_pretrained(tokenizer)
     out = Path(out)
-    existed = out.exists()
-    fresh = not existed or not any(out.iterdir())  # emptied again if the inputs yield no document
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {str(out)!r} is a link to {os.readlink(out)!r}, which does not exist: create that "
+                         "folder, or pass another --out")
+    fresh = not out.exists() or not any(_run_output(p) for p in out.iterdir())  # emptied again if no document
     files, refused = documents.find_sources(inputs, log, out / "inputs", skip_damaged)
     if not files:
         raise ValueError(documents.nothing_to_read(inputs, refused))
@@ -404,12 +411,12 @@ def preprocess(
         chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
         _prepare_out(out, plan, overwrite, chunks, log)
         tokenizer.save(out / "tokenizer")
-        todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, log)]
+        todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, chunks[i], _made_with(plan), log)]
         if len(todo) < len(chunks):
             log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
         run_options = {**options, "skip_damaged": skip_damaged}  # (skipping is no part of what the shards are)
-        tasks = [{"index": i, "segments": chunks[i], "out": str(out), "dtype": dtype, "options": run_options}
-                 for i in todo]
+        common = {"out": str(out), "dtype": dtype, "options": run_options, "made_with": _made_with(plan)}
+        tasks = [{**common, "index": i, "segments": chunks[i]} for i in todo]
         t0 = time.time()
 
         def run(tasks: list[dict]) -> None:
@@ -418,8 +425,7 @@ def preprocess(
 
         try:
             run(tasks)
-            run(_top_up_valid(out, chunks, valid_fraction, log,
-                              {"out": str(out), "dtype": dtype, "options": run_options}))
+            run(_top_up_valid(out, chunks, valid_fraction, log, common))
         except KeyboardInterrupt:
             done = sum((out / "chunks" / f"{i:05d}.json").exists() for i in range(len(chunks)))
             raise Interrupted(f"interrupted: {done} of {len(chunks)} chunks done; rerun the same command to resume") \
@@ -429,9 +435,9 @@ def preprocess(
         if not splits["train"]["documents"] + splits["valid"]["documents"]:
             _print_report(manifest, time.time() - t0, log)
             if fresh:  # leave nothing that would refuse a corrected rerun ("made from other inputs")
-                shutil.rmtree(out, ignore_errors=True)
-                if existed:
-                    out.mkdir()
+                _remove_run_output(out)  # (links kept; an --out this run made goes with its lock)
+                shutil.rmtree(out / "inputs", ignore_errors=True)
+                (out / LOCK_NAME).unlink(missing_ok=True)  # (we are done with it)
             raise ValueError(documents.nothing_to_read(inputs, refused, manifest["counts"]))
         # the manifest before the report: a reader that stops at the summary (`| head`) ends this process
         # there, and must not leave a dataset without its manifest
@@ -484,13 +490,20 @@ def _top_up_valid(out: Path, chunks: list, fraction: float, log: Callable, commo
     return tasks
 
 
-def _chunk_done(out: Path, index: int, log: Callable) -> bool:
-    """Whether chunk `index` is finished: its marker exists and its shards match the sizes and
-    checksums recorded there (a damaged one is logged and its marker removed, to redo it)."""
+def _chunk_done(out: Path, index: int, segments: list, made_with: dict, log: Callable) -> bool:
+    """Whether chunk `index` is finished: its marker exists, records this run's `segments` and
+    `made_with` (markers of older preprocess versions record neither) and its shards match the
+    sizes and checksums recorded there (a damaged one is logged and its marker removed, to redo it)."""
     marker = out / "chunks" / f"{index:05d}.json"
     if not marker.exists():
         return False
-    for split, info in json.loads(marker.read_text())["shards"].items():
+    done = json.loads(marker.read_text())
+    segments = _canonical(segments)
+    if done.get("made_with", made_with) != made_with or done.get("segments", segments) != segments:
+        log(f"chunk {index} was made from other inputs or options: redoing it")
+        marker.unlink()
+        return False
+    for split, info in done["shards"].items():
         for kind, name in (("bin", f"{split}/{index:05d}.bin"), ("idx", f"{split}/{index:05d}.idx.npy")):
             file, size, digest = out / name, info.get(f"{kind}_bytes"), info.get(f"{kind}_sha256")
             if digest is None:  # a marker of an older preprocess: nothing to compare with
@@ -543,21 +556,23 @@ def _locked(out: Path):
 
 def _remove_if_only_lock(out: Path) -> None:
     with contextlib.suppress(OSError):
-        if [p.name for p in out.iterdir()] == [LOCK_NAME]:
-            (out / LOCK_NAME).unlink()
+        if [p.name for p in out.iterdir()] in ([LOCK_NAME], []):
+            (out / LOCK_NAME).unlink(missing_ok=True)
             out.rmdir()
+
+
+def _made_with(plan: dict) -> dict:
+    """A plan but its input files: format, version, tokenizer, dtype and options."""
+    return {k: v for k, v in plan.items() if k not in ("sources", "left_out")}
 
 
 def _changed_files(old: dict, plan: dict) -> list[str] | None:
     """The input files whose size or mtime differ between the plan `old` and `plan` of the same
     files and options (a damaged file replaced), or that one of them read and the other left out
     as damaged (--skip-damaged); None when `old` is another run's."""
-    def rest(p: dict) -> dict:
-        return {k: v for k, v in p.items() if k not in ("sources", "left_out")}
-
     was, now = {s["path"]: s for s in old["sources"]}, {s["path"]: s for s in plan["sources"]}
     both = was.keys() & now.keys()  # read by both, in the same order (the order makes the chunks)
-    if (rest(old) != rest(plan) or {*was, *old.get("left_out", [])} != {*now, *plan.get("left_out", [])}
+    if (_made_with(old) != _made_with(plan) or {*was, *old.get("left_out", [])} != {*now, *plan.get("left_out", [])}
             or [p for p in was if p in both] != [p for p in now if p in both]):
         return None
     return [path for path in {**was, **now} if was.get(path) != now.get(path)]
@@ -585,6 +600,39 @@ def _forget_changed(out: Path, chunks: list, changed: list[str], log: Callable) 
         marker.unlink()
 
 
+OUTPUT_FOLDERS = ("train", "valid", "chunks", "tokenizer")
+_RUN_FILE = re.compile(r"^(\d{5}\.(bin|idx\.npy|json)|\..*\.tmp)$")  # shards, markers, their temporaries
+
+
+def _run_output(p: Path) -> bool:
+    """Whether `p`, an entry of an output directory, holds what a run wrote: not inputs/ (a
+    datasets.Dataset written out), nor an empty output folder (left by a run killed before
+    plan.json, or made, or linked elsewhere, by the user beforehand)."""
+    if p.name in OUTPUT_FOLDERS:
+        return p.is_dir() and any(p.iterdir())
+    return p.name not in ("inputs", LOCK_NAME)
+
+
+def _remove_run_output(out: Path) -> None:
+    """Remove what runs wrote in `out` (--overwrite, or a run that found nothing to keep). A
+    train/ valid/ chunks/ that is a link (the shards on another disk) is kept and emptied of the
+    run's files only; a linked tokenizer/ is unlinked, never written through. Errors are raised:
+    an output that could not be removed must not be resumed as if it had been."""
+    for sub in OUTPUT_FOLDERS:
+        folder = out / sub
+        if folder.is_symlink():
+            if sub == "tokenizer" or not folder.exists():
+                folder.unlink()
+            else:
+                for f in folder.iterdir():
+                    if _RUN_FILE.match(f.name) and not f.is_dir():
+                        f.unlink()
+        elif folder.exists():
+            shutil.rmtree(folder)
+    for name in ("manifest.json", "plan.json"):
+        (out / name).unlink(missing_ok=True)
+
+
 def _prepare_out(out: Path, plan: dict, overwrite: bool, chunks: list, log: Callable) -> None:
     """Create the output tree, or check that an existing one is the same run (resume) or that of
     input files changed since (a damaged file replaced: the chunks they touch are forgotten), or
@@ -594,15 +642,12 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool, chunks: list, log: Call
     for stale in out.glob(".plan.json.*.tmp"):  # a plan.json write killed half-way
         stale.unlink()
 
-    def run_output(p: Path) -> bool:
-        """Written by a run: not inputs/ (a datasets.Dataset written out), nor an empty output
-        folder (left by a run killed before plan.json)."""
-        if p.name in ("train", "valid", "chunks", "tokenizer"):
-            return any(p.iterdir())
-        return p.name not in ("inputs", LOCK_NAME)
-
+    for sub in OUTPUT_FOLDERS:
+        if (out / sub).is_symlink() and not (out / sub).exists():
+            raise ValueError(f"{str(out / sub)!r} is a link to {os.readlink(out / sub)!r}, which does not exist: "
+                             "create that folder (the link is kept, to hold the shards elsewhere), or remove the link")
     changed = None
-    if out.exists() and any(run_output(p) for p in out.iterdir()):
+    if out.exists() and any(_run_output(p) for p in out.iterdir()):
         old = json.loads(plan_file.read_text()) if plan_file.exists() else None
         changed = _changed_files(old, plan) if old and not overwrite else None
         if old != plan and changed is None:
@@ -612,16 +657,15 @@ def _prepare_out(out: Path, plan: dict, overwrite: bool, chunks: list, log: Call
                     f"output directory {str(out)!r} is not empty and {why}; pass a new --out, or "
                     "--overwrite (overwrite=True) to replace it"
                 )
-            for sub in ("train", "valid", "chunks", "tokenizer"):
-                shutil.rmtree(out / sub, ignore_errors=True)
-            for name in ("manifest.json", "plan.json"):
-                (out / name).unlink(missing_ok=True)
+            _remove_run_output(out)
     out.mkdir(parents=True, exist_ok=True)
     if changed:
         (out / "manifest.json").unlink(missing_ok=True)  # (written again at the end)
         _forget_changed(out, chunks, changed, log)
     write_text_atomic(plan_file, json.dumps(plan, indent=1))
-    for sub in ("train", "valid", "chunks", "tokenizer"):
+    if (out / "tokenizer").is_symlink():  # written by every run: into a folder of its own, never a link's
+        (out / "tokenizer").unlink()
+    for sub in OUTPUT_FOLDERS:
         (out / sub).mkdir(exist_ok=True)
     for sub in ("train", "valid", "chunks"):  # leftovers of an interrupted run
         for stale in (out / sub).glob(".*.tmp"):

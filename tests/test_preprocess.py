@@ -478,3 +478,87 @@ def test_a_refused_run_leaves_no_out_it_made(tok, tmp_path):
     with pytest.raises(documents.DamagedInputError):
         run([tmp_path / "bad.parquet"], tok, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _texts(out, tok):
+    """Every document of both splits, decoded with the dataset's own tokenizer."""
+    own = RobertaTokenizer.from_pretrained(out / "tokenizer")
+    return sorted(own.decode(ids, skip_special_tokens=True) for split in ("train", "valid")
+                  for ids in shard_docs(out, split))
+
+
+def test_overwrite_through_linked_output_folders_replaces_the_data(tok, tmp_path):
+    """train/ valid/ chunks/ linked to another disk: --overwrite with other inputs (or another
+    tokenizer) leaves the links, empties their targets of the old run's files only, and the
+    dataset holds the new text; a linked tokenizer/ (someone's own folder) is never written through."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "a.txt").write_text("\n\n".join(f"lower case document {i} here" for i in range(30)) + "\n")
+    (tmp_path / "b" / "b.txt").write_text("\n\n".join(f"UPPER CASE DOCUMENT {i}" for i in range(12)) + "\n")
+    out, disk = tmp_path / "out", tmp_path / "disk"
+    out.mkdir()
+    for sub in ("train", "valid", "chunks"):
+        (disk / sub).mkdir(parents=True)
+        (out / sub).symlink_to(disk / sub)
+    run([tmp_path / "a"], tok, out, shard_mb=0.0005, valid_fraction=0.2)
+    (disk / "train" / "notes.txt").write_text("not the run's")
+    _, log = run([tmp_path / "b"], tok, out, shard_mb=0.0005, valid_fraction=0.2, overwrite=True)
+    assert "resuming" not in log and all((out / sub).is_symlink() for sub in ("train", "valid", "chunks"))
+    assert _texts(out, tok) == sorted(f"UPPER CASE DOCUMENT {i}" for i in range(12))
+    run([tmp_path / "b"], tok, tmp_path / "fresh", shard_mb=0.0005, valid_fraction=0.2)
+    for sub in ("train", "valid", "chunks"):  # no stale shards or markers of the longer first run
+        assert sorted(p.name for p in (disk / sub).iterdir() if p.name != "notes.txt") == \
+            sorted(p.name for p in (tmp_path / "fresh" / sub).iterdir())
+    assert (disk / "train" / "notes.txt").read_text() == "not the run's"
+
+    other = RobertaTokenizer.train_from_iterator(iter_documents(max_bytes=60_000), vocab_size=700)
+    mine = other.save(tmp_path / "my_tokenizer")
+    kept = {p.name: p.read_bytes() for p in mine.iterdir()}
+    os.rename(out / "tokenizer", tmp_path / "old_tokenizer")
+    (out / "tokenizer").symlink_to(mine)
+    run([tmp_path / "b"], tok, out, shard_mb=0.0005, valid_fraction=0.2, overwrite=True)
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == kept and not (out / "tokenizer").is_symlink()
+    assert _texts(out, tok) == sorted(f"UPPER CASE DOCUMENT {i}" for i in range(12))
+
+
+def test_a_chunk_made_with_another_tokenizer_is_never_resumed(tok, tmp_path, monkeypatch):
+    """The second guard: should the old run's files outlive an --overwrite, each chunk's marker
+    records what it was made with, and a chunk of another tokenizer or options is redone."""
+    write_corpus(tmp_path, DOCS * 3)
+    out = tmp_path / "out"
+    run([tmp_path / "in"], tok, out, shard_mb=0.0005)
+    other = RobertaTokenizer.train_from_iterator(iter_documents(max_bytes=60_000), vocab_size=700)
+    monkeypatch.setattr(pp, "_remove_run_output", lambda out: (out / "plan.json").unlink())  # removes nothing else
+    m, log = run([tmp_path / "in"], other, out, shard_mb=0.0005, overwrite=True)
+    assert "resuming" not in log and "was made from other inputs or options: redoing it" in log
+    assert _texts(out, other) == sorted(DOCS * 3)
+
+
+def test_linked_outputs_without_a_document_leave_nothing_to_refuse_the_rerun(tok, tmp_path):
+    """--out a link to another disk (or its subfolders linked by the user beforehand): inputs with no
+    document are the usual error, the links stay, and a corrected rerun is not refused."""
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "b.txt").write_text("\n \n")
+    write_corpus(tmp_path, DOCS)
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "disk")
+    (tmp_path / "pre").mkdir()
+    (tmp_path / "pre_train").mkdir()
+    (tmp_path / "pre" / "train").symlink_to(tmp_path / "pre_train")
+    for out in (tmp_path / "out", tmp_path / "pre"):
+        with pytest.raises(ValueError, match="no document to read"):
+            run([tmp_path / "blank"], tok, out)
+        assert out.is_symlink() or (out / "train").is_symlink()
+        m, _ = run([tmp_path / "in"], tok, out)
+        assert m["counts"]["documents"] == len(DOCS)
+
+
+def test_a_dangling_link_as_out_or_in_it_is_named(tok, tmp_path):
+    write_corpus(tmp_path, DOCS)
+    (tmp_path / "out").symlink_to(tmp_path / "unmounted")
+    with pytest.raises(ValueError, match="is a link to .*unmounted', which does not exist: create that folder"):
+        run([tmp_path / "in"], tok, tmp_path / "out")
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / "train").symlink_to(tmp_path / "unmounted")
+    with pytest.raises(ValueError, match="o2/train' is a link to .*unmounted', which does not exist: create"):
+        run([tmp_path / "in"], tok, tmp_path / "o2")
