@@ -130,7 +130,9 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
     header=False: the file has no header row (GLUE's CoLA), and the columns are named "0", "1", ...
     A .tsv row with more or fewer cells than its header is skipped, its line number appended to
     `skipped`: GLUE's QQP ships such broken lines, which fairseq's RoBERTa recipe (awk NF==fields)
-    and datasets' glue loader drop too. A CSV's are kept (a short row reads None: read_examples says so)."""
+    and datasets' glue loader drop too. A CSV row with more cells than its header is refused (an unquoted
+    comma: which cell is the label is unknown), as pandas and datasets refuse it; a short one is kept (it
+    reads None: read_examples says so)."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     raise_field_size_limit()
     reader = None
@@ -143,6 +145,11 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
                     if delimiter == "\t" and skipped is not None and (None in row or None in row.values()):
                         skipped.append(reader.line_num)
                         continue
+                    if None in row and delimiter != "\t":
+                        cells = len(reader.fieldnames) + len(row[None])
+                        raise ValueError(f"{path}:{reader.line_num}: {cells} cells, the header has "
+                                         f"{len(reader.fieldnames)}; quote a cell that holds a comma "
+                                         '("slow, but rewarding"), or remove the extra cells')
                     yield f"{path}:{reader.line_num}", row
                 return
             reader = csv.reader(f, delimiter=delimiter, quoting=quoting)

@@ -102,6 +102,17 @@ def test_every_reader_names_a_file_that_is_not_utf8(tmp_path):
             list(rows(latin1))
 
 
+def test_a_csv_row_with_more_cells_than_the_header_is_refused(tmp_path):
+    """An unquoted comma splits a text: which cell is the label is unknown, so the row is refused (as pandas
+    and datasets do) instead of taking the text's second half as its label."""
+    from roberta_fast.tasks import delimited_rows
+
+    path = tmp_path / "comma.csv"
+    path.write_text("text,label\ngood film,pos\nslow, but rewarding,pos\n")
+    with pytest.raises(ValueError, match=r"comma.csv:3: 3 cells, the header has 2; quote a cell that holds a comma"):
+        list(delimited_rows(path, ","))
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
