@@ -263,7 +263,7 @@ _FIELD_TYPES = {
     "model": dict, "optimizer": dict, "schedule": dict, "scaler": dict, "loader": dict, "window": dict,
     "config": dict, "model_config": dict, "rng": (dict, list), "tokenizer_hash": str,
     "resumed_from": (list, type(None)), "labels": (list, type(None)), "task": str, "export_pending": bool,
-    "best": (dict, type(None)),
+    "best": (dict, type(None)), "best_metric": str,
 }
 
 

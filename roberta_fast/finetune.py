@@ -243,7 +243,8 @@ class Finetuner:
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "best": self.best, "epochs_evaluated": self.epochs_evaluated,
+                "step": self.step, "best": self.best, "best_metric": self.task.best_metric,
+                "epochs_evaluated": self.epochs_evaluated,
                 "export_pending": self.export_pending,
                 "rng": rng_state(self.device),
                 "labels": self.names, "task": self.cfg.task,
@@ -265,6 +266,13 @@ class Finetuner:
         if state["step"] > self.schedule.total_steps:
             raise ValueError(f"the checkpoint in {self.out} is at step {state['step']}, past this run's "
                              f"{self.schedule.total_steps} steps: use another --out")
+        # the best epoch so far was chosen (and exported) by the run's metric; the weights of the epoch another
+        # metric would choose are gone (older checkpoints record it only when --metric was given)
+        chosen_by = state.get("best_metric") or state["config"].get("metric")
+        if state["best"] is not None and chosen_by is not None and chosen_by != self.task.best_metric:
+            raise ValueError(f"the run in {self.out} chose its best epoch so far by {chosen_by}, this run asks for "
+                             f"--metric {self.task.best_metric}: the best epoch by {self.task.best_metric} among those "
+                             f"already evaluated was not kept. Resume with --metric {chosen_by}, or use another --out")
         check_schedule(state["schedule"], self.schedule, SCHEDULE_SETTINGS, self.cfg.allow_schedule_change, self.log)
         self.model.load_state_dict(state["model"])
         changed = self.optimizer.load_state_dict(state["optimizer"])  # this run's --weight-decay, betas, eps
@@ -319,7 +327,7 @@ class Finetuner:
     def end_epoch(self, epoch: int, metrics: MetricsLogger) -> dict:
         """Evaluate the epoch just finished, checkpoint, and export it if it is the best so far."""
         result = self.evaluate()
-        key = self.task.best_metric  # (a best epoch of a resumed run by another --metric may lack it)
+        key = self.task.best_metric  # (the same as the run's before a resume: load_state_dict checks)
         if self.best is None or result[key] > self.best.get(key, -math.inf):
             self.best = {"epoch": epoch + 1, **result}
             self.export_pending = True

@@ -518,6 +518,24 @@ def test_metric_chooses_the_best_epoch_and_is_recorded(task, tmp_path, monkeypat
         Finetuner(config(task, tmp_path / "bad", metric="pearson"), log=lambda *_: None)
 
 
+def test_a_resume_under_another_metric_is_refused(task, tmp_path, monkeypatch):
+    """The best epoch so far was chosen (and exported) by accuracy; a resume by --metric mcc would
+    compare the next epochs against that epoch only, and export the wrong one as best: refused. The
+    same metric (given or by default) resumes."""
+    epochs = iter([{"loss": 0.6, "accuracy": 0.8, "f1": 0.8, "macro_f1": 0.8, "mcc": 0.1},
+                   {"loss": 0.6, "accuracy": 0.7, "f1": 0.7, "macro_f1": 0.7, "mcc": 0.5}])
+    tuner = Finetuner(config(task, tmp_path / "run", epochs=2, stop_after=17), log=lambda *_: None)  # in epoch 2
+    monkeypatch.setattr(tuner.task, "evaluate", lambda *_: next(epochs))
+    tuner.run()
+    tuner.close()
+    with pytest.raises(ValueError, match=r"chose its best epoch so far by accuracy, this run asks for --metric mcc.*"
+                                         r"Resume with --metric accuracy, or use another --out"):
+        Finetuner(config(task, tmp_path / "run", epochs=2, metric="mcc"), log=lambda *_: None).run()
+    resumed = Finetuner(config(task, tmp_path / "run", epochs=2, metric="accuracy"), log=lambda *_: None)
+    monkeypatch.setattr(resumed.task, "evaluate", lambda *_: next(epochs))
+    assert resumed.run()["best"]["epoch"] == 1
+
+
 def test_glue_tsv_files_fine_tune_end_to_end(task, tmp_path):
     """GLUE's .tsv as shipped: a header, tabs, no quoting (SST-2 sentences hold lone quote characters),
     single sentences (SST-2) and pairs under GLUE's column names (RTE: index, sentence1, sentence2, label)."""
