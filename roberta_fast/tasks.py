@@ -5,9 +5,9 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   a text, an optional pair text (GLUE's .tsv columns per task: GLUE_TSV_FIELDS; the Hub's differ)
   and a label, named by column or, for a file without a header row (CoLA), by column number;
   accuracy, macro-F1, Matthews correlation and, with two classes, the positive class's F1 (GLUE's
-  CoLA and MRPC / QQP metrics). Numeric labels that are not all integers (GLUE's STS-B scores) are a
-  regression, as run_glue decides from the label column's type (or --problem-type): one output,
-  MSE loss, Pearson and Spearman correlation.
+  CoLA and MRPC / QQP metrics). Numeric --train labels that are not all integers (GLUE's STS-B scores)
+  are a regression, as run_glue decides from the training label column's type (or --problem-type): one
+  output, MSE loss, Pearson and Spearman correlation. A NaN label is a missing one (refused).
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
   column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
@@ -208,7 +208,7 @@ def label_names(labels, declared: list[str] | None = None) -> list[str]:
     names = set(labels)
     if declared and names <= set(declared):
         return list(declared)
-    if all(n.lstrip("-").isdigit() for n in names):
+    if all(map(is_integer, names)):
         return sorted(names, key=int)
     return sorted(names)
 
@@ -224,6 +224,11 @@ def check_known_labels(names, valid_labels, what: str, valid_path, train_path) -
                          f"data's are {names}. Fix the spelling, or add training examples of them")
 
 
+def is_integer(label: str) -> bool:
+    """Whether a label is an integer as pandas reads one ("-1", "+1")."""
+    return re.fullmatch(r"[+-]?[0-9]+", label) is not None
+
+
 def number(label: str) -> float | None:
     """The label as a finite float, else None."""
     try:
@@ -234,19 +239,30 @@ def number(label: str) -> float | None:
 
 
 def is_regression(labels, problem_type: str, path) -> bool:
-    """Whether classify's labels are scores to regress: --problem-type regression, or (auto) every label
-    is a number and some are not integers ("3.800", as GLUE's STS-B; run_glue decides from the label
-    column's type, which is float then). Integer labels stay classes; --problem-type says otherwise."""
+    """Whether classify's training labels are scores to regress: --problem-type regression, or (auto) every
+    label is a number and some are not integers ("3.800", as GLUE's STS-B; run_glue decides from the
+    training label column's type, which is float then). Integer labels stay classes; --problem-type says
+    otherwise. Auto refuses mostly fractional scores with some labels that are not numbers (a typo would
+    make every score a class)."""
     if problem_type == "single_label_classification":
         return False
-    numbers = [number(label) for label in labels]
     if problem_type == "regression":
-        bad = next((label for label, x in zip(labels, numbers) if x is None), None)
-        if bad is not None:
-            raise ValueError(f"{path}: label {bad!r} is not a finite number; --problem-type regression needs a "
-                             "numeric score on every row")
+        check_scores(labels, path, "--problem-type regression needs a numeric score on every row")
         return True
-    return all(x is not None for x in numbers) and not all(label.lstrip("-").isdigit() for label in labels)
+    fractional = sum(number(label) is not None and not is_integer(label) for label in labels)
+    if fractional > len(labels) / 2:
+        check_scores(labels, path, "most labels are scores with a fraction (a regression)",
+                     ", or pass --problem-type single_label_classification if the labels are classes")
+    return fractional > 0 and all(number(label) is not None for label in labels)
+
+
+def check_scores(labels, path, why: str, hint: str = "") -> None:
+    """Refuse regression labels that are not finite numbers, naming them and their rows (1-based examples)."""
+    bad = [(n, label) for n, label in enumerate(labels, start=1) if number(label) is None]
+    if bad:
+        listed = ", ".join(f"example {n} {label!r}" for n, label in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise ValueError(f"{path}: label {bad[0][1]!r} is not a finite number; {why}: fix or remove the "
+                         f"row{'s' if len(bad) > 1 else ''} whose label is not a number ({listed}){hint}")
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float:
@@ -355,14 +371,15 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
                              f"{' and no '.join(f'{what[n]} ({n!r})' for n in short)}; fix the line (a cell "
                              "holding the delimiter needs quotes) or remove the row")
         row = {**row, **{name: "" for name in short}}  # a JSON null, a Parquet null: an empty cell
-        if not str(row[cfg.label_field]).strip():
-            raise ValueError(f"{where}: the label ({cfg.label_field!r}) is empty on this line; fill it in or "
-                             "remove the row")
+        label = str(row[cfg.label_field]).strip()  # " 1" is 1, as pandas and datasets read it
+        if not label or label.lower() == "nan":  # NaN: pandas' and datasets' missing value
+            raise ValueError(f"{where}: the label ({cfg.label_field!r}) is {'NaN' if label else 'empty'} on this "
+                             "line; fill it in or remove the row")
         if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions
             place = where[len(str(path)):]  # ":12" (a line) or "@row3" (a table's row)
             empty_text.append(f"line {place[1:]}" if place.startswith(":") else place[1:])
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
-        examples.append((str(row[cfg.text_field]), pair, str(row[cfg.label_field])))
+        examples.append((str(row[cfg.text_field]), pair, label))
     if first is not None and len(examples) >= 3:
         header_row_error(*first, numeric, cfg)
     if not examples:
@@ -455,8 +472,9 @@ class ClassifyTask(Task):
         self.notes = []
         train = read_examples(cfg.train, cfg, self.notes)
         valid = read_examples(cfg.valid, cfg, self.notes) if cfg.valid else None
-        self.regression = is_regression([e[2] for e in train + (valid or [])], cfg.problem_type,
-                                        cfg.train if valid is None else f"{cfg.train} or {cfg.valid}")
+        self.regression = is_regression([e[2] for e in train], cfg.problem_type, cfg.train)  # as run_glue
+        if self.regression and valid is not None:
+            check_scores([e[2] for e in valid], cfg.valid, "a regression needs a numeric score on every row")
         if valid is None:
             train, valid = hold_out(train, cfg.seed, cfg.train)
         elif not self.regression:

@@ -113,6 +113,37 @@ def test_a_csv_row_with_more_cells_than_the_header_is_refused(tmp_path):
         list(delimited_rows(path, ","))
 
 
+def classify_config(**fields):
+    return FinetuneConfig(**{"text_field": "text", "label_field": "label", **fields})
+
+
+def test_regression_or_classes_is_decided_from_the_training_labels_as_pandas_reads_them(tmp_path):
+    """" 1" and "+1" are integers (classes), a NaN label is a missing one, --valid's "0.0" does not make
+    integer classes a regression (run_glue decides from the training column), and a typo among scores
+    is refused instead of making every score a class."""
+    from roberta_fast.tasks import ClassifyTask
+
+    def task(train, valid=None, **fields):
+        (tmp_path / "train.csv").write_text("text,label\n" + "".join(f"t{i},{x}\n" for i, x in enumerate(train)))
+        if valid:
+            (tmp_path / "dev.csv").write_text("text,label\n" + "".join(f"v{i},{x}\n" for i, x in enumerate(valid)))
+        return ClassifyTask(classify_config(train=str(tmp_path / "train.csv"),
+                                            valid=str(tmp_path / "dev.csv") if valid else None, **fields))
+
+    assert task([" 1", " 0"] * 5).names == ["0", "1"]
+    assert task(["+1", "-1"] * 5).names == ["-1", "+1"]
+    with pytest.raises(ValueError, match=r"dev.csv has labels that .*train.csv never has: '0.0' \(1x\)"):
+        task(["1", "0"] * 5, ["0.0", "1"])
+    with pytest.raises(ValueError, match=r"train.csv:4: the label \('label'\) is NaN on this line; fill it in"):
+        task(["3.8", "1.2", "NaN", "0.5"])
+    with pytest.raises(ValueError, match=r"train.csv: label '4.1x' is not a finite number; most labels are scores "
+                                         r"with a fraction \(a regression\): fix or remove the row whose label is not "
+                                         r"a number \(example 2 '4.1x'\), or pass --problem-type single_label"):
+        task(["3.8", "4.1x", "0.5", "2.5"])
+    assert task(["3.8", "4.1", "0.5", "2"]).regression
+    assert task(["3.8", "4.1x", "0.5", "2"], problem_type="single_label_classification").names[0] == "0.5"
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
