@@ -426,16 +426,20 @@ def test_linked_folders_are_read_once_and_hidden_names_are_said(tmp_path):
     assert f"skipping 1 hidden files and folders (names starting with '.') in {corpus}: {corpus / '.notes.txt'}" in log
 
 
-def test_a_replaced_damaged_file_resumes_the_run(tok, tmp_path):
-    """The damaged-file error's advice followed: with the file replaced, the same command keeps the
-    chunks finished before it and redoes those that read it, or read what changed: the shards are a
-    fresh run's. So does a rerun after a finished file changed; other files are still refused."""
-    d = tmp_path / "in"
+def three_files(d):
+    """a.jsonl, b.jsonl.gz and c.jsonl in `d`; returns `d` and b's bytes (to put back once damaged)."""
     d.mkdir()
     (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:20]))
     FORMATS["jsonl.gz"](d / "b.jsonl.gz", DOCS * 2)
     (d / "c.jsonl").write_bytes(jsonl_bytes(DOCS[:10]))
-    intact = (d / "b.jsonl.gz").read_bytes()
+    return d, (d / "b.jsonl.gz").read_bytes()
+
+
+def test_a_replaced_damaged_file_resumes_the_run(tok, tmp_path):
+    """The damaged-file error's advice followed: with the file replaced, the same command keeps the
+    chunks finished before it and redoes those that read it, or read what changed: the shards are a
+    fresh run's. So does a rerun after a finished file changed; other files are still refused."""
+    d, intact = three_files(tmp_path / "in")
     damage(d / "b.jsonl.gz", "jsonl.gz")
     out, kw = tmp_path / "out", dict(shard_mb=0.005, workers=1)
     with pytest.raises(documents.DamagedInputError, match="replace it"):
@@ -492,12 +496,7 @@ def test_a_file_left_out_as_damaged_from_its_start_and_then_replaced_resumes_the
     """--skip-damaged leaves out a file that cannot be read from its first bytes (it never enters the
     plan's files); replaced, the same command resumes (redoing the chunks from where it falls in the
     order) to a fresh run's shards, instead of refusing the output as "made from other inputs"."""
-    d = tmp_path / "in"
-    d.mkdir()
-    (d / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:20]))
-    FORMATS["jsonl.gz"](d / "b.jsonl.gz", DOCS * 2)
-    (d / "c.jsonl").write_bytes(jsonl_bytes(DOCS[:10]))
-    intact = (d / "b.jsonl.gz").read_bytes()
+    d, intact = three_files(tmp_path / "in")
     (d / "b.jsonl.gz").write_bytes(intact[:10] + b"\xff" * 64 + intact[74:])  # the deflate stream's start
     out, kw = tmp_path / "out", dict(shard_mb=0.005, workers=1)
     m, _ = run([d], tok, out, skip_damaged=True, **kw)
