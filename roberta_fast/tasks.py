@@ -838,13 +838,24 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
                 answers = []
                 for a in qa.get("answers", []):
                     text, start = a.get("text"), a.get("answer_start")
-                    if (not isinstance(text, str) or not isinstance(start, int)
+                    if not isinstance(text, str) or not text.strip():
+                        raise ValueError(f"{where}: the answer text {text!r} is not a non-blank string; give the "
+                                         "answer's text, or mark an unanswerable question \"is_impossible\": true "
+                                         "with no answers")
+                    if (not isinstance(start, int) or isinstance(start, bool) or start < 0
                             or context[start:start + len(text)] != text):
                         raise ValueError(f"{where}: the answer {text!r} is not at answer_start {start!r} of the "
                                          "context; answer_start is its character offset in the context")
                     answers.append((text, start))
-                if qa.get("is_impossible"):
-                    impossible, answers = True, []
+                unanswerable = qa.get("is_impossible", False)
+                if not isinstance(unanswerable, bool):
+                    raise ValueError(f"{where}: \"is_impossible\" is {unanswerable!r}, not a JSON true or false; "
+                                     "write it unquoted")
+                if unanswerable and answers:
+                    raise ValueError(f"{where} has \"is_impossible\": true and answers; remove the answers "
+                                     "(SQuAD v2.0 keeps them under \"plausible_answers\"), or make it false")
+                if unanswerable:
+                    impossible = True
                 elif not answers:
                     raise ValueError(f"{where} has no answer and no \"is_impossible\": true (SQuAD v2.0's mark of "
                                      "an unanswerable question)")

@@ -238,6 +238,25 @@ def test_squad_reader_names_the_bad_question(tmp_path):
         read_squad(bad)
 
 
+@pytest.mark.parametrize("change, problem", [
+    ({"is_impossible": "False"}, r"\"is_impossible\" is 'False', not a JSON true or false; write it unquoted"),
+    ({"is_impossible": True}, r"has \"is_impossible\": true and answers; remove the answers"),
+    ({"answers": [{"text": "", "answer_start": 0}]}, r"the answer text '' is not a non-blank string"),
+    ({"answers": [{"text": "the Swiss Alps", "answer_start": -84}]}, r"the answer .* is not at answer_start -84 of")],
+    ids=["string-bool", "impossible-with-answers", "empty-answer", "negative-start"])
+def test_squad_reader_refuses_ambiguous_answers(tmp_path, change, problem):
+    """A string "False" is not false, an unanswerable question has no answers, an answer is a non-empty span at
+    a real offset (an empty one was labelled on the first context token; a negative one counted from the end)."""
+    squad = json.loads(SQUAD.read_text())
+    qa = squad["data"][1]["paragraphs"][0]["qas"][0]
+    assert qa["id"] == "r1" and qa["answers"][0]["text"] == "the Swiss Alps"
+    qa.update(change)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(squad))
+    with pytest.raises(ValueError, match=r"bad.json: question 'r1'.? " + problem):
+        read_squad(bad)
+
+
 @pytest.mark.parametrize("ids, problem", [(["n1", None], 'it has no "id"'), (["n1", "n1"], "its id 'n1' is used twice")])
 def test_squad_questions_need_ids_of_their_own(tmp_path, ids, problem):
     """Predictions and scores are keyed by id: shared or missing ids would score one answer for all."""
