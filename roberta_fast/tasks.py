@@ -193,13 +193,20 @@ def hold_out(train: list, seed: int, path) -> tuple[list, list]:
     return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
 
 
-def pad(rows, pad_id: int) -> torch.Tensor:
-    """Equal-length id arrays of any leading shape, padded on the right to the longest: (n, ..., longest)."""
-    longest = max(r.shape[-1] for r in rows)
-    out = np.full((len(rows), *rows[0].shape[:-1], longest), pad_id, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, ..., :r.shape[-1]] = r
-    return torch.from_numpy(out)
+def pad(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of id arrays, or of equally long lists of them (a question's options), padded
+    on the right to the longest: (n, longest) or (n, options, longest). The mask is 1 on each array's own
+    tokens whatever their ids: a text's literal "<pad>" encodes to the pad id, and transformers attends to it."""
+    nested = [row if isinstance(row, list) else [row] for row in rows]
+    longest = max(len(x) for row in nested for x in row)
+    ids = np.full((len(rows), len(nested[0]), longest), pad_id, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for i, row in enumerate(nested):
+        for j, x in enumerate(row):
+            ids[i, j, :len(x)], mask[i, j, :len(x)] = x, 1
+    if not isinstance(rows[0], list):
+        ids, mask = ids[:, 0], mask[:, 0]
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 def label_names(labels, declared: list[str] | None = None) -> list[str]:
@@ -513,8 +520,8 @@ class ClassifyTask(Task):
         ids, labels = (self.train_ids, self.train_labels) if train else (self.valid_ids, self.valid_labels)
         for start in range(0, len(order), batch_size):
             chosen = order[start:start + batch_size]
-            x = pad([ids[i] for i in chosen], pad_id)
-            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+            x, mask = pad([ids[i] for i in chosen], pad_id)
+            yield {"input_ids": x, "attention_mask": mask,
                    "labels": torch.tensor([labels[i] for i in chosen],
                                           dtype=torch.float32 if self.regression else torch.long)}
 
@@ -733,9 +740,8 @@ class TokenTask(Task):
         ids, labels = (self.train_ids, self.train_labels) if train else (self.valid_ids, self.valid_labels)
         for start in range(0, len(order), batch_size):
             chosen = order[start:start + batch_size]
-            x = pad([ids[i] for i in chosen], pad_id)
-            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
-                   "labels": pad([labels[i] for i in chosen], IGNORE)}
+            x, mask = pad([ids[i] for i in chosen], pad_id)
+            yield {"input_ids": x, "attention_mask": mask, "labels": pad([labels[i] for i in chosen], IGNORE)[0]}
 
     def baseline_warning(self, best):
         if self.chunked:
@@ -1005,8 +1011,8 @@ class QATask(Task):
         features = self.train_features if train else self.valid_features
         for start in range(0, len(order), batch_size):
             chosen = [features[i] for i in order[start:start + batch_size]]
-            x = pad([f.ids for f in chosen], pad_id)
-            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+            x, mask = pad([f.ids for f in chosen], pad_id)
+            yield {"input_ids": x, "attention_mask": mask,
                    "start_positions": torch.tensor([f.start for f in chosen]),
                    "end_positions": torch.tensor([f.end for f in chosen])}
 
@@ -1080,8 +1086,8 @@ def read_choices(path) -> list[ChoiceExample]:
     return examples
 
 
-def encode_choices(tokenizer, examples: list[ChoiceExample], max_len: int) -> list[np.ndarray]:
-    """(num_choices, seqlen) ids per question: `<s> article </s></s> question option </s>`, the article truncated."""
+def encode_choices(tokenizer, examples: list[ChoiceExample], max_len: int) -> list[list[np.ndarray]]:
+    """Per question, the ids of each option: `<s> article </s></s> question option </s>`, the article truncated."""
     pairs = [(e.article, e.question.replace("_", o) if "_" in e.question else f"{e.question} {o}")
              for e in examples for o in e.options]
     backend = tokenizer.backend
@@ -1095,9 +1101,8 @@ def encode_choices(tokenizer, examples: list[ChoiceExample], max_len: int) -> li
         backend.no_truncation()
     out, k = [], 0
     for e in examples:
-        rows = [np.asarray(enc.ids, dtype=np.int64) for enc in encodings[k:k + len(e.options)]]
+        out.append([np.asarray(enc.ids, dtype=np.int64) for enc in encodings[k:k + len(e.options)]])
         k += len(e.options)
-        out.append(pad(rows, tokenizer.pad_id).numpy())  # (num_choices, longest option)
     return out
 
 
@@ -1129,8 +1134,8 @@ class ChoiceTask(Task):
         ids, examples = (self.train_ids, self.train) if train else (self.valid_ids, self.valid)
         for start in range(0, len(order), batch_size):
             chosen = order[start:start + batch_size]
-            x = pad([ids[i] for i in chosen], pad_id)  # (batch, num_choices, longest)
-            yield {"input_ids": x, "attention_mask": (x != pad_id).long(),
+            x, mask = pad([ids[i] for i in chosen], pad_id)  # (batch, num_choices, longest)
+            yield {"input_ids": x, "attention_mask": mask,
                    "labels": torch.tensor([examples[i].answer for i in chosen])}
 
     def baseline_warning(self, best):

@@ -11,7 +11,7 @@ import torch
 import roberta_fast as rf
 from roberta_fast.finetune import FinetuneConfig, Finetuner
 from roberta_fast.tasks import (QAExample, answer_f1, best_answers, chunks, encode_choices, encode_words,
-                                entity_scores, first_subtoken_labels, is_chunked, normalize_answer, qa_features,
+                                entity_scores, first_subtoken_labels, is_chunked, normalize_answer, pad, qa_features,
                                 read_choices, read_squad, read_tagged, squad_scores)
 
 DATA = Path(__file__).parent / "data"
@@ -343,11 +343,11 @@ def test_race_reader_and_encoding(tok, tmp_path):
     examples = read_choices(RACE)  # two one-question lines and one RACE article with two questions
     assert [e.answer for e in examples] == [1, 2, 1, 0] and examples[3].options[0] == "Sunday"
     encoded = encode_choices(tok, examples[1:2], max_len=64)[0]
-    assert encoded.shape[0] == 4  # (num_choices, seqlen)
-    assert tok.decode(encoded[2][encoded[2] != tok.pad_id], skip_special_tokens=True).endswith(
+    assert len(encoded) == 4  # the ids of each option
+    assert tok.decode(encoded[2], skip_special_tokens=True).endswith(
         "Tom rides to school with his sister .")  # the blank filled with the option
     short = encode_choices(tok, examples[:1], max_len=16)[0]
-    assert short.shape == (4, 16)  # the article is cut, the question and option kept
+    assert [len(ids) for ids in short] == [16] * 4  # the article is cut, the question and option kept
     assert tok.decode(short[1], skip_special_tokens=True).endswith("What colour is Tom's bike? red")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"article": "a", "question": "q", "options": ["x", "y"], "answer": "C"}) + "\n")
@@ -368,6 +368,31 @@ def test_tags_only_in_the_validation_file_are_refused(model_dir, tmp_path):
     dev.write_text("Peter B-PER\nvisited O\nParis B-PLACE\n")
     with pytest.raises(ValueError, match=r"dev.conll has tags that .*conll2003_sample.txt never has: 'B-PLACE' \(1x\)"):
         run_task(model_dir, tmp_path / "run", task="token", train=str(CONLL), valid=str(dev))
+
+
+def test_batches_attend_to_a_literal_pad_token_in_the_text(tok, tmp_path):
+    """A text's "<pad>" encodes to the pad id, and transformers' tokenizer gives it attention 1: every task's
+    batches build the mask from each row's length, not from the ids, so training and the validation metrics
+    see what the exported model sees in transformers."""
+    from roberta_fast.tasks import ChoiceTask, ClassifyTask
+
+    ids, mask = pad([np.array([0, 5, 1, 6, 2]), np.array([0, 7, 2])], pad_id=1)
+    assert ids.tolist() == [[0, 5, 1, 6, 2], [0, 7, 2, 1, 1]] and mask.tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    ids, mask = pad([[np.array([0, 1, 2]), np.array([0, 2])]], pad_id=1)  # one question, two options
+    assert ids.tolist() == [[[0, 1, 2], [0, 2, 1]]] and mask.tolist() == [[[1, 1, 1], [1, 1, 0]]]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "label": str(i % 2)}) + "\n"
+                            for i, t in enumerate(["the <pad> river", "a cat", "the river", "a dog"])))
+    task = ClassifyTask(classify_config(train=str(path), valid=str(path)))
+    task.encode(tok, 64)
+    batch = next(task.batches(np.arange(4), 4, tok.pad_id))
+    assert (batch["input_ids"][0] == tok.pad_id).sum() == 1  # the literal, inside the text
+    assert batch["attention_mask"].sum(1).tolist() == [len(x) for x in task.train_ids]
+    choice = object.__new__(ChoiceTask)
+    choice.train = [read_choices(RACE)[0]]
+    choice.train_ids = [[np.array([0, 1, 2]), np.array([0, 2])]]
+    batch = next(choice.batches([0], 1, tok.pad_id))
+    assert batch["attention_mask"].tolist() == [[[1, 1, 1], [1, 1, 0]]]
 
 
 # ----------------------------------------------------------------------- end to end
@@ -453,9 +478,9 @@ def test_choice_task_end_to_end(model_dir, tmp_path):
     result = run_task(model_dir, tmp_path / "run", task="choice", train=str(RACE), valid=str(RACE), epochs=2)
     assert set(result["best"]) == {"epoch", "loss", "accuracy"}
     exported = tmp_path / "run" / "model"
-    x = encode_choices(rf.RobertaTokenizer.from_pretrained(exported), read_choices(RACE)[:1], 64)[0]
+    x, _ = pad(encode_choices(rf.RobertaTokenizer.from_pretrained(exported), read_choices(RACE)[:1], 64), 1)
     same_logits_in_transformers(transformers.AutoModelForMultipleChoice, rf.RobertaForMultipleChoice, exported,
-                                torch.from_numpy(x)[None])  # (1, num_choices, seqlen)
+                                x)  # (1, num_choices, seqlen)
 
 
 def test_a_task_checkpoint_exports_as_its_model_and_no_other_task_resumes_it(model_dir, tmp_path):
