@@ -164,6 +164,18 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
         raise ValueError(f"{path}{line}: not readable as {kind} ({err}); fix or remove the row") from None
 
 
+def is_scalar(value) -> bool:
+    """Whether a JSON / table value is a string, number or bool (a text, a label, a tag), not a list, object
+    or null, which str() would turn into a text or a class of its own ("[3, 5]", "None")."""
+    return isinstance(value, (str, int, float, bool))
+
+
+def shorten(value, width: int = 60) -> str:
+    """A value as JSON, cut to `width` characters, for messages."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def raise_field_size_limit() -> None:
     """Lift the csv module's 131072-character cap on a cell (a long document is truncated to --max-len
     later anyway): to sys.maxsize, or the largest a C long holds where that overflows (Windows)."""
@@ -370,6 +382,12 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
             raise ValueError(f"{where}: missing {missing} (the row has {sorted(row)}); name the columns with "
                              "--text-field / --pair-field / --label-field, a .csv/.tsv without a header row by "
                              f"column number. {glue_fields_hint()}")
+        odd = next((name for name in fields if row[name] is not None and not is_scalar(row[name])), None)
+        if odd is not None:
+            value = row[odd]
+            fix = ("multi-label classification (a list of labels per row) is not supported: give one label per row"
+                   if odd == cfg.label_field and isinstance(value, list) else "give one string or number")
+            raise ValueError(f"{where}: {odd!r} holds {shorten(value)}, not a string or number; {fix}")
         short = [name for name in fields if row[name] is None]
         if short and suffix in (".csv", ".tsv"):  # a CSV row short of columns reads None (delimited_rows)
             what = {cfg.text_field: "text", cfg.pair_field: "pair text", cfg.label_field: "label"}
@@ -569,6 +587,9 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
                                  "give one tag per token, at least one token")
             if not all(isinstance(w, str) and w and not w.isspace() for w in words):
                 raise ValueError(f"{where}: every token must be a non-blank string")
+            odd = [t for t in tags if not is_scalar(t)]
+            if odd:
+                raise ValueError(f"{where}: a tag is {shorten(odd[0])}; every tag must be a string (or a ClassLabel id)")
             sentences.append((words, [str(t) for t in tags]))
     else:
         words, tags = [], []

@@ -144,6 +144,24 @@ def test_regression_or_classes_is_decided_from_the_training_labels_as_pandas_rea
     assert task(["3.8", "4.1x", "0.5", "2"], problem_type="single_label_classification").names[0] == "0.5"
 
 
+@pytest.mark.parametrize("row, problem", [
+    ({"text": "a", "label": [3, 5]}, r"'label' holds \[3, 5\], not a string or number; multi-label classification"),
+    ({"text": ["a", "b"], "label": 1}, r"'text' holds \[\"a\", \"b\"\], not a string or number; give one string"),
+    ({"text": "a", "label": {"x": 1}}, r"'label' holds \{\"x\": 1\}, not a string or number")],
+    ids=["list-label", "list-text", "dict-label"])
+def test_json_lists_and_objects_are_not_stringified_into_texts_or_classes(tmp_path, row, problem):
+    """A list label (multi-label data) became the class '[3, 5]', a list text the text "['a', 'b']"."""
+    from roberta_fast.tasks import read_examples
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "fine", "label": 0}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: " + problem):
+        read_examples(path, classify_config())
+    path.write_text('{"tokens": ["EU", "rejects"], "tags": ["B-ORG", null]}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:1: a tag is null; every tag must be a string"):
+        read_tagged(path)
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
