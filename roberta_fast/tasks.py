@@ -9,7 +9,7 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   are a regression, as run_glue decides from the training label column's type (or --problem-type): one
   output, MSE loss, Pearson and Spearman correlation. A NaN label is a missing one (refused).
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
-  column, a blank line between sentences, `-DOCSTART-` lines skipped) or JSONL
+  column, a blank line between sentences, `-DOCSTART-` lines end one and are skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
   RobertaTokenizerFast(add_prefix_space=True) encodes `is_split_into_words` input: each word
   with a space before it (none when it starts with one; a special token's text is that token);
@@ -599,9 +599,9 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
                     # ASCII spaces and tabs only (as datasets' conll2003 splits on " "): str.split() would cut a
                     # word at a no-break or ideographic space ('§\u00a0433') and silently drop its rest
                     columns = [c for c in re.split(r"[ \t]+", line.rstrip("\r\n")) if c]
-                    if columns and columns[0] == "-DOCSTART-":
-                        continue
-                    if not columns:
+                    # a -DOCSTART- line ends a sentence as a blank line does (datasets' conll2003 loader), also
+                    # when no blank line follows it
+                    if not columns or columns[0] == "-DOCSTART-":
                         if words:
                             sentences.append((words, tags))
                         words, tags = [], []

@@ -54,6 +54,13 @@ def test_tagged_readers():
     assert read_tagged(TABS) == read_tagged(TAGS_JSONL)[:1] + [(["the", "EU"], ["O", "B-ORG"])]
 
 
+def test_a_docstart_line_ends_the_sentence_before_it(tmp_path):
+    """A -DOCSTART- line with no blank line around it merged the sentences of two documents."""
+    path = tmp_path / "nodocsep.conll"
+    path.write_text("-DOCSTART- -X- O\nEU B-ORG\n-DOCSTART- -X- O\nPeter B-PER\n")
+    assert read_tagged(path) == [(["EU"], ["B-ORG"]), (["Peter"], ["B-PER"])]
+
+
 def test_conll_columns_split_at_ascii_spaces_and_tabs_only(tmp_path):
     """A word holding a no-break or ideographic space stays whole (str.split() cut it and dropped the
     rest), as datasets' conll2003 loader splits on " "; a line of spaces and tabs is blank."""
