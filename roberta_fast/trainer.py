@@ -570,7 +570,8 @@ class Trainer:
         self.model.train()
         loss_sum, sbo_loss_sum, count, sbo_count, correct = totals.tolist()
         loss = loss_sum / max(count, 1.0)
-        result = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / max(count, 1.0),
+        perplexity = math.exp(loss) if not loss >= 709.0 else math.inf  # (exp overflows past 709; NaN stays NaN)
+        result = {"loss": loss, "perplexity": perplexity, "accuracy": correct / max(count, 1.0),
                   "predicted_tokens": int(count)}
         if self.with_sbo:
             result.update(sbo_loss=sbo_loss_sum / max(sbo_count, 1.0), sbo_predicted_tokens=int(sbo_count))
@@ -721,7 +722,9 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def _eval_line(self, step: int, result: dict) -> str:
         """The validation line of `step`, the same at step 0 as later (the SBO loss with the SBO)."""
-        return (f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.1f}, "
+        ppl = result["perplexity"]
+        ppl = f"{ppl:.1f}" if ppl < 1e6 else f"{ppl:.4g}"  # (not 300 digits for a diverged run)
+        return (f"step {step}: validation loss {result['loss']:.4f}, perplexity {ppl}, "
                 f"accuracy {result['accuracy']:.3f}" + (f", SBO loss {result['sbo_loss']:.4f}" if self.with_sbo else ""))
 
     def run(self, on_step=None) -> dict:
@@ -790,8 +793,13 @@ class Trainer:
         finally:
             log.close()
         if self.dist.is_main and cfg.plot and status == "finished":
-            png = plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
-            self.print(f"loss plot: {png}" if png else "loss plot skipped: install matplotlib for it")
+            try:
+                png = plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+                self.print(f"loss plot: {png}" if png else "loss plot skipped: install matplotlib for it")
+            except OSError as err:  # the run is done and exported: a plot is not worth failing it
+                if not is_no_space(err):
+                    raise
+                self.print(f"loss plot skipped: no space left on the disk of {str(self.out)!r}")
         if self.dist.is_main:  # from the log, so a resumed run reports the whole run
             evals = [r for r in read_metrics(self.out / "metrics.jsonl") if r["kind"] == "eval"]
             loss = [("not finite" if r["loss"] is None else f"{r['loss']:.4f}") for r in evals]  # None: NaN / inf
@@ -824,13 +832,19 @@ class Trainer:
                 "sbo_count": self.window["sbo_count"]}
 
     def _new_window(self) -> dict:
+        """The log interval's sums. loss / count (and sbo_*) average the loss over the steps that updated
+        the weights, and go on across a resume (the checkpoint keeps them); tokens / predicted count
+        the work done since t0, for tokens/s and MFU, and restart with the clock."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return {"tokens": 0, "loss": zero, "count": zero.clone(), "sbo_loss": zero.clone(), "sbo_count": zero.clone(),
-                "t0": time.perf_counter()}
+        return {"tokens": 0, "predicted": zero.clone(), "loss": zero, "count": zero.clone(), "sbo_loss": zero.clone(),
+                "sbo_count": zero.clone(), "t0": time.perf_counter()}
 
     def _accumulate(self, stats: dict) -> None:
         window = self.window
         window["tokens"] += stats["tokens"]
+        window["predicted"] += stats["count"]
+        if stats["skipped"]:  # a non-finite loss or gradients (found on every rank alike): no update, no loss
+            return
         window["loss"] += stats["loss_sum"]
         window["count"] += stats["count"]
         window["sbo_loss"] += stats["sbo_loss_sum"]
@@ -843,11 +857,11 @@ class Trainer:
         count, sbo_count = float(window["count"]), float(window["sbo_count"])
         elapsed = time.perf_counter() - window["t0"]
         tokens_per_s = window["tokens"] / max(elapsed, 1e-9)
-        predicted_per_s = count / max(elapsed, 1e-9)
+        predicted_per_s = float(window["predicted"]) / max(elapsed, 1e-9)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         w = self.dist.world_size
         record = {
-            "kind": "train", "step": self.step, "loss": loss_sum / max(count, 1.0),
+            "kind": "train", "step": self.step, "loss": loss_sum / count if count else None,  # None: all skipped
             "lr": stats["lr"], "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
             "grad_norm": stats["grad_norm"], "tokens_per_s": tokens_per_s,
             "mfu": estimate_mfu(self.model_config, tokens_per_s / w, predicted_per_s / w, self.cfg.seq_len,
@@ -855,7 +869,7 @@ class Trainer:
             "memory_gb": memory_gb(self.device), "tokens_seen": self.tokens_seen,
         }
         if self.with_sbo:
-            record["sbo_loss"] = sbo_loss_sum / max(sbo_count, 1.0)
+            record["sbo_loss"] = sbo_loss_sum / sbo_count if sbo_count else None
         self.window = self._new_window()
         return record
 

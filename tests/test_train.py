@@ -956,3 +956,65 @@ def test_empty_paths_and_infinite_optimizer_values_are_refused(flag, value, mess
 
     with pytest.raises(ValueError, match=message):
         load_config(["--preset", "tiny", flag, value])
+
+
+def test_the_first_record_after_a_resume_rates_only_the_work_since(dataset, tmp_path, monkeypatch):
+    """The log window's loss sums go on across a resume (the checkpoint keeps them), but tokens/s and
+    MFU rate the work since the new clock: the predicted tokens before the stop are not divided by the
+    time after it (which made the first MFU after every resume too high, up to x4)."""
+    import roberta_fast.trainer as trainer_module
+
+    rates = []
+    real = trainer_module.estimate_mfu
+    monkeypatch.setattr(trainer_module, "estimate_mfu", lambda cfg, tokens_per_s, predicted_per_s, *rest: (
+        rates.append(predicted_per_s / tokens_per_s), real(cfg, tokens_per_s, predicted_per_s, *rest))[1])
+    run(small_config(dataset, tmp_path / "run", log_every=5, stop_at=4))  # a stop inside the first window
+    run(small_config(dataset, tmp_path / "run", log_every=5))
+    assert len(rates) == 2 and max(rates) < 0.3, rates  # (steps 5 and 6) ~15% of tokens are predicted, not 15% x 5
+
+
+def test_a_skipped_step_does_not_blank_its_windows_loss(dataset, tmp_path, monkeypatch):
+    """A step with a non-finite loss (an fp16 forward overflow) is skipped; the window's loss averages
+    the steps that updated, instead of becoming null for the whole window."""
+    real = Trainer.loss_sums
+    calls = []
+
+    def overflowing(out):
+        sums = real(out)
+        calls.append(1)
+        return sums * float("inf") if len(calls) == 3 else sums  # the third forward: step 2's (step 1: eval off)
+
+    monkeypatch.setattr(Trainer, "loss_sums", staticmethod(overflowing))
+    trainer, _ = run(small_config(dataset, tmp_path / "run", log_every=3, eval_every=100))
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert records[0]["skipped_steps"] >= 1 and [r["step"] for r in records] == [3, 6]
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in records), records
+
+
+def test_a_diverged_evaluation_reports_an_infinite_perplexity(dataset, tmp_path):
+    trainer = Trainer(small_config(dataset, tmp_path / "run"), log=lambda *a: None)
+    try:
+        with torch.no_grad():
+            trainer.model.lm_head.bias.fill_(-1e4)
+            trainer.model.lm_head.bias[0] = 1e4  # every prediction: token 0, by far
+        result = trainer.evaluate()
+        assert result["loss"] > 1000 and result["perplexity"] == math.inf
+        assert "perplexity inf" in trainer._eval_line(0, result)
+        assert trainer._eval_line(0, {**result, "loss": 20.0, "perplexity": math.exp(20.0)}).count("perplexity 4.852e+08")
+    finally:
+        trainer.close()
+
+
+def test_a_full_disk_at_the_loss_plot_does_not_fail_a_finished_run(dataset, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import roberta_fast.trainer as trainer_module
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer_module, "plot_losses", full)
+    assert main(small_argv(dataset) + ["--out", str(tmp_path / "run"), "--plot"]) == 0
+    captured = capsys.readouterr()
+    assert "loss plot skipped: no space left on the disk of" in captured.out + captured.err
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
