@@ -20,6 +20,7 @@ Only rank 0 reports; other ranks construct the logger with enabled=False.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -89,7 +90,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
         self._mark_resume(-1 if from_scratch else start_step)  # from scratch: step 0's records are redone too
-        if progress:
+        if progress and sys.stderr.isatty():  # a log file gets one line per logged step, not bar frames
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -103,6 +104,8 @@ class MetricsLogger:
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=purge)
             except ImportError:  # tensorboard not installed: JSONL only
                 self.writer = None
+                self.write("note: TensorBoard scalars skipped: pip install tensorboard for them "
+                           "(--no-tensorboard silences this)")
 
     def _mark_resume(self, step: int) -> None:
         """Append a "resume" marker at `step` to a file that already holds records (after ending
@@ -117,13 +120,18 @@ class MetricsLogger:
 
     def _append(self, text: str) -> None:
         """Write and flush `text`; a full disk is DiskSpaceError in one line, not an OSError traceback."""
-        try:
+        with self._no_space_is_one_line(self.path.name):
             self._file.write(text)
             self._file.flush()
+
+    @contextlib.contextmanager
+    def _no_space_is_one_line(self, writing: str):
+        try:
+            yield
         except OSError as err:
             if not is_no_space(err):
                 raise
-            raise DiskSpaceError(f"no space left on the disk of {str(self.path.parent)!r} (writing {self.path.name}): "
+            raise DiskSpaceError(f"no space left on the disk of {str(self.path.parent)!r} (writing {writing}): "
                                  "free some space, then rerun the same command to go on from the last "
                                  "checkpoint") from None
 
@@ -134,9 +142,10 @@ class MetricsLogger:
         record = {k: _clean(v) for k, v in record.items()}
         self._append(json.dumps(record) + "\n")
         if self.writer is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
+            with self._no_space_is_one_line("TensorBoard scalars"):  # (the writer's thread's error, raised here)
+                for k, v in record.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                        self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
         if record["kind"] == "train":
             shown = {"loss": record.get("loss"), "sbo": record.get("sbo_loss"), "tok/s": record.get("tokens_per_s"),
                      "lr": record.get("lr")}  # sbo: with the span boundary objective only
@@ -164,7 +173,13 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as err:
+                if not is_no_space(err):
+                    raise
+                print(f"note: the last TensorBoard scalars were not written: no space left on the disk of "
+                      f"{str(self.path.parent)!r}", file=sys.stderr)
         if self._file is not None:
             try:
                 self._file.close()

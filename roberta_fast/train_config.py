@@ -100,7 +100,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept (the newest)
     stop_at: int | None = None  # checkpoint and exit after this step (time-sliced jobs)
     prefetch: int = 4  # batches prepared ahead of the GPU
-    progress: bool = True  # tqdm progress bar
+    progress: bool = True  # tqdm progress bar when stderr is a terminal (else one line per logged step)
     tensorboard: bool = True  # TensorBoard scalars (if installed)
     plot: bool = True  # loss.png (training and validation loss) at the end
     export: bool = True  # save <out>/final in Hugging Face format at the end

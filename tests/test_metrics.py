@@ -127,3 +127,63 @@ def test_mfu_peak_by_device_name(name, peak):
     flops = training_flops(cfg, 1e5, 1.5e4, 512)
     assert estimate_mfu(cfg, 1e5, 1.5e4, 512, name) == pytest.approx(flops / peak)
     assert math.isnan(estimate_mfu(cfg, 1e5, 1.5e4, 512, "cpu"))
+
+
+class _FullDiskWriter:
+    """A SummaryWriter whose event file is on a full disk: its writer thread's ENOSPC surfaces in
+    add_scalar and again in close(), as torch's does."""
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def add_scalar(self, *args):
+        raise OSError(28, "No space left on device")
+
+    close = add_scalar
+
+
+def test_tensorboard_on_a_full_disk_is_one_disk_space_error(tmp_path, monkeypatch, capsys):
+    import sys
+    import types
+
+    from roberta_fast.checkpoint import DiskSpaceError
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = _FullDiskWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False)
+    with pytest.raises(DiskSpaceError, match=r"no space left on the disk of '.*' \(writing TensorBoard scalars\)"):
+        log.log({"kind": "train", "step": 1, "loss": 1.0})
+    log.close()  # no second error
+    assert "the last TensorBoard scalars were not written: no space left" in capsys.readouterr().err
+
+
+def test_tensorboard_missing_is_said_once(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kw):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    log = MetricsLogger(tmp_path, total_steps=10, progress=False)
+    log.log({"kind": "train", "step": 1, "loss": 1.0})
+    log.close()
+    assert capsys.readouterr().err.count("TensorBoard scalars skipped: pip install tensorboard") == 1
+    MetricsLogger(tmp_path, total_steps=10, progress=False, tensorboard=False).close()  # --no-tensorboard: silent
+    assert "TensorBoard" not in capsys.readouterr().err
+
+
+def test_a_log_file_gets_lines_not_bar_frames(tmp_path, capsys):
+    """stderr redirected to a file (a batch job): one line per logged step even with progress on;
+    the bar only draws on a terminal."""
+    log = MetricsLogger(tmp_path, total_steps=10, progress=True, tensorboard=False)
+    for step in (5, 10):
+        log.advance(step)
+        log.log({"kind": "train", "step": step, "loss": 2.0, "tokens_per_s": 1000.0, "lr": 1e-4})
+    log.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.splitlines() == ["step 5: loss 2, tok/s 1000, lr 0.0001",
+                                                    "step 10: loss 2, tok/s 1000, lr 0.0001"]
