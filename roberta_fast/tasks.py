@@ -498,6 +498,10 @@ class ClassifyTask(Task):
         train = read_examples(cfg.train, cfg, self.notes)
         valid = read_examples(cfg.valid, cfg, self.notes) if cfg.valid else None
         self.regression = is_regression([e[2] for e in train], cfg.problem_type, cfg.train)  # as run_glue
+        classes = {e[2] for e in train}
+        if not self.regression and len(classes) < 2:
+            raise ValueError(f"{cfg.train}: every row has the label {classes.pop()!r}, and a classifier needs at "
+                             f"least 2 classes; is --label-field {cfg.label_field!r} the label column?")
         if self.regression and valid is not None:
             check_scores([e[2] for e in valid], cfg.valid, "a regression needs a numeric score on every row")
         if valid is None:

@@ -169,6 +169,18 @@ def test_json_lists_and_objects_are_not_stringified_into_texts_or_classes(tmp_pa
         read_tagged(path)
 
 
+def test_a_training_file_of_one_class_is_refused(tmp_path):
+    """One class trained a 1-output regression that could only say 'try a larger --lr'; usually the label
+    column is the wrong one."""
+    from roberta_fast.tasks import ClassifyTask
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": f"t{i}", "label": "pos"}) + "\n" for i in range(4)))
+    with pytest.raises(ValueError, match=r"train.jsonl: every row has the label 'pos', and a classifier needs at "
+                                         r"least 2 classes; is --label-field 'label' the label column\?"):
+        ClassifyTask(classify_config(train=str(path)))
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
