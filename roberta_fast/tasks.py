@@ -498,15 +498,15 @@ class ClassifyTask(Task):
         train = read_examples(cfg.train, cfg, self.notes)
         valid = read_examples(cfg.valid, cfg, self.notes) if cfg.valid else None
         self.regression = is_regression([e[2] for e in train], cfg.problem_type, cfg.train)  # as run_glue
-        classes = {e[2] for e in train}
-        if not self.regression and len(classes) < 2:
-            raise ValueError(f"{cfg.train}: every row has the label {classes.pop()!r}, and a classifier needs at "
-                             f"least 2 classes; is --label-field {cfg.label_field!r} the label column?")
+        classes = {e[2] for e in train}  # of the whole of --train, before a hold-out
         if self.regression and valid is not None:
             check_scores([e[2] for e in valid], cfg.valid, "a regression needs a numeric score on every row")
         if valid is None:
-            train, valid = hold_out(train, cfg.seed, cfg.train)
-        elif not self.regression:
+            train, valid = hold_out(train, cfg.seed, cfg.train)  # (refuses a one-example file first)
+        if not self.regression and len(classes) < 2:
+            raise ValueError(f"{cfg.train}: every row has the label {classes.pop()!r}, and a classifier needs at "
+                             f"least 2 classes; is --label-field {cfg.label_field!r} the label column?")
+        if cfg.valid and not self.regression:
             check_known_labels(label_names([e[2] for e in train]), [e[2] for e in valid], "labels",
                                cfg.valid, cfg.train)
         self.train, self.valid = train, valid
