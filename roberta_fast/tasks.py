@@ -20,8 +20,8 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   unanswerable v2.0 question, points at `<s>` (position 0). Predictions are run_qa's
   postprocessing (n best starts x ends, at most --max-answer-len tokens, v2.0: the empty
   answer when the null score beats the best span by more than --null-threshold), scored with
-  the official SQuAD v2.0 script's exact match and F1 (x100; on answerable questions the
-  same as v1.1's).
+  the official scripts' exact match and F1 (x100): v2.0's, or v1.1's for a run without unanswerable
+  questions (they differ where a gold answer normalizes to nothing, as "The").
 - choice: RACE-style JSONL, `{"article", "question", "options": [...], "answer": "A"}` per
   question, or RACE's own per-article layout (`"questions"`, `"options"`, `"answers"` lists).
   Each option is encoded `<s> article </s></s> question option </s>` (an `_` in the question
@@ -968,10 +968,11 @@ def normalize_answer(s: str) -> str:
     return " ".join(s.split())
 
 
-def answer_f1(gold: str, predicted: str) -> float:
-    """The official SQuAD v2.0 script's compute_f1 (bag-of-words overlap of the normalized texts)."""
+def answer_f1(gold: str, predicted: str, version_2: bool = True) -> float:
+    """The official SQuAD v2.0 script's compute_f1 (bag-of-words overlap of the normalized texts), or the
+    v1.1 script's f1_score: 0 where nothing overlaps, also when both are empty."""
     gold_tokens, pred_tokens = normalize_answer(gold).split(), normalize_answer(predicted).split()
-    if not gold_tokens or not pred_tokens:  # no answer: right only if both are empty
+    if version_2 and (not gold_tokens or not pred_tokens):  # no answer: right only if both are empty
         return float(gold_tokens == pred_tokens)
     same = sum((collections.Counter(gold_tokens) & collections.Counter(pred_tokens)).values())
     if same == 0:
@@ -980,15 +981,18 @@ def answer_f1(gold: str, predicted: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def squad_scores(examples: list[QAExample], predictions: dict[str, str]) -> dict:
+def squad_scores(examples: list[QAExample], predictions: dict[str, str], version_2: bool = True) -> dict:
     """exact_match and f1 (x100) as the official SQuAD v2.0 script: per question the best over its
-    gold answers (those that normalize to nothing dropped; none left: the empty answer)."""
+    gold answers (those that normalize to nothing dropped; none left: the empty answer); or, version_2
+    False, as the v1.1 script: every gold answer kept, F1 0 where nothing overlaps."""
     exact = f1 = 0.0
     for e in examples:
-        golds = [text for text, _ in e.answers if normalize_answer(text)] or [""]
+        golds = [text for text, _ in e.answers]
+        if version_2:
+            golds = [text for text in golds if normalize_answer(text)] or [""]
         predicted = predictions[e.id]
         exact += max(float(normalize_answer(g) == normalize_answer(predicted)) for g in golds)
-        f1 += max(answer_f1(g, predicted) for g in golds)
+        f1 += max(answer_f1(g, predicted, version_2) for g in golds)
     return {"exact_match": 100 * exact / len(examples), "f1": 100 * f1 / len(examples)}
 
 
@@ -1023,7 +1027,7 @@ class QATask(Task):
         self.valid_features = qa_features(tokenizer, self.valid, max_len, stride)
 
     def baseline_warning(self, best):
-        null = squad_scores(self.valid, {e.id: "" for e in self.valid})
+        null = squad_scores(self.valid, {e.id: "" for e in self.valid}, self.version_2)
         if best["f1"] <= null["f1"]:
             return (f"no epoch beat answering nothing to every question (exact match {null['exact_match']:.2f}, "
                     f"F1 {null['f1']:.2f}): the model has not learned the task")
@@ -1055,7 +1059,7 @@ class QATask(Task):
         predictions = best_answers(self.valid, features, starts, ends, version_2=self.version_2,
                                    n_best=self.cfg.n_best, max_answer_len=self.cfg.max_answer_len,
                                    null_threshold=self.cfg.null_threshold)
-        return {"loss": loss / len(features), **squad_scores(self.valid, predictions)}
+        return {"loss": loss / len(features), **squad_scores(self.valid, predictions, self.version_2)}
 
 
 # --------------------------------------------------------------- multiple choice

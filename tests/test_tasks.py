@@ -353,6 +353,16 @@ def test_squad_metric_follows_the_official_script():
     assert squad_scores(examples[1:2], {"b": "something"}) == {"exact_match": 0.0, "f1": 0.0}
 
 
+def test_squad_v1_runs_score_as_the_v1_1_script():
+    """Where a gold answer normalizes to nothing ("The"), v2.0's script drops it (none left: the empty
+    answer) and v1.1's keeps it, its F1 0 where no word overlaps (hand-computed with both scripts' rules)."""
+    examples = [QAExample("t", "q", "c", [("The", 0)]), QAExample("e", "q", "c", [("The", 0), ("the end", 0)])]
+    predictions = {"t": "", "e": "a"}
+    assert squad_scores(examples, predictions, version_2=False) == {"exact_match": 100.0, "f1": 0.0}
+    assert squad_scores(examples, predictions, version_2=True) == {"exact_match": 50.0, "f1": 50.0}
+    assert answer_f1("", "", version_2=False) == 0.0 and answer_f1("the", "", version_2=True) == 1.0
+
+
 def test_best_answers_and_the_v2_null_logic():
     """The best span (start + end logit) in the context, end >= start, at most max_answer_len
     tokens; v2.0 answers nothing when the null score (<s>) beats it by more than the threshold."""
@@ -619,7 +629,7 @@ def test_token_qa_and_choice_runs_that_learn_nothing_say_so():
     assert token.baseline_warning({"accuracy": 0.85}) is None
 
     qa = object.__new__(QATask)
-    qa.valid = read_squad(SQUAD)[0]
+    qa.valid, qa.version_2 = read_squad(SQUAD)
     null = squad_scores(qa.valid, {e.id: "" for e in qa.valid})
     assert 0 < null["f1"] < 100  # the sample has answerable and unanswerable questions
     assert "answering nothing to every question" in qa.baseline_warning({"f1": null["f1"]})
