@@ -150,11 +150,15 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
                         raise ValueError(f"{path}:{reader.line_num}: {cells} cells, the header has "
                                          f"{len(reader.fieldnames)}; quote a cell that holds a comma "
                                          '("slow, but rewarding"), or remove the extra cells')
+                    if quoting == csv.QUOTE_NONE:
+                        refuse_quoted(f"{path}:{reader.line_num}", row.values())
                     yield f"{path}:{reader.line_num}", row
                 return
             reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
             for row in reader:
                 if row:  # a blank line, as DictReader skips it
+                    if quoting == csv.QUOTE_NONE:
+                        refuse_quoted(f"{path}:{reader.line_num}", row)
                     yield f"{path}:{reader.line_num}", {str(i): cell for i, cell in enumerate(row)}
     except UnicodeDecodeError:
         raise not_utf8(path) from None
@@ -162,6 +166,16 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
         line = f":{getattr(reader, 'reader', reader).line_num}" if reader is not None else ""
         kind = "a tab-separated file" if delimiter == "\t" else "CSV"
         raise ValueError(f"{path}{line}: not readable as {kind} ({err}); fix or remove the row") from None
+
+
+def refuse_quoted(where: str, cells) -> None:
+    """Refuse a .tsv cell quoted as pandas' to_csv(sep="\\t") writes one holding a quote (in quotes, each
+    quote doubled): a .tsv is read without quoting (as GLUE's), where the quotes would stay in the text."""
+    for cell in cells:
+        if isinstance(cell, str) and '""' in cell and cell[0] == '"' == cell[-1]:
+            raise ValueError(f"{where}: the cell {cell[:60]!r} is quoted, as pandas' to_csv(sep='\\t') writes a "
+                             "cell holding a quote; a .tsv is read without quoting, as GLUE's: save the file as "
+                             ".csv (read with quoting) or .jsonl")
 
 
 def is_scalar(value) -> bool:

@@ -181,6 +181,21 @@ def test_a_training_file_of_one_class_is_refused(tmp_path):
         ClassifyTask(classify_config(train=str(path)))
 
 
+def test_a_tsv_quoted_by_pandas_is_refused(tmp_path):
+    """pandas' to_csv(sep="\\t") quotes a cell holding a quote; a .tsv is read unquoted (GLUE's), which kept the
+    quotes in the text. A GLUE sentence with a lone quote character still reads as it is."""
+    from roberta_fast.tasks import delimited_rows
+
+    path = tmp_path / "pandas.tsv"
+    path.write_text('text\tlabel\nit \'s a " charming journey\t1\n"He said ""great film"""\t1\n')
+    with pytest.raises(ValueError, match=r"pandas.tsv:3: the cell .*great film.* is quoted, as pandas' to_csv.* save "
+                                         r"the file as .csv \(read with quoting\) or .jsonl"):
+        list(delimited_rows(path, "\t"))
+    path.write_text('it \'s a " charming journey\t1\n"He said ""great film"""\t1\n')
+    with pytest.raises(ValueError, match=r"pandas.tsv:2: the cell"):
+        list(delimited_rows(path, "\t", header=False))
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
