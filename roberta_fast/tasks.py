@@ -89,8 +89,13 @@ def data_file(path) -> Path:
 
 def not_utf8(path: Path) -> ValueError:
     """The error for a file that is not UTF-8 (CoNLL-2003's German files are ISO-8859-1): its first bad
-    line, found again line by line (the reader decodes in chunks, so it cannot say where)."""
+    line, found again line by line (the reader decodes in chunks, so it cannot say where). A UTF-16 file
+    (Windows' "Unicode") is named as such by its byte order mark."""
     with open(path, "rb") as f:
+        if f.read(2) in (b"\xff\xfe", b"\xfe\xff"):
+            return ValueError(f"{path}: UTF-16, not UTF-8 (it starts with a UTF-16 byte order mark); convert it, "
+                              f"e.g. iconv -f utf-16 -t utf-8 {shlex.quote(str(path))} > utf8-copy")
+        f.seek(0)
         for number, line in enumerate(f, start=1):
             try:
                 line.decode("utf-8")
@@ -107,6 +112,9 @@ def json_lines(path: Path):
         with open(path, encoding="utf-8-sig") as f:
             for number, line in enumerate(f, start=1):
                 if line.strip():
+                    if line.lstrip().startswith("["):
+                        raise ValueError(f"{path}:{number}: a JSON array; expected JSON Lines, one object per line "
+                                         f"(convert it, e.g. jq -c '.[]' {shlex.quote(str(path))} > rows.jsonl)")
                     try:
                         row = json.loads(line)
                     except json.JSONDecodeError as err:
@@ -140,6 +148,9 @@ def delimited_rows(path: Path, delimiter: str, header: bool = True, skipped: lis
         with open(path, newline="", encoding="utf-8-sig") as f:
             if header:
                 reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
+                twice = [name for name, n in collections.Counter(reader.fieldnames or []).items() if n > 1 and name]
+                if twice:  # DictReader would keep the last one's cells
+                    raise ValueError(f"{path}:1: the header names the column {twice[0]!r} twice; rename one")
                 for row in reader:
                     # DictReader puts the cells past the header under None, fills a short row with None
                     if delimiter == "\t" and skipped is not None and (None in row or None in row.values()):
@@ -253,7 +264,9 @@ def check_known_labels(names, valid_labels, what: str, valid_path, train_path) -
     unseen = collections.Counter(label for label in valid_labels if label not in known)
     if unseen:
         listed = ", ".join(f"{label!r} ({n}x)" for label, n in sorted(unseen.items()))
-        raise ValueError(f"{valid_path} has {what} that {train_path} never has: {listed}; the training "
+        unlabelled = (" (-1 is datasets' mark of an unlabelled example, as in GLUE's test splits: validate on "
+                      "the validation split)" if "-1" in unseen else "")
+        raise ValueError(f"{valid_path} has {what} that {train_path} never has: {listed}{unlabelled}; the training "
                          f"data's are {names}. Fix the spelling, or add training examples of them")
 
 
@@ -1085,7 +1098,7 @@ class ChoiceExample:
     answer: int
 
 
-def _answer_index(answer, options: int, where: str) -> int:
+def _answer_index(answer, options: list[str], where: str) -> int:
     """'A'.. or 0.. -> the option's index."""
     if isinstance(answer, str) and len(answer) == 1 and answer.isalpha():
         index = ord(answer.upper()) - ord("A")
@@ -1093,9 +1106,12 @@ def _answer_index(answer, options: int, where: str) -> int:
         index = answer
     else:
         index = -1
-    if not 0 <= index < options:
-        raise ValueError(f"{where}: answer {answer!r} is not one of the {options} options; give a letter "
-                         f"'A'..'{chr(ord('A') + options - 1)}' or an index 0..{options - 1}")
+    if not 0 <= index < len(options):
+        if answer in options:
+            raise ValueError(f"{where}: answer {answer!r} is the text of an option; give its letter "
+                             f"{chr(ord('A') + options.index(answer))!r} or its index {options.index(answer)}")
+        raise ValueError(f"{where}: answer {answer!r} is not one of the {len(options)} options; give a letter "
+                         f"'A'..'{chr(ord('A') + len(options) - 1)}' or an index 0..{len(options) - 1}")
     return index
 
 
@@ -1123,7 +1139,7 @@ def read_choices(path) -> list[ChoiceExample]:
             if examples and len(options) != len(examples[0].options):
                 raise ValueError(f"{where}: question {question!r} has {len(options)} options, the first question "
                                  f"{len(examples[0].options)}; every question needs the same number")
-            examples.append(ChoiceExample(article, question, options, _answer_index(answer, len(options), where)))
+            examples.append(ChoiceExample(article, question, options, _answer_index(answer, options, where)))
     if not examples:
         raise ValueError(f"{path} holds no questions")
     return examples

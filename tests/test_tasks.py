@@ -196,6 +196,36 @@ def test_a_tsv_quoted_by_pandas_is_refused(tmp_path):
         list(delimited_rows(path, "\t", header=False))
 
 
+def test_common_mistakes_get_errors_that_say_what_to_do(tmp_path):
+    """A UTF-16 file, datasets' -1 (unlabelled) test labels, a JSON array for JSON Lines, a choice answer
+    given as the option's text, a header naming a column twice."""
+    from roberta_fast.tasks import ClassifyTask, delimited_rows, json_lines
+
+    path = tmp_path / "u16.tsv"
+    path.write_text("text\tlabel\nhello\tpos\n", encoding="utf-16")
+    with pytest.raises(ValueError, match=r"u16.tsv: UTF-16, not UTF-8 .* iconv -f utf-16 -t utf-8"):
+        list(delimited_rows(path, "\t"))
+    train, test = tmp_path / "train.csv", tmp_path / "test.csv"
+    train.write_text("text,label\na,0\nb,1\n")
+    test.write_text("text,label\nc,-1\n")
+    with pytest.raises(ValueError, match=r"test.csv has labels .* '-1' \(1x\) \(-1 is datasets' mark of an unlabelled "
+                                         r"example, as in GLUE's test splits: validate on the validation split\)"):
+        ClassifyTask(classify_config(train=str(train), valid=str(test)))
+    path = tmp_path / "rows.json"
+    path.write_text('[\n  {"text": "a", "label": 0}\n]\n')
+    with pytest.raises(ValueError, match=r"rows.json:1: a JSON array; expected JSON Lines, one object per line"):
+        list(json_lines(path))
+    path = tmp_path / "race.jsonl"
+    path.write_text(json.dumps({"article": "a", "question": "q", "options": ["blue", "red"], "answer": "red"}) + "\n")
+    with pytest.raises(ValueError, match=r"race.jsonl:1: answer 'red' is the text of an option; give its letter 'B' or "
+                                         r"its index 1"):
+        read_choices(path)
+    path = tmp_path / "twice.csv"
+    path.write_text("text,label,label\na,1,0\n")
+    with pytest.raises(ValueError, match=r"twice.csv:1: the header names the column 'label' twice; rename one"):
+        list(delimited_rows(path, ","))
+
+
 def test_tagged_readers_name_the_bad_line(tmp_path):
     bad = tmp_path / "bad.conll"
     bad.write_text("Peter B-PER\nBlackburn\n")
