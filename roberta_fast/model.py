@@ -1421,20 +1421,25 @@ PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H
               ("Tesla T4", 65e12))
 
 
-def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, seq_len: int) -> float:
+def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, seq_len: int,
+                   sbo_predicted_tokens: int = 0) -> float:
     """Model FLOPs of one training step, PaLM convention (DESIGN.md).
 
-    6 · (encoder matmul params · tokens + MLM-head matmul params · predicted tokens)
-    + 12 · L · H · T · tokens for attention. Embedding lookups are not matmuls.
+    6 · (encoder matmul params · tokens + MLM-head matmul params · predicted tokens
+         + SBO-head matmul params · SBO-predicted tokens)
+    + 12 · L · H · T · tokens for attention. Embedding lookups are not matmuls. The span
+    boundary head (--objective mlm+sbo) is two Linear layers (3H -> H, H -> H) and the tied decoder.
     """
     h, i, n, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     encoder_matmul = n * (4 * h * h + 2 * h * i)
     head_matmul = h * h + h * vocab
-    return 6 * (encoder_matmul * tokens + head_matmul * predicted_tokens) + 12 * n * h * seq_len * tokens
+    sbo_matmul = 3 * h * h + h * h + h * vocab
+    return (6 * (encoder_matmul * tokens + head_matmul * predicted_tokens + sbo_matmul * sbo_predicted_tokens)
+            + 12 * n * h * seq_len * tokens)
 
 
 def estimate_mfu(config: RobertaConfig, tokens_per_s: float, predicted_per_s: float, seq_len: int,
-                 device_name: str) -> float:
+                 device_name: str, sbo_predicted_per_s: float = 0.0) -> float:
     """Model FLOPs utilisation against the datasheet peak; NaN for an unknown device (a CPU)."""
     peak = next((v for k, v in PEAK_FLOPS if k in device_name), math.nan)
-    return training_flops(config, tokens_per_s, predicted_per_s, seq_len) / peak
+    return training_flops(config, tokens_per_s, predicted_per_s, seq_len, sbo_predicted_per_s) / peak

@@ -836,13 +836,14 @@ class Trainer:
         the weights, and go on across a resume (the checkpoint keeps them); tokens / predicted count
         the work done since t0, for tokens/s and MFU, and restart with the clock."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return {"tokens": 0, "predicted": zero.clone(), "loss": zero, "count": zero.clone(), "sbo_loss": zero.clone(),
-                "sbo_count": zero.clone(), "t0": time.perf_counter()}
+        return {"tokens": 0, "predicted": zero.clone(), "sbo_predicted": zero.clone(), "loss": zero, "count": zero.clone(),
+                "sbo_loss": zero.clone(), "sbo_count": zero.clone(), "t0": time.perf_counter()}
 
     def _accumulate(self, stats: dict) -> None:
         window = self.window
         window["tokens"] += stats["tokens"]
         window["predicted"] += stats["count"]
+        window["sbo_predicted"] += stats["sbo_count"]
         if stats["skipped"]:  # a non-finite loss or gradients (found on every rank alike): no update, no loss
             return
         window["loss"] += stats["loss_sum"]
@@ -857,7 +858,8 @@ class Trainer:
         count, sbo_count = float(window["count"]), float(window["sbo_count"])
         elapsed = time.perf_counter() - window["t0"]
         tokens_per_s = window["tokens"] / max(elapsed, 1e-9)
-        predicted_per_s = float(window["predicted"]) / max(elapsed, 1e-9)
+        predicted_per_s, sbo_predicted_per_s = (float(window[k]) / max(elapsed, 1e-9)
+                                                for k in ("predicted", "sbo_predicted"))
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         w = self.dist.world_size
         record = {
@@ -865,7 +867,7 @@ class Trainer:
             "lr": stats["lr"], "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
             "grad_norm": stats["grad_norm"], "tokens_per_s": tokens_per_s,
             "mfu": estimate_mfu(self.model_config, tokens_per_s / w, predicted_per_s / w, self.cfg.seq_len,
-                                device_name),
+                                device_name, sbo_predicted_per_s / w),
             "memory_gb": memory_gb(self.device), "tokens_seen": self.tokens_seen,
         }
         if self.with_sbo:

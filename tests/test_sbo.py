@@ -249,3 +249,26 @@ def test_a_pad_is_never_a_boundary_so_training_and_evaluation_agree():
         assert not spans[0, :, :2].eq(11).any(), spans[0]  # position 11: the first pad
         targets.append(evaluate.sbo_targets)
     assert sum(targets) > 0
+
+
+def test_training_flops_count_the_span_boundary_head():
+    """training_flops' matmul part (all but attention's 12·L·H·T per token) equals the Linear FLOPs
+    torch's FLOP counter sees in a SpanBERT training step: encoder, MLM head and SBO head."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import roberta_fast as rf
+    from roberta_fast.model import training_flops
+
+    model = tiny_spanbert().train()
+    cfg = model.config
+    ids = torch.randint(5, 37, (2, 16))
+    _, labels, spans = rf.mask_tokens(ids, seed=0, vocab_size=37, mlm_probability=0.5, strategy="span",
+                                      word_starts=torch.ones_like(ids, dtype=torch.bool), return_spans=True)
+    with FlopCounterMode(display=False) as counter:
+        out = model(ids, labels=labels, spans=spans, masked_only=True)
+        (out.mlm_loss + out.sbo_loss).backward()
+    linear = sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op).split(".")[1] in ("mm", "addmm"))
+    predicted, sbo_predicted = int(labels.ne(-100).sum()), int(out.sbo_targets)
+    assert 0 < sbo_predicted <= predicted
+    attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * 16 * ids.numel()
+    assert linear == training_flops(cfg, ids.numel(), predicted, 16, sbo_predicted) - attention
