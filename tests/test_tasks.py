@@ -164,6 +164,11 @@ def test_json_lists_and_objects_are_not_stringified_into_texts_or_classes(tmp_pa
     path.write_text(json.dumps({"text": "fine", "label": 0}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError, match=r"rows.jsonl:2: " + problem):
         read_examples(path, classify_config())
+
+
+def test_a_null_tag_is_refused(tmp_path):
+    """It became the tag 'None'."""
+    path = tmp_path / "rows.jsonl"
     path.write_text('{"tokens": ["EU", "rejects"], "tags": ["B-ORG", null]}\n')
     with pytest.raises(ValueError, match=r"rows.jsonl:1: a tag is null; every tag must be a string"):
         read_tagged(path)
