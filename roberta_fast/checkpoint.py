@@ -299,8 +299,8 @@ def restoring(path):
         if not str(err).startswith("Error(s) in loading state_dict"):
             raise
         raise ValueError(f"checkpoint {str(path)!r} cannot be resumed: its weights do not fit this run's model "
-                         f"({str(err).splitlines()[1].strip()[:200]}); it was edited, or written by another roberta_fast "
-                         "version: resume from another checkpoint, or use a new --out") from err
+                         f"({str(err).splitlines()[1].strip()[:200]}); it was edited, or written by another "
+                         "roberta_fast version: resume from another checkpoint, or use a new --out") from err
 
 
 def _refuse_unsafe(path: Path) -> None:

@@ -836,8 +836,8 @@ class Trainer:
         the weights, and go on across a resume (the checkpoint keeps them); tokens / predicted count
         the work done since t0, for tokens/s and MFU, and restart with the clock."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return {"tokens": 0, "predicted": zero.clone(), "sbo_predicted": zero.clone(), "loss": zero, "count": zero.clone(),
-                "sbo_loss": zero.clone(), "sbo_count": zero.clone(), "t0": time.perf_counter()}
+        return {"tokens": 0, "predicted": zero.clone(), "sbo_predicted": zero.clone(), "loss": zero,
+                "count": zero.clone(), "sbo_loss": zero.clone(), "sbo_count": zero.clone(), "t0": time.perf_counter()}
 
     def _accumulate(self, stats: dict) -> None:
         window = self.window
