@@ -387,7 +387,7 @@ def start_long_run(tok, tmp_path):
     """A CLI run of 2 workers over 60 small chunks, once its first chunk is done: (process, its out)."""
     (tmp_path / "in").mkdir()
     words = [f"w{i}x{i * 7 % 13}" for i in range(500)]
-    text = "\n\n".join(" ".join(words[(d + k) % 500] for k in range(60)) for d in range(6000))
+    text = "\n\n".join(" ".join(words[(d + k) % 500] for k in range(60)) for d in range(24000))  # ~0.2 MB a chunk
     (tmp_path / "in" / "a.txt").write_text(text + "\n")
     tok.save(tmp_path / "tok")
     out = tmp_path / "out"
