@@ -495,7 +495,7 @@ class RobertaLayer(nn.Module):
         if (not self.cpu_inference_layer or self.training or backend != "reference" or output_attentions
                 or x_cast is not None or cast_dtype is not None or x.dtype != torch.float32 or x.device.type != "cpu"
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or _tracing()
-                or torch.compiler.is_exporting() or _ext.optional("inference_layer") is None):
+                or ops.exporting() or _ext.optional("inference_layer") is None):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
         if any(map(_has_hooks, (*linears, self.attn_norm, self.ffn_norm))):  # the C++ op calls no module
@@ -565,7 +565,7 @@ class _PreTrained(nn.Module):
         """The backend for `tensor`'s device and the model's dtype (a float64 model runs the reference
         ops, ops.resolve_backend); torch.export and torch.jit.trace trace the reference one (plain aten
         ops, which ONNX and any device take; the fused path's unpadding syncs on data)."""
-        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+        if ops.exporting() or torch.jit.is_tracing():
             return "reference"
         return ops.resolve_backend(self.backend, tensor.device, self.dtype)
 

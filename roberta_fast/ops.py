@@ -59,6 +59,15 @@ def check_backend(backend: str) -> str:
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels compute in
 
 
+def exporting() -> bool:
+    """Whether torch.export is tracing: torch.compiler.is_exporting(), except under torch.compile on
+    torch 2.11 (and earlier), whose Dynamo folds is_exporting() to True in every trace (pytorch#176347),
+    which made a compiled fused model run the reference ops and a compiled prepacked / int8 model fail
+    to lower. The flag itself, where torch has it, is what later torch reads."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return bool(flag) if flag is not None else torch.compiler.is_exporting()
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """The backend that runs for tensors on `device` computing in `dtype`.
 
@@ -241,7 +250,7 @@ def unpad_impl(backend: str, device: torch.device, head_dim: int) -> str | None:
     docs/inference.md); None: the batch runs padded, as transformers runs it.
     Never under torch.export / tracing, whose graphs cannot depend on how much is padded.
     """
-    if torch.compiler.is_exporting() or torch.jit.is_tracing():
+    if exporting() or torch.jit.is_tracing():
         return None
     if backend == "fused":
         if attention_impl(device) == "sdpa":

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import exporting
+
 LAYER_LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")  # RobertaLayer's four projections
 
 
@@ -84,7 +86,7 @@ class _InferenceLinear(nn.Module):
             raise RuntimeError(f"{self.KIND} Linear layers take fp32 inputs on the CPU, got {x.dtype} on {x.device}: "
                                f"a {self.KIND} model stays fp32 on the CPU (do not .half(), .to(bfloat16) or move it; "
                                f"apply {self.FUNCTION} to a fresh fp32 copy for another device or dtype)")
-        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+        if exporting() or torch.jit.is_tracing():
             with _untraced():  # the unpacked weights enter the traced graph as constants
                 state = self._kernel.unpack()
             out = self._traced(x, *state)
@@ -302,13 +304,13 @@ class TiedDecoder(nn.Module):
         self._source = _identity(weight, bias)
 
     def forward(self, x, weight, bias):
-        exporting = torch.compiler.is_exporting() or torch.jit.is_tracing()
-        if not (exporting or torch.compiler.is_compiling()):
+        tracing = exporting() or torch.jit.is_tracing()
+        if not (tracing or torch.compiler.is_compiling()):
             if _identity(weight, bias) != self._source:
                 self.rebuild(weight, bias)
-        elif exporting and self.layer_class is PackedLinear:  # the tied table itself, recorded once (not twice)
+        elif tracing and self.layer_class is PackedLinear:  # the tied table itself, recorded once (not twice)
             return F.linear(x, weight, bias)
-        elif exporting and (self._source is None or tuple(weight.shape) != self._source[0][3]):
+        elif tracing and (self._source is None or tuple(weight.shape) != self._source[0][3]):
             raise RuntimeError("the MLM decoder's packed copy is older than the word embeddings (replaced or loaded "
                                "into a submodule since rf.prepack / rf.quantize): call rf.prepack(model) or "
                                "rf.quantize(model) again, or run the model once, before exporting")

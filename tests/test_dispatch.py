@@ -241,3 +241,22 @@ def test_sm80_leaves_sdpa_its_own_choice_for_what_triton_does_not_take(monkeypat
         out = ops.attention(qkv, torch.ones(2, 5, dtype=torch.bool), 0.0, "fused")
     expected = ops.attention(qkv, torch.ones(2, 5, dtype=torch.bool), 0.0, "reference")
     torch.testing.assert_close(out, expected)
+
+
+def test_exporting_reads_torch_exports_flag(monkeypatch):
+    """ops.exporting() is True under torch.export only. torch 2.11's Dynamo folds
+    torch.compiler.is_exporting() to True in every torch.compile trace (pytorch#176347), which made
+    a compiled fused model run the reference ops and a compiled prepacked model fail to lower."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(ops.exporting())
+            return x + 1
+
+    torch.export.export(Probe(), (torch.ones(2),))
+    assert seen[-1] is True and ops.exporting() is False
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # what torch 2.11 answers under compile
+    assert ops.exporting() is False
+    monkeypatch.delattr(torch.compiler, "_is_exporting_flag", raising=False)  # a torch without the flag
+    assert ops.exporting() is True
