@@ -83,6 +83,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -705,7 +706,8 @@ def _execute_pool(tasks: list[dict], tokenizer_file: str, workers: int, update: 
     seen = [0, 0]
     with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_pool,
                              initargs=(tokenizer_file, counters, os.getpid())) as pool:
-        futures = {pool.submit(_run_chunk, task): task for task in tasks}
+        with _ctrl_c_ignored():  # the workers (spawned by submit) start with it ignored, see _init_pool
+            futures = {pool.submit(_run_chunk, task): task for task in tasks}
         pending = set(futures)
         try:
             while pending:
@@ -724,6 +726,21 @@ def _execute_pool(tasks: list[dict], tokenizer_file: str, workers: int, update: 
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return []
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored():
+    """SIGINT ignored while the pool spawns its workers, so that they inherit it ignored from their first
+    instruction: a worker still starting when Ctrl-C reaches the process group would die of it (before
+    _init_pool), break the pool and stall the parent's stop. (Main thread only: signals are its.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _init_pool(tokenizer_file: str, counters, parent: int) -> None:
