@@ -393,7 +393,10 @@ def start_long_run(tok, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "roberta_fast.preprocess", "--tokenizer", str(tmp_path / "tok"), "--out", str(out),
            "--quiet", "--workers", "2", "--shard-mb", str(len(text) / 60e6), str(tmp_path / "in")]
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT at its default in the run, as in a terminal: a shell's background job (`.ci/run &`) ignores it,
+    # and an ignored SIGINT is inherited
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not list((out / "chunks").glob("*.json")) and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
