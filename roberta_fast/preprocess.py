@@ -412,11 +412,12 @@ def preprocess(
         chunks = _plan(files, int(shard_mb * 1e6), doc_per_file, text_field, skip_damaged, refused, log)
         _prepare_out(out, plan, overwrite, chunks, log)
         tokenizer.save(out / "tokenizer")
-        todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, chunks[i], _made_with(plan), log)]
+        made_with = _made_with(plan)
+        todo = [i for i in range(len(chunks)) if not _chunk_done(out, i, chunks[i], made_with, log)]
         if len(todo) < len(chunks):
             log(f"resuming: {len(chunks) - len(todo)} of {len(chunks)} chunks already done in {out}")
         run_options = {**options, "skip_damaged": skip_damaged}  # (skipping is no part of what the shards are)
-        common = {"out": str(out), "dtype": dtype, "options": run_options, "made_with": _made_with(plan)}
+        common = {"out": str(out), "dtype": dtype, "options": run_options, "made_with": made_with}
         tasks = [{**common, "index": i, "segments": chunks[i]} for i in todo]
         t0 = time.time()
 
