@@ -3,6 +3,7 @@
     ds = PretrainingDataset(path, split="train", seq_len=512, mode="full")  # or "doc"
     ds[i]                   # (seq_len,) int64 ids; rows shorter than seq_len end in <pad>
     ds.sample(i)            # numpy dict: input_ids, attention_mask[, word_starts, position_ids, cu_seqlens]
+    ds.batch(indices)       # those samples as (B, S) tensors, their ids asked of the disk at once
     ds.manifest             # vocab_size, tokenizer_hash, bos/pad/eos/unk/mask_id, counts, ...
     ds.tokenizer_path       # the tokenizer directory the ids belong to
     dataset_tokenizer(path) # its RobertaTokenizer, checked against the manifest's tokenizer_hash
@@ -25,11 +26,15 @@ petabytes at each start costs more than it protects). A damaged file is named wi
 fix: rerun the preprocess command that made the dataset, which checks its finished
 shards and redoes the damaged ones.
 
-Access cost: a "full" sample is a slice of the memory-mapped shards (a binary search
-over the handful of shard offsets); a "doc" sample adds a binary search over the
-document index, which the dataset loads once (16 bytes per document: each document's
-start and its first run); pack=True also plans the packing once at construction (a pass
-over the documents, ~1 s per 10M of them; 8 bytes per packed row).
+Access cost: a "full" sample is a slice of the memory-mapped shards (a binary search over
+the handful of shard offsets). The shards are read at random, so they are mapped with
+MADV_RANDOM (a missed page costs one page, not the disk's read-ahead window), and a batch
+first asks the OS for all its samples' pages at once (MADV_WILLNEED), so a batch read from
+a cold disk waits about one disk latency, not one per sample (benchmarks/bench_loader.py).
+A "doc" sample adds a binary search over the document index, which the dataset loads once
+(16 bytes per document: each document's start and its first run); pack=True also plans the
+packing once at construction (a pass over the documents, ~1 s per 10M of them; 8 bytes per
+packed row).
 
 Sample layouts (the RoBERTa paper's input formats; S = seq_len):
 - mode="full" (FULL-SENTENCES, the default): the split's token stream (every document's
@@ -68,6 +73,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import queue
 import threading
 from pathlib import Path
@@ -261,6 +267,17 @@ def verify_checksums(path: str | Path, log=print) -> None:
 
 
 # --------------------------------------------------------------------------- token stream
+def _map_file(file: Path) -> mmap.mmap:
+    """A shard file memory-mapped read-only and advised as read at random (MADV_RANDOM): a
+    missed page then costs one page, not the device's read-ahead window (up to megabytes: with
+    8 MB a cold shuffled batch of 64 x 512 ids took 20x longer)."""
+    with open(file, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the map outlives the file object
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
+
+
 class TokenStream:
     """The shards of one split as one virtual array of ids (memory-mapped), with its document index."""
 
@@ -268,11 +285,13 @@ class TokenStream:
         if split not in manifest["splits"]:
             raise ValueError(f"split must be one of {sorted(manifest['splits'])}, got {split!r}")
         dtype = _token_dtype(manifest, root)
-        self.root, self.shards, sizes = root, [], []
+        self.root, self.shards, self._maps, sizes = root, [], [], []
         info = manifest["splits"][split]["shards"]
         for shard in info:
             _check_shard(root, shard, dtype, manifest["vocab_size"])
-            self.shards.append(np.memmap(root / shard["bin"], dtype=dtype, mode="r", shape=(shard["tokens"],)))
+            mapped = _map_file(root / shard["bin"]) if shard["tokens"] else b""  # (an empty file cannot be mapped)
+            self._maps.append(mapped)
+            self.shards.append(np.frombuffer(mapped, dtype=dtype, count=shard["tokens"]))
             sizes.append(shard["tokens"])
         self._info = info
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
@@ -281,19 +300,38 @@ class TokenStream:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Ids [start, stop) of the stream as int64, across shard boundaries."""
+    def _pieces(self, start: int, stop: int):
+        """(shard, lo, hi) for each shard's part of the stream's ids [start, stop), in order."""
         start, stop = max(0, start), min(stop, len(self))
-        out = np.empty(max(0, stop - start), dtype=np.int64)
         s = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
         while pos < stop:
             lo = pos - int(self.starts[s])
             hi = min(stop, int(self.starts[s + 1])) - int(self.starts[s])
-            out[pos - start: pos - start + hi - lo] = self.shards[s][lo:hi]
+            yield s, lo, hi
             pos += hi - lo
             s += 1
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Ids [start, stop) of the stream as int64, across shard boundaries."""
+        out = np.empty(max(0, min(stop, len(self)) - max(0, start)), dtype=np.int64)
+        at = 0
+        for s, lo, hi in self._pieces(start, stop):
+            out[at: at + hi - lo] = self.shards[s][lo:hi]
+            at += hi - lo
         return out
+
+    def will_need(self, ranges) -> None:
+        """Ask the OS to read the ids of these [start, stop) ranges now, all at once (madvise
+        WILLNEED), before they are copied. A cold page of a memory map is otherwise read when
+        touched, one disk wait after another: a shuffled batch touches B places of the corpus."""
+        if not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        for start, stop in ranges:
+            for s, lo, hi in self._pieces(start, stop):
+                item = self.shards[s].itemsize
+                first = lo * item // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
+                self._maps[s].madvise(mmap.MADV_WILLNEED, first, hi * item - first)
 
     @property
     def fingerprint(self) -> str | None:
@@ -350,15 +388,18 @@ class PretrainingDataset:
         return self._n
 
     # ---- runs (DOC-SENTENCES)
-    def _run(self, k: int) -> np.ndarray:
-        """Run k: `<s>` + up to S-2 ids of one document + `</s>`."""
+    def _run_span(self, k: int) -> tuple[int, int]:
+        """The stream ids [lo, hi) of run k: up to S-2 ids of one document (not its `</s>`)."""
         d = int(np.searchsorted(self._run_cum, k, side="right")) - 1
         j = k - int(self._run_cum[d])
         body = self.seq_len - 2
-        start = int(self.stream.doc_starts[d])
+        lo = int(self.stream.doc_starts[d]) + j * body
         end = int(self.stream.doc_starts[d + 1]) - 1  # the document's </s>
-        lo = start + j * body
-        return np.concatenate([[self.bos_id], self.stream.read(lo, min(end, lo + body)), [self.eos_id]])
+        return lo, min(end, lo + body)
+
+    def _run(self, k: int) -> np.ndarray:
+        """Run k: `<s>` + its ids + `</s>`."""
+        return np.concatenate([[self.bos_id], self.stream.read(*self._run_span(k)), [self.eos_id]])
 
     def _pack_runs(self, lengths: np.ndarray, runs: np.ndarray, body: int) -> np.ndarray:
         """(n_rows + 1,) first run of each packed row: runs in order, next fit into rows of S.
@@ -406,6 +447,20 @@ class PretrainingDataset:
         if not self.pack:
             return [self._run(i)]
         return [self._run(k) for k in range(self._rows[i], self._rows[i + 1])]
+
+    def _span(self, i: int) -> tuple[int, int]:
+        """The stream ids [lo, hi) that sample i reads (a packed row's runs lie one after another)."""
+        if self.mode == "full":
+            return i * (self.seq_len - 1), (i + 1) * (self.seq_len - 1)
+        first, last = (i, i) if not self.pack else (int(self._rows[i]), int(self._rows[i + 1]) - 1)
+        return self._run_span(first)[0], self._run_span(last)[1]
+
+    def batch(self, indices) -> dict:
+        """Samples `indices` collated into (B, S) tensors (see collate). Their ids are asked of
+        the disk all at once first, so a cold batch waits for the disk about once, not B times."""
+        indices = [self._check_index(i) for i in indices]
+        self.stream.will_need([self._span(i) for i in indices])
+        return collate([self.sample(i) for i in indices], self.seq_len)
 
     def row(self, i: int) -> np.ndarray:
         """Ids of sample i as a numpy int64 array of up to seq_len (unpadded)."""
@@ -555,7 +610,7 @@ class BatchLoader:
 
     def batch(self, epoch: int, step: int) -> dict:
         """This rank's batch `step` of `epoch` as (B, S) tensors (pinned if pin_memory)."""
-        out = collate([self.dataset.sample(int(i)) for i in self.indices(epoch, step)], self.dataset.seq_len)
+        out = self.dataset.batch(self.indices(epoch, step))
         if self.pin_memory:
             out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
         return out

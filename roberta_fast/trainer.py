@@ -443,8 +443,6 @@ class Trainer:
 
     def _eval_batches(self) -> list[dict]:
         """The validation set's first samples (at most eval_batches x batch_size, split over ranks)."""
-        from .data import collate
-
         n = min(len(self.valid_data), self.cfg.eval_batches * self.cfg.batch_size)
         if n == 0:
             raise ValueError(f"the dataset's valid split holds no sequence of {self.cfg.seq_len} tokens; "
@@ -453,8 +451,7 @@ class Trainer:
         lo, hi = r * n // w, (r + 1) * n // w  # contiguous, so masks do not depend on world size
         batches = []
         for start in range(lo, hi, self.cfg.batch_size):
-            rows = [self.valid_data.sample(i) for i in range(start, min(hi, start + self.cfg.batch_size))]
-            batch = collate(rows, self.cfg.seq_len)
+            batch = self.valid_data.batch(range(start, min(hi, start + self.cfg.batch_size)))
             batch["sample_offset"] = start
             batches.append(batch)
         return batches

@@ -237,6 +237,69 @@ def test_resume_refuses_a_dataset_of_other_content(built, tmp_path):
         BatchLoader(PretrainingDataset(path, seq_len=S), 4, seed=7).load_state_dict(other)
 
 
+class _AdviceRecorder:
+    """Stands in for a shard's memory map: records the byte ranges madvise is given."""
+
+    def __init__(self, shard: int, log: list):
+        self.shard, self.log = shard, log
+
+    def madvise(self, option, start, length):
+        import mmap
+
+        assert option == mmap.MADV_WILLNEED and start % mmap.PAGESIZE == 0
+        self.log.append((self.shard, start, start + length))
+
+
+@pytest.mark.parametrize("mode,pack", [("full", False), ("doc", False), ("doc", True)])
+def test_a_batch_asks_the_disk_for_exactly_what_its_samples_read(built, mode, pack):
+    """batch() advises WILLNEED for each sample's ids (across shard boundaries) before reading
+    them, so a cold shuffled batch waits for the disk once: every id a sample reads lies in an
+    advised range of its shard; the batch equals collating the samples one by one."""
+    import mmap
+
+    from roberta_fast.data import collate
+
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S, mode=mode, pack=pack)
+    stream, advised, reads = ds.stream, [], []
+    stream._maps = [_AdviceRecorder(s, advised) for s in range(len(stream.shards))]
+    read = stream.read
+    stream.read = lambda start, stop: reads.append((start, stop)) or read(start, stop)
+    indices = [len(ds) - 1, 0, 5, len(ds) // 2, 5]  # the last (short) row, a repeat
+    batch = ds.batch(indices)
+    for key, value in collate([ds.sample(i) for i in indices], S).items():
+        assert torch.equal(batch[key], value) if torch.is_tensor(value) else batch[key] == value, key
+    item = stream.shards[0].itemsize
+    for start, stop in reads:
+        for token in range(start, min(stop, len(stream))):  # (the last row asks past the end)
+            s = int(np.searchsorted(stream.starts, token, side="right")) - 1
+            byte = (token - int(stream.starts[s])) * item
+            assert any(a == s and lo <= byte and byte + item <= hi for a, lo, hi in advised), (token, s)
+    wanted = sum(int(np.diff(ds._span(i))[0]) for i in indices) * item
+    assert sum(hi - lo for _, lo, hi in advised) < wanted + len(advised) * mmap.PAGESIZE  # no more than that
+
+
+def test_shards_are_mapped_for_random_reads(built, monkeypatch):
+    """Shards are advised MADV_RANDOM: a missed page must not pull in the device's read-ahead
+    window (megabytes on some disks) for each 1-KB sample of a shuffled batch."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_RANDOM"):
+        pytest.skip("this OS's mmap has no madvise(MADV_RANDOM)")
+    advice, real = [], mmap.mmap
+
+    class Recording(real):
+        def madvise(self, option, *args):
+            advice.append(option)
+            return super().madvise(option, *args)
+
+    monkeypatch.setattr(mmap, "mmap", Recording)
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S)
+    assert advice.count(mmap.MADV_RANDOM) == len(ds.stream.shards) > 1
+    assert ds.stream.read(0, 5).tolist() == ds.row(0)[1:6].tolist()
+
+
 def test_prefetch_stops_cleanly(built):
     path, _, _ = built
     loader = BatchLoader(PretrainingDataset(path, seq_len=S), 2, seed=0, prefetch=3)
