@@ -284,18 +284,28 @@ class TokenStream:
     def __init__(self, root: Path, manifest: dict, split: str):
         if split not in manifest["splits"]:
             raise ValueError(f"split must be one of {sorted(manifest['splits'])}, got {split!r}")
-        dtype = _token_dtype(manifest, root)
-        self.root, self.shards, self._maps, sizes = root, [], [], []
-        info = manifest["splits"][split]["shards"]
-        for shard in info:
-            _check_shard(root, shard, dtype, manifest["vocab_size"])
-            mapped = _map_file(root / shard["bin"]) if shard["tokens"] else b""  # (an empty file cannot be mapped)
-            self._maps.append(mapped)
-            self.shards.append(np.frombuffer(mapped, dtype=dtype, count=shard["tokens"]))
-            sizes.append(shard["tokens"])
-        self._info = info
+        self.root, self._dtype, self._info = root, _token_dtype(manifest, root), manifest["splits"][split]["shards"]
+        for shard in self._info:
+            _check_shard(root, shard, self._dtype, manifest["vocab_size"])
+        self._map_shards()
+        sizes = [shard["tokens"] for shard in self._info]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
         self._doc_starts = None
+
+    def _map_shards(self) -> None:
+        self._maps = [_map_file(self.root / shard["bin"]) if shard["tokens"] else b""  # (an empty file cannot
+                      for shard in self._info]                                          # be mapped)
+        self.shards = [np.frombuffer(m, dtype=self._dtype, count=shard["tokens"])
+                       for m, shard in zip(self._maps, self._info)]
+
+    def __getstate__(self) -> dict:
+        """Pickled (e.g. for a spawned DataLoader worker) without its memory maps, which the copy
+        makes again: a map cannot be pickled, and an array of its ids would be copied whole."""
+        return {**self.__dict__, "_maps": None, "shards": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._map_shards()
 
     def __len__(self) -> int:
         return int(self.starts[-1])

@@ -300,6 +300,20 @@ def test_shards_are_mapped_for_random_reads(built, monkeypatch):
     assert ds.stream.read(0, 5).tolist() == ds.row(0)[1:6].tolist()
 
 
+def test_a_dataset_pickles_without_its_ids(built):
+    """A spawned DataLoader worker gets the dataset pickled: the copy maps the files again (a
+    memory map cannot be pickled; the ids must not be copied whole) and reads the same rows."""
+    import pickle
+
+    path, _, _ = built
+    ds = PretrainingDataset(path, seq_len=S, mode="doc", pack=True)
+    blob = pickle.dumps(ds)
+    assert bytes(ds.stream.shards[0][:64]) not in blob
+    copy = pickle.loads(blob)
+    assert len(copy) == len(ds) and all(np.array_equal(copy.row(i), ds.row(i)) for i in range(len(ds)))
+    assert torch.equal(copy.batch([3, 0])["input_ids"], ds.batch([3, 0])["input_ids"])
+
+
 def test_prefetch_stops_cleanly(built):
     path, _, _ = built
     loader = BatchLoader(PretrainingDataset(path, seq_len=S), 2, seed=0, prefetch=3)
