@@ -382,7 +382,8 @@ class Task:
 
 # ------------------------------------------------------------- classification
 def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str | None, str]]:
-    """(text, pair or None, label as a string) of every row of a CSV or JSONL file. Fields given
+    """(text, pair or None, label as a string) of every row of a CSV or JSONL file; the labels of a .csv / .tsv
+    column of integers as pandas reads them ("+1", "01" and " 1" are "1"). Fields given
     as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA). The line
     saying which broken .tsv rows were skipped (delimited_rows) goes to `notes` (else it is printed)."""
     path = data_file(path)
@@ -436,6 +437,9 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
         header_row_error(*first, numeric, cfg)
     if not examples:
         raise ValueError(f"{path} holds no examples" + (f": {skipped_note(path, skipped)}" if skipped else ""))
+    if suffix in (".csv", ".tsv") and all(is_integer(label) for _, _, label in examples):
+        # pandas (run_glue's datasets) reads such a column as integers: "+1", "01" and "1" are one class, 1
+        examples = [(text, pair, str(int(label))) for text, pair, label in examples]
     for name in fields[:1] + fields[2:]:
         if all(not text.strip() for text in (e[0] if name == cfg.text_field else e[1] for e in examples)):
             raise ValueError(f"{path}: the column {name!r} is empty on every row; name the text columns with "

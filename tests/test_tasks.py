@@ -138,7 +138,7 @@ def test_regression_or_classes_is_decided_from_the_training_labels_as_pandas_rea
                                             valid=str(tmp_path / "dev.csv") if valid else None, **fields))
 
     assert task([" 1", " 0"] * 5).names == ["0", "1"]
-    assert task(["+1", "-1"] * 5).names == ["-1", "+1"]
+    assert task(["+1", "-1"] * 5).names == ["-1", "1"]
     with pytest.raises(ValueError, match=r"dev.csv has labels that .*train.csv never has: '0.0' \(1x\)"):
         task(["1", "0"] * 5, ["0.0", "1"])
     with pytest.raises(ValueError, match=r"train.csv:4: the label \('label'\) is NaN on this line; fill it in"):
@@ -149,6 +149,21 @@ def test_regression_or_classes_is_decided_from_the_training_labels_as_pandas_rea
         task(["3.8", "4.1x", "0.5", "2.5"])
     assert task(["3.8", "4.1", "0.5", "2"]).regression
     assert task(["3.8", "4.1x", "0.5", "2"], problem_type="single_label_classification").names[0] == "0.5"
+
+
+def test_a_column_of_integers_reads_as_pandas_reads_it(tmp_path):
+    """"+1", "01" and "1" in one .csv / .tsv column are one class, 1 (they were three), as pandas and datasets
+    parse an integer column, in --train and --valid alike; a column that is not all integers keeps its strings."""
+    from roberta_fast.tasks import ClassifyTask
+
+    train, dev = tmp_path / "train.csv", tmp_path / "dev.tsv"
+    train.write_text("text,label\n" + "".join(f"t{i},{x}\n" for i, x in enumerate(["+1", "1", "01", "0", "-0"] * 2)))
+    dev.write_text("text\tlabel\na\t+1\nb\t00\n")
+    task = ClassifyTask(classify_config(train=str(train), valid=str(dev)))
+    assert task.names == ["0", "1"] and not task.regression
+    assert [label for _, _, label in task.valid] == ["1", "0"]
+    train.write_text("text,label\n" + "".join(f"t{i},{x}\n" for i, x in enumerate(["01", "1", "pos"] * 2)))
+    assert ClassifyTask(classify_config(train=str(train))).names == ["01", "1", "pos"]
 
 
 @pytest.mark.parametrize("row, problem", [
