@@ -221,6 +221,13 @@ def skipped_note(path, skipped: list[int]) -> str:
             "loaders do (fairseq's preprocess_GLUE_tasks.sh, datasets' glue)")
 
 
+def place_in(where: str, path) -> str:
+    """A location "file:12" as "line 12", "file@row3" (a table's row, 0-based as datasets indexes it) as
+    "row 3", for a message that names the file once; a datasets directory's row keeps its shard's name."""
+    rest = where[len(str(path)):].lstrip("/\\") if where.startswith(str(path)) else where
+    return f"line {rest[1:]}" if rest.startswith(":") else rest.replace("@row", " row ").strip()
+
+
 def hold_out(train: list, seed: int, path) -> tuple[list, list]:
     """(train, valid): a deterministic 10% of the examples held out, for runs without --valid."""
     if len(train) < 2:
@@ -284,7 +291,7 @@ def number(label: str) -> float | None:
     return value if np.isfinite(value) else None
 
 
-def is_regression(labels, problem_type: str, path) -> bool:
+def is_regression(labels, places, problem_type: str, path) -> bool:
     """Whether classify's training labels are scores to regress: --problem-type regression, or (auto) every
     label is a number and some are not integers ("3.800", as GLUE's STS-B; run_glue decides from the
     training label column's type, which is float then). Integer labels stay classes; --problem-type says
@@ -293,20 +300,21 @@ def is_regression(labels, problem_type: str, path) -> bool:
     if problem_type == "single_label_classification":
         return False
     if problem_type == "regression":
-        check_scores(labels, path, "--problem-type regression needs a numeric score on every row")
+        check_scores(labels, places, path, "--problem-type regression needs a numeric score on every row")
         return True
     fractional = sum(number(label) is not None and not is_integer(label) for label in labels)
     if fractional > len(labels) / 2:
-        check_scores(labels, path, "most labels are scores with a fraction (a regression)",
+        check_scores(labels, places, path, "most labels are scores with a fraction (a regression)",
                      ", or pass --problem-type single_label_classification if the labels are classes")
     return fractional > 0 and all(number(label) is not None for label in labels)
 
 
-def check_scores(labels, path, why: str, hint: str = "") -> None:
-    """Refuse regression labels that are not finite numbers, naming them and their rows (1-based examples)."""
-    bad = [(n, label) for n, label in enumerate(labels, start=1) if number(label) is None]
+def check_scores(labels, places, path, why: str, hint: str = "") -> None:
+    """Refuse regression labels that are not finite numbers, naming them and their lines or rows (`places`,
+    read_examples')."""
+    bad = [(place, label) for place, label in zip(places, labels) if number(label) is None]
     if bad:
-        listed = ", ".join(f"example {n} {label!r}" for n, label in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        listed = ", ".join(f"{place} {label!r}" for place, label in bad[:5]) + (", ..." if len(bad) > 5 else "")
         raise ValueError(f"{path}: label {bad[0][1]!r} is not a finite number; {why}: fix or remove the "
                          f"row{'s' if len(bad) > 1 else ''} whose label is not a number ({listed}){hint}")
 
@@ -381,11 +389,13 @@ class Task:
 
 
 # ------------------------------------------------------------- classification
-def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str | None, str]]:
+def read_examples(path, cfg, notes: list | None = None, places: list | None = None
+                  ) -> list[tuple[str, str | None, str]]:
     """(text, pair or None, label as a string) of every row of a CSV or JSONL file; the labels of a .csv / .tsv
     column of integers as pandas reads them ("+1", "01" and " 1" are "1"). Fields given
     as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA). The line
-    saying which broken .tsv rows were skipped (delimited_rows) goes to `notes` (else it is printed)."""
+    saying which broken .tsv rows were skipped (delimited_rows) goes to `notes` (else it is printed); each
+    example's line or row (place_in) to `places`, for messages about its label."""
     path = data_file(path)
     fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
     suffix = path.suffix.lower()
@@ -429,10 +439,11 @@ def read_examples(path, cfg, notes: list | None = None) -> list[tuple[str, str |
             raise ValueError(f"{where}: the label ({cfg.label_field!r}) is {'NaN' if label else 'empty'} on this "
                              "line; fill it in or remove the row")
         if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions
-            place = where[len(str(path)):]  # ":12" (a line) or "@row3" (a table's row)
-            empty_text.append(f"line {place[1:]}" if place.startswith(":") else place[1:])
+            empty_text.append(place_in(where, path))
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None
         examples.append((str(row[cfg.text_field]), pair, label))
+        if places is not None:
+            places.append(place_in(where, path))
     if first is not None and len(examples) >= 3:
         header_row_error(*first, numeric, cfg)
     if not examples:
@@ -526,12 +537,14 @@ class ClassifyTask(Task):
 
     def __init__(self, cfg):
         self.notes = []
-        train = read_examples(cfg.train, cfg, self.notes)
-        valid = read_examples(cfg.valid, cfg, self.notes) if cfg.valid else None
-        self.regression = is_regression([e[2] for e in train], cfg.problem_type, cfg.train)  # as run_glue
+        train_places, valid_places = [], []  # each example's line or row, for check_scores' messages
+        train = read_examples(cfg.train, cfg, self.notes, train_places)
+        valid = read_examples(cfg.valid, cfg, self.notes, valid_places) if cfg.valid else None
+        self.regression = is_regression([e[2] for e in train], train_places, cfg.problem_type, cfg.train)
         classes = {e[2] for e in train}  # of the whole of --train, before a hold-out
         if self.regression and valid is not None:
-            check_scores([e[2] for e in valid], cfg.valid, "a regression needs a numeric score on every row")
+            check_scores([e[2] for e in valid], valid_places, cfg.valid,
+                         "a regression needs a numeric score on every row")
         if valid is None:
             train, valid = hold_out(train, cfg.seed, cfg.train)  # (refuses a one-example file first)
         if not self.regression and len(classes) < 2:

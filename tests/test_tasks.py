@@ -145,7 +145,7 @@ def test_regression_or_classes_is_decided_from_the_training_labels_as_pandas_rea
         task(["3.8", "1.2", "NaN", "0.5"])
     with pytest.raises(ValueError, match=r"train.csv: label '4.1x' is not a finite number; most labels are scores "
                                          r"with a fraction \(a regression\): fix or remove the row whose label is not "
-                                         r"a number \(example 2 '4.1x'\), or pass --problem-type single_label"):
+                                         r"a number \(line 3 '4.1x'\), or pass --problem-type single_label"):
         task(["3.8", "4.1x", "0.5", "2.5"])
     assert task(["3.8", "4.1", "0.5", "2"]).regression
     assert task(["3.8", "4.1x", "0.5", "2"], problem_type="single_label_classification").names[0] == "0.5"
@@ -164,6 +164,27 @@ def test_a_column_of_integers_reads_as_pandas_reads_it(tmp_path):
     assert [label for _, _, label in task.valid] == ["1", "0"]
     train.write_text("text,label\n" + "".join(f"t{i},{x}\n" for i, x in enumerate(["01", "1", "pos"] * 2)))
     assert ClassifyTask(classify_config(train=str(train))).names == ["01", "1", "pos"]
+
+
+def test_a_label_that_is_not_a_score_is_named_by_its_line(tmp_path):
+    """A regression's bad label is named by its file and line (or a table's row), not by its example number,
+    which a blank JSONL line or a header row shifts."""
+    from roberta_fast.tasks import ClassifyTask
+
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.csv"
+    train.write_text("\n".join(json.dumps({"text": f"t{i}", "label": x}) for i, x in enumerate([3.8, 4.1, 0.5, 2])))
+    dev.write_text("text,label\na,1.5\nb,n/a\n")
+    with pytest.raises(ValueError, match=r"dev.csv: label 'n/a' is not a finite number; a regression needs a numeric "
+                                         r"score on every row: fix or remove the row whose label is not a number "
+                                         r"\(line 3 'n/a'\)"):
+        ClassifyTask(classify_config(train=str(train), valid=str(dev)))
+    train.write_text('{"text": "a", "label": 3.8}\n\n{"text": "b", "label": "x"}\n{"text": "c", "label": 0.5}\n')
+    with pytest.raises(ValueError, match=r"train.jsonl: label 'x' .* \(line 3 'x'\)"):
+        ClassifyTask(classify_config(train=str(train), problem_type="regression"))
+    pa, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    parquet.write_table(pa.table({"text": ["a", "b", "c"], "label": ["3.8", "x", "0.5"]}), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"t.parquet: label 'x' .* \(row 1 'x'\)"):
+        ClassifyTask(classify_config(train=str(tmp_path / "t.parquet"), problem_type="regression"))
 
 
 @pytest.mark.parametrize("row, problem", [
