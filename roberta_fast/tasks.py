@@ -15,7 +15,8 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   with a space before it (none when it starts with one; a special token's text is that token);
   the tag goes to its first sub-token, -100 to the others (as run_ner). Accuracy over words, and entity precision/recall/F1 with seqeval's default
   (conlleval) chunking of BIO / IOB2 / IOBES tags, when every tag is `O` or `X-TYPE`.
-- qa: SQuAD v1.1 / v2.0 JSON. Long contexts are cut into windows of --max-len tokens that
+- qa: SQuAD v1.1 / v2.0 JSON, or the Hub's squad rows as JSON Lines (or JSON {"data": [rows]}, as run_qa
+  reads). Long contexts are cut into windows of --max-len tokens that
   overlap by --doc-stride tokens (default: a third of --max-len, run_qa's 128 of 384); an answer outside a window, or an
   unanswerable v2.0 question, points at `<s>` (position 0). Predictions are run_qa's
   postprocessing (n best starts x ends, at most --max-answer-len tokens, v2.0: the empty
@@ -865,38 +866,57 @@ class QAFeature:
     end: int
 
 
-def _squad_paragraph(where: str, row: dict) -> dict:
-    """A row of the Hub's squad / squad_v2 layout as SQuAD JSON's paragraph with one question."""
+def _squad_article(where: str, row: dict) -> dict:
+    """A row of the Hub's squad / squad_v2 layout as a SQuAD JSON article: one paragraph with one question."""
     answers = row.get("answers")
     if not isinstance(answers, dict) or not isinstance(answers.get("text"), list):
         raise ValueError(f"{where}: expected the Hub's squad columns id, question, context and answers "
                          f"({{text: [...], answer_start: [...]}}); the row has {sorted(row)}")
-    pairs = zip(answers["text"], answers.get("answer_start") or [])
-    return {"context": row.get("context"), "qas": [{
+    starts = answers.get("answer_start") or []
+    if len(starts) != len(answers["text"]):
+        raise ValueError(f"{where}: {len(answers['text'])} answer texts and {len(starts)} answer_start offsets; "
+                         "give one offset per answer text")
+    return {"paragraphs": [{"context": row.get("context"), "qas": [{
         "id": row.get("id", where), "question": row.get("question"), "is_impossible": not answers["text"],
-        "answers": [{"text": t, "answer_start": a} for t, a in pairs]}]}
+        "answers": [{"text": t, "answer_start": a} for t, a in zip(answers["text"], starts)]}]}]}
+
+
+def squad_articles(path: Path) -> list:
+    """The "data" list (articles) of a SQuAD JSON file; or the Hub's squad layout, one question per row (a
+    Parquet / Arrow file or datasets directory, JSON Lines as datasets' to_json writes it, or JSON whose "data"
+    lists such rows, as run_qa's load_dataset("json", field="data") reads it), each row an article of its own."""
+    if is_table(path):
+        return [_squad_article(where, row) for where, row in table_rows(path)]
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    try:
+        squad = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().partition("\n")[0].rstrip().endswith("}"):  # JSON Lines
+            return [_squad_article(where, row) for where, row in json_lines(path)]
+        raise ValueError(f"{path}: not a JSON file ({err}); --task qa reads SQuAD's JSON, or JSON Lines of the "
+                         "Hub's squad columns") from err
+    if isinstance(squad, dict) and "answers" in squad:  # JSON Lines of one row
+        return [_squad_article(f"{path}:1", squad)]
+    if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
+        raise ValueError(f"{path}: expected SQuAD's layout "
+                         '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}, or JSON Lines of the '
+                         'Hub\'s squad columns {"id", "question", "context", "answers": {"text": [...], '
+                         '"answer_start": [...]}}')
+    return [_squad_article(f"{path}: data[{i}]", article) if isinstance(article, dict) and "answers" in article
+            else article for i, article in enumerate(squad["data"])]
 
 
 def read_squad(path) -> tuple[list[QAExample], bool]:
-    """The questions of a SQuAD v1.1 / v2.0 JSON file, or of a Parquet / Arrow file or datasets directory
-    in the Hub's squad layout (id, question, context, answers: {text: [...], answer_start: [...]}; no
-    answer: unanswerable), and whether it has unanswerable ones (v2.0)."""
+    """The questions of a SQuAD v1.1 / v2.0 JSON file, or of the Hub's squad layout (id, question, context,
+    answers: {text: [...], answer_start: [...]}; no answer: unanswerable) in a Parquet / Arrow file, datasets
+    directory or JSON Lines file (squad_articles), and whether it has unanswerable ones (v2.0)."""
     path = data_file(path)
-    try:
-        if is_table(path):
-            squad = {"data": [{"paragraphs": [_squad_paragraph(where, row)]} for where, row in table_rows(path)]}
-        else:
-            with open(path, encoding="utf-8-sig") as f:
-                squad = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not a JSON file ({err}); --task qa reads SQuAD's JSON") from err
-    except UnicodeDecodeError:
-        raise not_utf8(path) from None
-    if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
-        raise ValueError(f"{path}: expected SQuAD's layout "
-                         '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}')
     examples, impossible, seen = [], False, set()
-    for article in squad["data"]:
+    for article in squad_articles(path):
         for paragraph in article.get("paragraphs", []):
             context = paragraph.get("context")
             for qa in paragraph.get("qas", []):
