@@ -392,19 +392,20 @@ class Task:
 # ------------------------------------------------------------- classification
 def read_examples(path, cfg, notes: list | None = None, places: list | None = None
                   ) -> list[tuple[str, str | None, str]]:
-    """(text, pair or None, label as a string) of every row of a CSV or JSONL file; the labels of a .csv / .tsv
-    column of integers as pandas reads them ("+1", "01" and " 1" are "1"). Fields given
+    """(text, pair or None, label as a string) of every row of a CSV or JSONL file or a table; the labels of a
+    .csv / .tsv column of integers as pandas reads them ("+1", "01" and " 1" are "1"), a table's as the dataset
+    has them (a ClassLabel's name, spaces and all: its declared names keep their order). Fields given
     as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA). The line
     saying which broken .tsv rows were skipped (delimited_rows) goes to `notes` (else it is printed); each
     example's line or row (place_in) to `places`, for messages about its label."""
     path = data_file(path)
     fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
-    suffix = path.suffix.lower()
+    suffix, table = path.suffix.lower(), is_table(path)
     skipped, numbered = [], False
     if suffix in (".csv", ".tsv"):
         numbered = all(str(name).isdigit() for name in fields)
         rows = delimited_rows(path, "," if suffix == ".csv" else "\t", header=not numbered, skipped=skipped)
-    elif suffix in (".jsonl", ".json") or is_table(path):
+    elif suffix in (".jsonl", ".json") or table:
         rows = records(path)
     else:
         raise ValueError(f"{path}: expected a .csv or .tsv (GLUE's, with a header row), a .jsonl, a Parquet or "
@@ -439,6 +440,8 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
         if not label or label.lower() == "nan":  # NaN: pandas' and datasets' missing value
             raise ValueError(f"{where}: the label ({cfg.label_field!r}) is {'NaN' if label else 'empty'} on this "
                              "line; fill it in or remove the row")
+        if table:  # typed data: a ClassLabel's name (" neg") or a string is the dataset's, spaces and all
+            label = str(row[cfg.label_field])
         if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions
             empty_text.append(place_in(where, path))
         pair = str(row[cfg.pair_field]) if cfg.pair_field else None

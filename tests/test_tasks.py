@@ -705,6 +705,13 @@ def test_a_datasets_classlabel_keeps_its_id_order_as_run_glue(tmp_path):
     mnli.to_parquet(str(tmp_path / "mnli.parquet"))
     cfg = FinetuneConfig(train=str(tmp_path / "mnli.parquet"), text_field="premise", label_field="label")
     assert ClassifyTask(cfg).names == names
+    # names with spaces are the dataset's, spaces and all (stripped, they matched no name and were sorted)
+    features["label"] = datasets.ClassLabel(names=[" pos", "neg"])
+    datasets.Dataset.from_list([{"premise": f"sentence {i}", "label": i % 2} for i in range(10)],
+                               features=features).to_parquet(str(tmp_path / "spaced.parquet"))
+    task = ClassifyTask(FinetuneConfig(train=str(tmp_path / "spaced.parquet"), text_field="premise",
+                                       label_field="label"))
+    assert task.names == [" pos", "neg"] and task.config_extra()["id2label"] == {"0": " pos", "1": "neg"}
     tags = ["O", "B-PER", "I-PER"]
     features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
                                   "ner_tags": datasets.Sequence(datasets.ClassLabel(names=tags))})
