@@ -112,12 +112,13 @@ def extension():
     # -fno-trapping-math: lets GCC vectorize loops with float compares (quantize_activations.cpp);
     # results stay IEEE's, only floating-point exception flags are not kept (clang's default).
     # -ffp-contract=off: no fused multiply-add where the source has a multiply and an add, so code
-    # compiled for an FMA-capable ISA (quantize_activations.cpp's AVX-512 clone) rounds as the baseline does
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
+    # compiled for an FMA-capable ISA (quantize_activations.cpp's AVX-512 clone) rounds as the baseline does.
+    # No -std flag: torch adds the standard it builds with (C++20 since 2.13; 2.14's headers refuse C++17), nvcc too
+    cxx = ["-O3", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
     include = [os.path.join(here, "csrc")]
     if cuda_available_for_build() and cu:
         default_cuda_arch_list()
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
         return cpp_extension.CUDAExtension(
             "roberta_fast._C",
             cpp + cu,

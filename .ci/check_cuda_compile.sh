@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compiles every csrc/*.cu for the GPUs the product targets, on a machine without one,
-# with the flags torch.utils.cpp_extension adds, and fails on a compile error or a
+# with the flags torch.utils.cpp_extension adds (under C++17, older torch's standard, and
+# C++20, torch's from 2.13), and fails on a compile error or a
 # register spill (ptxas -v). The .cu files include no torch header, so no CUDA torch
 # is needed. Exits non-zero on the first failure.
 #   sm_75, sm_80, sm_90 (T4, A100, H100): the machine's nvcc (CUDA 13 builds sm_75 and newer).
@@ -25,7 +26,7 @@ if [ ! -x "$PTXAS70" ]; then
 fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-flags=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr
+flags=(-O3 --use_fast_math --expt-relaxed-constexpr
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
        -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
        -DWITH_CUDA -Icsrc -Xcompiler -Wall -Werror all-warnings)
@@ -50,15 +51,17 @@ if [ ${#files[@]} -eq 0 ]; then
   echo "check_cuda_compile: no csrc/*.cu files" >&2
   exit 1
 fi
+for std in c++17 c++20; do
 for f in "${files[@]}"; do
-  name="$(basename "$f")"
-  echo "nvcc (sm_75, sm_80, sm_90): $f"
-  build "$f" "$NVCC" "${flags[@]}" -Xptxas -v -gencode arch=compute_75,code=sm_75 \
+  name="$(basename "$f").$std"
+  echo "nvcc (sm_75, sm_80, sm_90, $std): $f"
+  build "$f ($std)" "$NVCC" -std=$std "${flags[@]}" -Xptxas -v -gencode arch=compute_75,code=sm_75 \
     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -c "$f" -o "$tmp/$name.o"
-  echo "ptxas (sm_70, from compute_75 PTX): $f"
-  build "$f (PTX)" "$NVCC" "${flags[@]}" -arch=compute_75 -ptx "$f" -o "$tmp/$name.ptx"
+  echo "ptxas (sm_70, from compute_75 PTX, $std): $f"
+  build "$f (PTX, $std)" "$NVCC" -std=$std "${flags[@]}" -arch=compute_75 -ptx "$f" -o "$tmp/$name.ptx"
   sed -e 's/^\.version .*/.version 7.0/' -e 's/^\.target sm_75/.target sm_70/' "$tmp/$name.ptx" > "$tmp/$name.70.ptx"
-  build "$f (sm_70)" "$PTXAS70" -arch=sm_70 -v "$tmp/$name.70.ptx" -o "$tmp/$name.70.cubin"
+  build "$f (sm_70, $std)" "$PTXAS70" -arch=sm_70 -v "$tmp/$name.70.ptx" -o "$tmp/$name.70.cubin"
 done
-echo "check_cuda_compile: ${#files[@]} CUDA files compile for sm_75/80/90 with $("$NVCC" --version | tail -1)" \
+done
+echo "check_cuda_compile: ${#files[@]} CUDA files compile (C++17 and C++20) for sm_75/80/90 with $("$NVCC" --version | tail -1)" \
      "and for sm_70 with $("$PTXAS70" --version | tail -1), no spills"

@@ -289,6 +289,12 @@ def test_kernels_stay_in_bounds_under_address_sanitizer(tmp_path):
     runtime = subprocess.run([shutil.which("g++") or "g++", "-print-file-name=libasan.so"],
                              capture_output=True, text=True).stdout.strip()
     assert os.path.isabs(runtime), "AddressSanitizer's runtime (gcc's libasan) is not installed"
+    # libstdc++ preloaded after it: python does not link libstdc++, so without it ASan finds no __cxa_throw
+    # to wrap and the first C++ exception thrown aborts (Triton 3.8's libtriton throws one while importing)
+    cxx_runtime = subprocess.run([shutil.which("g++") or "g++", "-print-file-name=libstdc++.so"],
+                                 capture_output=True, text=True).stdout.strip()
+    if os.path.isabs(cxx_runtime):
+        runtime = f"{runtime}:{cxx_runtime}"
     report = tmp_path / "asan"
     env = {**os.environ, ASAN_SWITCH: "1", "LD_PRELOAD": runtime,  # no leak check: the interpreter leaks
            "ASAN_OPTIONS": f"detect_leaks=0:abort_on_error=1:log_path={report}"}

@@ -44,3 +44,14 @@ def test_unsupported_device_is_explained():
                     1e-3, 0.9, 0.98, 1e-6, 0.0)
     with pytest.raises(ValueError, match="unsupported device"):
         C.quantize_activations(torch.zeros(3, device="meta"), 127)
+
+
+def test_setup_leaves_the_cpp_standard_to_torch():
+    """A -std flag in setup.py wins over the one torch's build adds, and torch 2.14's headers refuse
+    C++17 (the install failed on 2.14 and 2.15 with -std=c++17): setup.py must name none."""
+    import re
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    code = "\n".join(line.split("#")[0] for line in setup.splitlines())
+    assert not re.search(r"-std=", code), "setup.py passes a -std flag; leave the standard to torch"
