@@ -387,8 +387,15 @@ _KERNELS = {"fwd": (_attn_fwd_kernel, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv_ker
 # Tuning results are cached on disk (Triton's cache dir) where this Triton can, so
 # only the first process on a machine pays for tuning a variant.
 _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-_TUNED = {} if _INTERPRET else {name: triton.autotune(configs=configs, key=_KEY, **_CACHE)(kernel)
-                                for name, (kernel, configs) in _KERNELS.items()}
+_TUNED = {}  # name -> its autotuned kernel, built at its first tuned launch: Triton < 3.4 asks the GPU
+# driver for a benchmarker when an autotuner is built (import without a GPU: 'RuntimeError: 0 active drivers')
+
+
+def _tuned(name):
+    if name not in _TUNED:
+        kernel, configs = _KERNELS[name]
+        _TUNED[name] = triton.autotune(configs=configs, key=_KEY, **_CACHE)(kernel)
+    return _TUNED[name]
 
 
 def autotune_enabled():
@@ -408,7 +415,7 @@ def _launch(name, grid_block, seqlen, batch_heads, *args, **constexprs):
     if _INTERPRET:
         kernel[grid](*args, **constexprs, **_INTERPRET_META[name])
     elif autotune_enabled():
-        _TUNED[name][grid](*args, **constexprs)  # configs that do not fit the GPU time as infinite
+        _tuned(name)[grid](*args, **constexprs)  # configs that do not fit the GPU time as infinite
     else:
         _launch_first_fitting(name, kernel, default_order(name, constexprs["HEAD_DIM"]), grid, args, constexprs)
 

@@ -60,6 +60,7 @@ def untied_decoder_error(what: str) -> str:
 class RobertaConfig:
     """RoBERTa hyperparameters; defaults are roberta-base's."""
 
+    _commit_hash = None  # not a field: transformers 5.0's pipeline() reads model.config._commit_hash
     vocab_size: int = 50265
     hidden_size: int = 768
     num_hidden_layers: int = 12

@@ -63,9 +63,15 @@ def exporting() -> bool:
     """Whether torch.export is tracing: torch.compiler.is_exporting(), except under torch.compile on
     torch 2.11 (and earlier), whose Dynamo folds is_exporting() to True in every trace (pytorch#176347),
     which made a compiled fused model run the reference ops and a compiled prepacked / int8 model fail
-    to lower. The flag itself, where torch has it, is what later torch reads."""
+    to lower. The flag itself, where torch has it, is what later torch reads; torch 2.6 has neither."""
     flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return bool(flag) if flag is not None else torch.compiler.is_exporting()
+    if flag is not None:
+        return bool(flag)
+    if hasattr(torch.compiler, "is_exporting"):
+        return torch.compiler.is_exporting()
+    # torch 2.6 (is_exporting came in 2.7): its non-strict torch.export sets this flag, and torch.compile
+    # leaves it False (Dynamo folds is_compiling() instead, so that would be the 2.11 fault again)
+    return bool(torch.compiler._is_compiling_flag)
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:

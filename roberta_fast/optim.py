@@ -214,7 +214,9 @@ class FusedAdam(torch.optim.Optimizer):
         keeps moments and master weights in (torch's optimizers cast them to an fp16 parameter's
         dtype, and torch's AdamW on fp16 parameters saves fp16 moments); "step" becomes an fp32
         scalar tensor. fp16/bf16 parameters whose saved state has no master weights (an fp32 run
-        resumed in fp16) get them from the parameter at the next step, as a fresh optimizer would."""
+        resumed in fp16) get them from the parameter at the next step, as a fresh optimizer would.
+        torch.optim.Adam's L2 weight decay is refused, except from torch < 2.7, whose Adam and AdamW
+        save alike (no "decoupled_weight_decay"): such a state loads as AdamW's."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"FusedAdam.load_state_dict: {len(saved_groups)} parameter groups "

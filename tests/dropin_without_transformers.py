@@ -19,6 +19,6 @@ out["loss"] = torch.tensor(0.0)
 assert out.loss is out["loss"] and out.to_tuple()[1] is out.loss
 assert list(type(out)({"logits": out.logits})) == ["logits"]
 assert list(pickle.loads(pickle.dumps(out))) == ["loss", "logits"]
-exported = torch.export.export(model, (ids,))
+exported = torch.export.export(model, (ids,), strict=False)
 torch.testing.assert_close(exported.module()(ids).logits, model(ids).logits)
 print("ok")

@@ -254,9 +254,10 @@ def test_exporting_reads_torch_exports_flag(monkeypatch):
             seen.append(ops.exporting())
             return x + 1
 
-    torch.export.export(Probe(), (torch.ones(2),))
+    torch.export.export(Probe(), (torch.ones(2),), strict=False)
     assert seen[-1] is True and ops.exporting() is False
-    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # what torch 2.11 answers under compile
-    assert ops.exporting() is False
-    monkeypatch.delattr(torch.compiler, "_is_exporting_flag", raising=False)  # a torch without the flag
-    assert ops.exporting() is True
+    if hasattr(torch.compiler, "_is_exporting_flag"):  # (torch 2.6 has neither it nor is_exporting)
+        monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # what torch 2.11 answers under compile
+        assert ops.exporting() is False
+        monkeypatch.delattr(torch.compiler, "_is_exporting_flag")  # a torch without the flag
+        assert ops.exporting() is True

@@ -167,6 +167,6 @@ def test_a_traced_or_exported_patched_model_keeps_the_padding():
         want = original(input_ids=ids, attention_mask=mask)[0]
         got = traced(ids, mask)["last_hidden_state"]
         torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
-        exported = torch.export.export(patched, (ids, torch.ones(2, 7, dtype=torch.long)))
+        exported = torch.export.export(patched, (ids, torch.ones(2, 7, dtype=torch.long)), strict=False)
         got = exported.module()(ids, mask)[0]
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()])

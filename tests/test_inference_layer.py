@@ -229,7 +229,7 @@ def test_export_traces_the_python_path(calls):
     model = rf.quantize(model_of("RobertaModel"))
     model.unpad = False  # export traces the padded path
     ids, mask = awkward_inputs("RobertaModel")
-    program = torch.export.export(model, (ids,), {"attention_mask": mask})
+    program = torch.export.export(model, (ids,), {"attention_mask": mask}, strict=False)
     assert not calls
     assert any("int8_linear" in str(node.target) for node in program.graph.nodes)
 

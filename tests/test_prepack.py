@@ -77,7 +77,7 @@ def test_a_prepacked_model_exports_traces_and_compiles_to_its_outputs():
     ids, mask = awkward_inputs("RobertaForSequenceClassification")
     with torch.inference_mode():
         want = model(ids, attention_mask=mask).logits
-    program = torch.export.export(model, (ids,), {"attention_mask": mask})
+    program = torch.export.export(model, (ids,), {"attention_mask": mask}, strict=False)
     assert not [n for n in program.graph.nodes if "mkldnn" in str(n.target)]
     traced = torch.jit.trace(model, (ids, mask), strict=False)
     with torch.inference_mode():
@@ -173,11 +173,11 @@ def test_an_mlm_exported_right_after_a_load_or_a_resize_records_the_new_decoder(
     with torch.inference_mode():
         want2 = padded(make(model_of("RobertaForMaskedLM", seed=2)))(ids).logits
     assert (want2 - want).abs().max() > 0.1
-    program = torch.export.export(model, (ids,))
+    program = torch.export.export(model, (ids,), strict=False)
     torch.testing.assert_close(program.module()(ids).logits, want2, rtol=1e-5, atol=1e-5)
     if make is rf.prepack:  # the word embeddings' table once, as in the plain model's program
         sizes = [t.numel() for t in program.state_dict.values()] + [t.numel() for t in program.constants.values()
                                                                     if isinstance(t, torch.Tensor)]
         assert sizes.count(TINY["vocab_size"] * TINY["hidden_size"]) == 1
     model.resize_token_embeddings(TINY["vocab_size"] + 8)
-    assert torch.export.export(model, (ids,)).module()(ids).logits.shape[-1] == TINY["vocab_size"] + 8
+    assert torch.export.export(model, (ids,), strict=False).module()(ids).logits.shape[-1] == TINY["vocab_size"] + 8

@@ -298,7 +298,7 @@ def padded(model):
 def test_torch_export_of_a_quantized_model_equals_eager(cls, dtype):
     model = padded(rf.quantize(model_of(cls), dtype=dtype))
     ids, mask = awkward_inputs(cls)
-    program = torch.export.export(model, (ids,), {"attention_mask": mask})
+    program = torch.export.export(model, (ids,), {"attention_mask": mask}, strict=False)
     with torch.inference_mode():
         got, want = program.module()(ids, attention_mask=mask).to_tuple(), model(ids, attention_mask=mask).to_tuple()
     for g, w in zip(got, want):
