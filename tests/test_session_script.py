@@ -75,8 +75,18 @@ EXPECTED = {  # files each stage must hand back (dry shapes: tiny preset, seq 16
 }
 
 
+def skip_kernels_stage_without_triton_knobs():
+    """The kernels stage's compile report hooks Triton's compiler through triton.knobs (Triton >= 3.4)."""
+    import triton
+
+    if not hasattr(triton, "knobs"):
+        pytest.skip(f"the compile report needs Triton >= 3.4 (triton.knobs); this is Triton {triton.__version__}")
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_stage_runs_dry_and_packs_its_files(dry_runs, stage):
+    if stage == "kernels":
+        skip_kernels_stage_without_triton_knobs()
     proc, files = dry_runs[stage]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = files["summary.txt"].decode()
@@ -339,6 +349,7 @@ def test_kernels_stage_compile_report_is_the_one_ci_runs(dry_runs):
     """On the GPU the compile report compiles only the configs that run with autotuning off
     (--default-configs, as CI: 176 compiles, under a minute on 16 cores); every config is 704,
     over its step cap, and it writes its JSON only at the end, so nothing would come back."""
+    skip_kernels_stage_without_triton_knobs()
     stage = re.search(r"\n  kernels\)\n(.*?);;", SCRIPT.read_text(), re.S).group(1)
     command = re.search(r"run compile_report \d+ (.*?)--json", stage, re.S).group(1)  # without the dry extras
     assert "--default-configs" in command and "--launched-only" in command
