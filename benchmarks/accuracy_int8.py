@@ -111,7 +111,7 @@ def export_onnx(model, path, ids, mask, translations=None):
     custom_translation_table), saved at `path`."""
     import warnings
 
-    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,

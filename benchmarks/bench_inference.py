@@ -169,7 +169,7 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
     except ImportError:
         return "onnxruntime not installed (pip install -e .[export])"
     ids, mask = example
-    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,

@@ -321,7 +321,7 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
 
     model = padded(rf.quantize(model_of(cls), dtype=dtype, activation_bits=bits))
     ids, mask = awkward_inputs(cls)
-    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.onnx's notes on its own internals
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
