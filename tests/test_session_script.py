@@ -45,7 +45,7 @@ G = sys.modules["gpu_gate"]  # throughput.py imports it from benchmarks/
 def _session(stage, dest, **env):
     """The stage's dry run; the kernels stage on one benchmark (test_benchmarks.py runs each --quick --json)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GPU_SESSION_DRY": "1",
-           "GPU_SESSION_BENCHES": "attention_dropout", **env}
+           "GPU_SESSION_BENCHES": "attention_dropout", "PYTHON": sys.executable, **env}  # this python, not PATH's
     return subprocess.run(["bash", str(SCRIPT), stage, str(dest)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
 
