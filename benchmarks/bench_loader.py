@@ -24,6 +24,7 @@ Measured on: the 2-core CI machine's virtio disk (read_ahead_kb 8192), a CPU run
 figures depend on the disk, so record them where the corpus lives.
 """
 import argparse
+import functools
 import json
 import os
 import random
@@ -143,13 +144,13 @@ def main():
         data = make_dataset(work, tokens)
         file = data / "train" / "00000.bin"
         contenders = {
-            "np.memmap": lambda: (lambda ids: lambda idx: memmap_batch(ids, idx))(
-                np.memmap(file, dtype=np.uint16, mode="r")),
+            "np.memmap": lambda: functools.partial(memmap_batch, np.memmap(file, dtype=np.uint16, mode="r")),
             "roberta_fast full": lambda: PretrainingDataset(data, seq_len=SEQ_LEN, mode="full").batch,
             "roberta_fast doc packed": lambda: PretrainingDataset(data, seq_len=SEQ_LEN, mode="doc",
                                                                    pack=True).batch,
         }
         n_samples = tokens // (SEQ_LEN - 1)
+        n_packed = len(PretrainingDataset(data, seq_len=SEQ_LEN, mode="doc", pack=True))
         times = {name: {"cold": [], "warm": []} for name in contenders}
         for trial in range(args.trials):
             for name, make in contenders.items():
@@ -157,7 +158,7 @@ def main():
                 positions = np.arange(args.batch, dtype=np.int64) + args.batch * (trial * len(contenders) + 1)
                 indices = permute(positions, n_samples, seed=len(name), epoch=trial)  # fresh places each time
                 if "packed" in name:  # packed rows are ~ as many as full rows here: keep indices in range
-                    indices = indices % len(reader.__self__)
+                    indices = indices % n_packed
                 drop_from_page_cache(file)
                 for kind in ("cold", "warm"):
                     start = time.perf_counter()

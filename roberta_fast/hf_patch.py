@@ -89,8 +89,7 @@ def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv
         return None
     kv_length = attention_mask.shape[1] if kv_length is None else kv_length
     attention_mask = attention_mask[:, -kv_length:]  # (batch, kv_length)
-    exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
-    if torch.jit.is_tracing() or torch.compiler.is_compiling() or exporting:
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or ops.exporting():
         return attention_mask
     return None if attention_mask.shape[1] == kv_length and attention_mask.all() else attention_mask
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 KERNEL_BENCHES = ("bench_attention", "bench_bias_gelu", "bench_layer_norm", "bench_cross_entropy",
                   "bench_fused_adam", "bench_mask_tokens", "bench_preprocess", "bench_inference",
-                  "bench_activation_checkpointing", "bench_cpu_linear")
+                  "bench_activation_checkpointing", "bench_cpu_linear", "bench_loader")
 
 
 def _load_benchmark(name):
