@@ -31,10 +31,10 @@ the handful of shard offsets). The shards are read at random, so they are mapped
 MADV_RANDOM (a missed page costs one page, not the disk's read-ahead window), and a batch
 first asks the OS for all its samples' pages at once (MADV_WILLNEED), so a batch read from
 a cold disk waits about one disk latency, not one per sample (benchmarks/bench_loader.py).
-A "doc" sample adds a binary search over the document index, which the dataset loads once
-(16 bytes per document: each document's start and its first run); pack=True also plans the
-packing once at construction (a pass over the documents, ~1 s per 10M of them; 8 bytes per
-packed row).
+A "doc" sample adds two binary searches (its shard, its document) over the document index,
+which the dataset loads once (8 bytes per document: its offset in its shard and its first run,
+each a uint32 unless a shard holds 2^32 ids or more); pack=True also plans the packing once at
+construction (a pass over the documents, ~1 s per 10M of them; 8 bytes per packed row).
 
 Sample layouts (the RoBERTa paper's input formats; S = seq_len):
 - mode="full" (FULL-SENTENCES, the default): the split's token stream (every document's
@@ -70,7 +70,9 @@ available.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import math
 import mmap
@@ -290,7 +292,6 @@ class TokenStream:
         self._map_shards()
         sizes = [shard["tokens"] for shard in self._info]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
-        self._doc_starts = None
 
     def _map_shards(self) -> None:
         self._maps = [_map_file(self.root / shard["bin"]) if shard["tokens"] else b""  # (an empty file cannot
@@ -350,16 +351,18 @@ class TokenStream:
         digests = [shard.get(f"{kind}_sha256") for shard in self._info for kind in ("bin", "idx")]
         return None if None in digests else hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
-    @property
-    def doc_starts(self) -> np.ndarray:
-        """(n_docs + 1,) int64 stream offsets of the documents (each ends with its `</s>`)."""
-        if self._doc_starts is None:
-            parts = [np.load(self.root / sh["idx"])[:-1] + self.starts[i] for i, sh in enumerate(self._info)]
-            self._doc_starts = np.concatenate(parts + [[len(self)]]).astype(np.int64)
-        return self._doc_starts
+    def doc_offsets(self, s: int) -> np.ndarray:
+        """(n_docs + 1,) int64 offsets of shard s's documents in the shard (each ends with its `</s>`)."""
+        return np.load(self.root / self._info[s]["idx"])
 
 
 # --------------------------------------------------------------------------- dataset
+def _narrow(counts: np.ndarray) -> np.ndarray:
+    """Non-negative counts as uint32 where they fit (a shard's offsets and runs almost always do),
+    int64 otherwise: the document index is kept per rank, so its width is memory times ranks."""
+    return counts.astype(np.uint32 if not len(counts) or int(counts.max()) < 1 << 32 else np.int64)
+
+
 class PretrainingDataset:
     """Fixed-length MLM samples from a dataset directory; see the module docstring for the layouts."""
 
@@ -385,45 +388,55 @@ class PretrainingDataset:
             self._n = math.ceil(len(self.stream) / (seq_len - 1))
         else:
             body = seq_len - 2
-            starts = self.stream.doc_starts
-            lengths = np.diff(starts) - 1  # (n_docs,) without the </s>
-            runs = -(-lengths // body)  # ceil: rows (runs) per document
-            self._run_cum = np.concatenate([[0], np.cumsum(runs)])  # (n_docs + 1,)
-            self._n = int(self._run_cum[-1])
+            shards = range(len(self.stream.shards))
+            # per shard, (n_docs + 1,) each: its documents' offsets in it and their first runs
+            self._doc_offsets = [_narrow(self.stream.doc_offsets(s)) for s in shards]
+            self._doc_runs = [_narrow(np.concatenate([[0], np.cumsum(-(-self._doc_lengths(s) // body))]))
+                              for s in shards]  # (ceil: a document's runs)
+            self._shard_runs = [0, *itertools.accumulate(int(first_runs[-1]) for first_runs in self._doc_runs)]
+            self._n = self._shard_runs[-1]  # (the shards' first runs: n_shards + 1 Python ints)
             if pack:
-                self._rows = self._pack_runs(lengths, runs, body)
+                self._rows = self._pack_runs(map(self._doc_lengths, shards), self._n, body)
                 self._n = len(self._rows) - 1
 
     def __len__(self) -> int:
         return self._n
 
     # ---- runs (DOC-SENTENCES)
+    def _doc_lengths(self, s: int) -> np.ndarray:
+        """(n_docs,) int64 lengths of shard s's documents, without their `</s>`."""
+        return np.diff(self._doc_offsets[s].astype(np.int64)) - 1
+
     def _run_span(self, k: int) -> tuple[int, int]:
         """The stream ids [lo, hi) of run k: up to S-2 ids of one document (not its `</s>`)."""
-        d = int(np.searchsorted(self._run_cum, k, side="right")) - 1
-        j = k - int(self._run_cum[d])
+        s = bisect.bisect_right(self._shard_runs, k) - 1  # its shard (empty ones skipped)
+        k -= self._shard_runs[s]
+        first_runs, offsets = self._doc_runs[s], self._doc_offsets[s]
+        # its document in the shard (a key of the array's dtype: another would convert the whole array)
+        d = int(first_runs.searchsorted(first_runs.dtype.type(k), "right")) - 1
         body = self.seq_len - 2
-        lo = int(self.stream.doc_starts[d]) + j * body
-        end = int(self.stream.doc_starts[d + 1]) - 1  # the document's </s>
+        lo = int(self.stream.starts[s]) + int(offsets[d]) + (k - int(first_runs[d])) * body
+        end = int(self.stream.starts[s]) + int(offsets[d + 1]) - 1  # the document's </s>
         return lo, min(end, lo + body)
 
     def _run(self, k: int) -> np.ndarray:
         """Run k: `<s>` + its ids + `</s>`."""
         return np.concatenate([[self.bos_id], self.stream.read(*self._run_span(k)), [self.eos_id]])
 
-    def _pack_runs(self, lengths: np.ndarray, runs: np.ndarray, body: int) -> np.ndarray:
+    def _pack_runs(self, lengths, n_runs: int, body: int) -> np.ndarray:
         """(n_rows + 1,) first run of each packed row: runs in order, next fit into rows of S.
+        `lengths`: arrays of the documents' lengths without their `</s>`, in stream order (one
+        per shard); n_runs: their runs of `body` ids in all.
 
         Documents are planned PACK_CHUNK at a time: next fit is sequential (a Python loop), and
-        only one chunk's run lengths exist as Python ints, so planning needs the result and
-        O(chunk), not ~60 bytes per document."""
-        n_runs = int(runs.sum())
+        only one chunk's run lengths exist as Python ints, so planning needs the result, a shard's
+        lengths and O(chunk), not ~60 bytes per document."""
         if n_runs == 0:
             return np.zeros(1, dtype=np.int64)
         rows = np.empty(n_runs + 1, dtype=np.int64)  # at most one row per run
         rows[0], n_rows, fill, k = 0, 1, 0, 0
-        for start in range(0, len(lengths), PACK_CHUNK):
-            runs_c, lengths_c = runs[start:start + PACK_CHUNK], lengths[start:start + PACK_CHUNK]
+        for lengths_c in (part[a:a + PACK_CHUNK] for part in lengths for a in range(0, len(part), PACK_CHUNK)):
+            runs_c = -(-lengths_c // body)
             # run lengths incl. <s> and </s>: full runs of body, then each document's remainder
             run_len = np.full(int(runs_c.sum()), body + 2, dtype=np.int64)
             some = runs_c > 0

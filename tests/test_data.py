@@ -109,6 +109,51 @@ def test_doc_sentences_packed(built):
     assert b["position_ids"].shape == (3, S)
 
 
+def test_doc_rows_are_the_stream_s_documents_across_shards_some_empty(built, tmp_path):
+    """DOC-SENTENCES rows, found through each shard's own document index, equal the documents
+    cut from the whole stream read at once, in both splits of a dataset of many tiny shards,
+    with empty shards (a manifest may list one) first, between and last."""
+    _, tok, _ = built
+    docs = [" ".join(["word"] * n) for n in [1, 50, 3, 70, 2, 9, 33, 120, 4] * 4]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    preprocess([tmp_path / "docs.jsonl"], tok, tmp_path / "ds", valid_fraction=0.5, shard_mb=0.0002,
+               progress=False, log=lambda m: None)
+    manifest_file = tmp_path / "ds" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    (tmp_path / "ds" / "empty.bin").write_bytes(b"")
+    np.save(tmp_path / "ds" / "empty.idx.npy", np.zeros(1, dtype=np.int64))
+    empty = {"bin": "empty.bin", "idx": "empty.idx.npy", "tokens": 0, "documents": 0, "max_id": 0}
+    for split in manifest["splits"].values():
+        shards = split["shards"]
+        assert len(shards) > 3
+        split["shards"] = [empty, *shards[:2], empty, empty, *shards[2:], empty]
+    manifest_file.write_text(json.dumps(manifest))
+    for split in ("train", "valid"):
+        ds = PretrainingDataset(tmp_path / "ds", split=split, seq_len=S, mode="doc")
+        stream = ds.stream.read(0, len(ds.stream)).tolist()
+        body, expected, start = S - 2, [], 0
+        for end in (i for i, t in enumerate(stream) if t == tok.eos_id):
+            expected += [[tok.bos_id, *stream[a:min(a + body, end)], tok.eos_id] for a in range(start, end, body)]
+            start = end + 1
+        assert [unpad(ds[i], tok.pad_id) for i in range(len(ds))] == expected
+        packed = PretrainingDataset(tmp_path / "ds", split=split, seq_len=S, mode="doc", pack=True)
+        runs = [r for i in range(len(packed)) for r in np.split(packed.row(i), packed.sample(i)["cu_seqlens"][1:-1])]
+        assert [r.tolist() for r in runs] == expected
+
+
+def test_the_document_index_takes_8_bytes_per_document(built):
+    """Each rank keeps the index: a shard's offsets and first runs are uint32 (int64 only past 2^32)."""
+    from roberta_fast.data import _narrow
+
+    path, _, docs = built
+    ds = PretrainingDataset(path, seq_len=S, mode="doc")
+    held = sum(a.nbytes for a in ds._doc_offsets + ds._doc_runs)
+    assert held <= 8 * (len(docs) + 2 * len(ds._doc_offsets)), held
+    assert _narrow(np.array([0, 5, (1 << 32) - 1])).dtype == np.uint32
+    wide = _narrow(np.array([0, 1 << 32]))
+    assert wide.dtype == np.int64 and wide[-1] == 1 << 32
+
+
 def test_word_starts(built):
     path, tok, _ = built
     ds = PretrainingDataset(path, seq_len=S, mode="doc", word_starts=True)
@@ -437,15 +482,17 @@ def test_pack_planning_is_next_fit_in_chunks_without_a_python_int_per_document(m
     expected.append(len(run_len))
     owner = types.SimpleNamespace(seq_len=seq_len)
     for chunk in (1, 7, 1 << 20):
-        monkeypatch.setattr(data, "PACK_CHUNK", chunk)
-        np.testing.assert_array_equal(PretrainingDataset._pack_runs(owner, lengths, runs, body), expected)
+        for shards in (1, 3):  # the lengths come one shard at a time
+            monkeypatch.setattr(data, "PACK_CHUNK", chunk)
+            planned = PretrainingDataset._pack_runs(owner, np.array_split(lengths, shards), int(runs.sum()), body)
+            np.testing.assert_array_equal(planned, expected)
 
     lengths = np.random.default_rng(1).integers(20, 1400, 200_000)
     runs = -(-lengths // 510)
     monkeypatch.setattr(data, "PACK_CHUNK", 1000)
     tracemalloc.start()
     try:
-        PretrainingDataset._pack_runs(types.SimpleNamespace(seq_len=512), lengths, runs, 510)
+        PretrainingDataset._pack_runs(types.SimpleNamespace(seq_len=512), [lengths], int(runs.sum()), 510)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
