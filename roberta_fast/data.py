@@ -312,14 +312,16 @@ class TokenStream:
         return int(self.starts[-1])
 
     def _pieces(self, start: int, stop: int):
-        """(shard, lo, hi) for each shard's part of the stream's ids [start, stop), in order."""
+        """(shard, lo, hi) for each shard's part of the stream's ids [start, stop), in order (hi > lo:
+        an empty shard inside the range has no part)."""
         start, stop = max(0, start), min(stop, len(self))
         s = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
         while pos < stop:
             lo = pos - int(self.starts[s])
             hi = min(stop, int(self.starts[s + 1])) - int(self.starts[s])
-            yield s, lo, hi
+            if hi > lo:
+                yield s, lo, hi
             pos += hi - lo
             s += 1
 
@@ -374,7 +376,7 @@ class PretrainingDataset:
             raise ValueError("pack=True packs whole documents and needs mode='doc'")
         if not isinstance(seq_len, int) or seq_len < 3:
             raise ValueError(f"seq_len must be an int >= 3 (<s>, a token, </s>), got {seq_len!r}")
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # (a pickled copy may be opened from another directory)
         self.manifest = load_manifest(self.path)
         self.tokenizer_path = _member(self.path, self.manifest.get("tokenizer_path", "tokenizer"), "tokenizer_path")
         self.split, self.seq_len, self.mode, self.pack = split, seq_len, mode, pack

@@ -13,7 +13,7 @@ import torch
 
 from roberta_fast import RobertaTokenizer
 from roberta_fast.corpus import iter_documents
-from roberta_fast.data import BatchLoader, PretrainingDataset, check_dataset, dataset_tokenizer, permute
+from roberta_fast.data import BatchLoader, PretrainingDataset, check_dataset, collate, dataset_tokenizer, permute
 from roberta_fast.preprocess import preprocess
 
 S = 37  # seq_len: prime, shorter than many documents
@@ -112,7 +112,8 @@ def test_doc_sentences_packed(built):
 def test_doc_rows_are_the_stream_s_documents_across_shards_some_empty(built, tmp_path):
     """DOC-SENTENCES rows, found through each shard's own document index, equal the documents
     cut from the whole stream read at once, in both splits of a dataset of many tiny shards,
-    with empty shards (a manifest may list one) first, between and last."""
+    with empty shards (a manifest may list one) first, between and last; batches of every
+    mode read across them as single samples do."""
     _, tok, _ = built
     docs = [" ".join(["word"] * n) for n in [1, 50, 3, 70, 2, 9, 33, 120, 4] * 4]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -139,6 +140,12 @@ def test_doc_rows_are_the_stream_s_documents_across_shards_some_empty(built, tmp
         packed = PretrainingDataset(tmp_path / "ds", split=split, seq_len=S, mode="doc", pack=True)
         runs = [r for i in range(len(packed)) for r in np.split(packed.row(i), packed.sample(i)["cu_seqlens"][1:-1])]
         assert [r.tolist() for r in runs] == expected
+        full = PretrainingDataset(tmp_path / "ds", split=split, seq_len=S)
+        for dataset in (ds, packed, full):  # a batch reads its samples as they read alone
+            every = list(range(len(dataset)))
+            batch, alone = dataset.batch(every), collate([dataset.sample(i) for i in every], S)
+            assert batch.keys() == alone.keys()
+            assert all(torch.equal(v, alone[k]) if torch.is_tensor(v) else v == alone[k] for k, v in batch.items())
 
 
 def test_the_document_index_takes_8_bytes_per_document(built):
@@ -345,15 +352,19 @@ def test_shards_are_mapped_for_random_reads(built, monkeypatch):
     assert ds.stream.read(0, 5).tolist() == ds.row(0)[1:6].tolist()
 
 
-def test_a_dataset_pickles_without_its_ids(built):
+def test_a_dataset_pickles_without_its_ids(built, monkeypatch):
     """A spawned DataLoader worker gets the dataset pickled: the copy maps the files again (a
-    memory map cannot be pickled; the ids must not be copied whole) and reads the same rows."""
+    memory map cannot be pickled; the ids must not be copied whole) and reads the same rows,
+    also where it is opened from another directory than the dataset's relative path was given in."""
+    import os
     import pickle
 
     path, _, _ = built
-    ds = PretrainingDataset(path, seq_len=S, mode="doc", pack=True)
+    monkeypatch.chdir(path.parent)
+    ds = PretrainingDataset(os.path.relpath(path), seq_len=S, mode="doc", pack=True)
     blob = pickle.dumps(ds)
     assert bytes(ds.stream.shards[0][:64]) not in blob
+    monkeypatch.chdir(path)
     copy = pickle.loads(blob)
     assert len(copy) == len(ds) and all(np.array_equal(copy.row(i), ds.row(i)) for i in range(len(ds)))
     assert torch.equal(copy.batch([3, 0])["input_ids"], ds.batch([3, 0])["input_ids"])
