@@ -7,7 +7,8 @@ their file formats, encoding, batches and metrics. The training loop is finetune
   accuracy, macro-F1, Matthews correlation and, with two classes, the positive class's F1 (GLUE's
   CoLA and MRPC / QQP metrics). Numeric --train labels that are not all integers (GLUE's STS-B scores)
   are a regression, as run_glue decides from the training label column's type (or --problem-type): one
-  output, MSE loss, Pearson and Spearman correlation. A NaN label is a missing one (refused).
+  output, MSE loss, Pearson and Spearman correlation. A NaN label is a missing one (refused), as
+  is a .csv / .tsv cell pandas reads as missing ("N/A", "NA", "NULL", "None", ...).
 - token: CoNLL-style files (`word<TAB or spaces>...tag` per line, the tag in the last
   column, a blank line between sentences, `-DOCSTART-` lines end one and are skipped) or JSONL
   `{"tokens": [...], "tags": [...]}`. Words are encoded as transformers'
@@ -77,6 +78,9 @@ def glue_fields_hint() -> str:
                                                           GLUE_TSV_FIELDS.items())
             + f" (CoLA has no header row: columns by number). The Hub's glue datasets: {GLUE_HUB_FIELDS}")
 PROBLEM_TYPES = ("auto", "single_label_classification", "regression")  # classify's --problem-type
+# what pandas' read_csv (so run_glue's datasets) reads as a missing value by default (its STR_NA_VALUES)
+PANDAS_MISSING = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                            "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"})
 
 
 # ------------------------------------------------------------------ shared helpers
@@ -437,9 +441,11 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
                              "holding the delimiter needs quotes) or remove the row")
         row = {**row, **{name: "" for name in short}}  # a JSON null, a Parquet null: an empty cell
         label = str(row[cfg.label_field]).strip()  # " 1" is 1, as pandas and datasets read it
-        if not label or label.lower() == "nan":  # NaN: pandas' and datasets' missing value
-            raise ValueError(f"{where}: the label ({cfg.label_field!r}) is {'NaN' if label else 'empty'} on this "
-                             "line; fill it in or remove the row")
+        if not label or label.lower() == "nan" or (suffix in (".csv", ".tsv") and label in PANDAS_MISSING):
+            # NaN (pandas' and datasets' missing value), or a cell pandas reads as one ("N/A", "NULL", "None")
+            shown = "empty" if not label else "NaN" if label.lower() == "nan" else f"{label!r} (pandas: missing)"
+            raise ValueError(f"{where}: the label ({cfg.label_field!r}) is {shown} on this line; fill it in or "
+                             "remove the row")
         if table:  # typed data: a ClassLabel's name (" neg") or a string is the dataset's, spaces and all
             label = str(row[cfg.label_field])
         if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions

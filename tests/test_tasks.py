@@ -143,6 +143,12 @@ def test_regression_or_classes_is_decided_from_the_training_labels_as_pandas_rea
         task(["1", "0"] * 5, ["0.0", "1"])
     with pytest.raises(ValueError, match=r"train.csv:4: the label \('label'\) is NaN on this line; fill it in"):
         task(["3.8", "1.2", "NaN", "0.5"])
+    for missing in ("N/A", "NA", "None", "null", "NULL", "<NA>"):  # pandas (run_glue) reads these as NaN too:
+        with pytest.raises(ValueError, match=rf"train.csv:6: the label \('label'\) is '{missing}' \(pandas: "
+                                              r"missing\) on this line; fill it in"):  # not a class of their own
+            task(["1", "01", "0", "0", missing, "1"])
+    with pytest.raises(ValueError, match=r"dev.csv:3: the label \('label'\) is 'NA' \(pandas: missing\)"):
+        task(["1", "0"] * 5, ["0", "NA"])
     with pytest.raises(ValueError, match=r"train.csv: label '4.1x' is not a finite number; most labels are scores "
                                          r"with a fraction \(a regression\): fix or remove the row whose label is not "
                                          r"a number \(line 3 '4.1x'\), or pass --problem-type single_label"):
@@ -173,10 +179,10 @@ def test_a_label_that_is_not_a_score_is_named_by_its_line(tmp_path):
 
     train, dev = tmp_path / "train.jsonl", tmp_path / "dev.csv"
     train.write_text("\n".join(json.dumps({"text": f"t{i}", "label": x}) for i, x in enumerate([3.8, 4.1, 0.5, 2])))
-    dev.write_text("text,label\na,1.5\nb,n/a\n")
-    with pytest.raises(ValueError, match=r"dev.csv: label 'n/a' is not a finite number; a regression needs a numeric "
+    dev.write_text("text,label\na,1.5\nb,n.a\n")
+    with pytest.raises(ValueError, match=r"dev.csv: label 'n.a' is not a finite number; a regression needs a numeric "
                                          r"score on every row: fix or remove the row whose label is not a number "
-                                         r"\(line 3 'n/a'\)"):
+                                         r"\(line 3 'n.a'\)"):
         ClassifyTask(classify_config(train=str(train), valid=str(dev)))
     train.write_text('{"text": "a", "label": 3.8}\n\n{"text": "b", "label": "x"}\n{"text": "c", "label": 0.5}\n')
     with pytest.raises(ValueError, match=r"train.jsonl: label 'x' .* \(line 3 'x'\)"):
