@@ -892,8 +892,9 @@ def _squad_article(where: str, row: dict) -> dict:
 
 def squad_articles(path: Path) -> list:
     """The "data" list (articles) of a SQuAD JSON file; or the Hub's squad layout, one question per row (a
-    Parquet / Arrow file or datasets directory, JSON Lines as datasets' to_json writes it, or JSON whose "data"
-    lists such rows, as run_qa's load_dataset("json", field="data") reads it), each row an article of its own."""
+    Parquet / Arrow file or datasets directory, JSON Lines or a JSON array of rows as datasets' to_json writes
+    them, or JSON whose "data" lists such rows, as run_qa's load_dataset("json", field="data") reads it), each
+    row an article of its own."""
     if is_table(path):
         return [_squad_article(where, row) for where, row in table_rows(path)]
     try:
@@ -910,11 +911,13 @@ def squad_articles(path: Path) -> list:
                          "Hub's squad columns") from err
     if isinstance(squad, dict) and "answers" in squad:  # JSON Lines of one row
         return [_squad_article(f"{path}:1", squad)]
+    if isinstance(squad, list) and squad and all(isinstance(row, dict) and "answers" in row for row in squad):
+        return [_squad_article(f"{path}: [{i}]", row) for i, row in enumerate(squad)]  # to_json(lines=False)
     if not isinstance(squad, dict) or not isinstance(squad.get("data"), list):
         raise ValueError(f"{path}: expected SQuAD's layout "
                          '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}, or JSON Lines of the '
                          'Hub\'s squad columns {"id", "question", "context", "answers": {"text": [...], '
-                         '"answer_start": [...]}}')
+                         '"answer_start": [...]}} (or a JSON array of them)')
     return [_squad_article(f"{path}: data[{i}]", article) if isinstance(article, dict) and "answers" in article
             else article for i, article in enumerate(squad["data"])]
 

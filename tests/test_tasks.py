@@ -370,7 +370,8 @@ def test_squad_reader_names_the_bad_question(tmp_path):
 def test_squad_reader_takes_the_hubs_layout_as_json_lines_and_as_run_qa_reads_json(tmp_path):
     """datasets' to_json of squad / squad_v2 (one question per line, answers {text: [...], answer_start: [...]})
     was refused as "not a JSON file (Extra data ...)", and run_qa's JSON of such rows ({"data": [...]}, its
-    load_dataset field="data") read as no questions: both read as the same questions as SQuAD's own JSON."""
+    load_dataset field="data") read as no questions: both read as the same questions as SQuAD's own JSON, as
+    does a JSON array of those rows."""
     squad, v2 = read_squad(SQUAD)
     rows = [{"id": e.id, "title": "t", "question": e.question, "context": e.context,
              "answers": {"text": [a for a, _ in e.answers], "answer_start": [s for _, s in e.answers]}}
@@ -380,6 +381,8 @@ def test_squad_reader_takes_the_hubs_layout_as_json_lines_and_as_run_qa_reads_js
     flat.write_text(json.dumps({"version": "v2.0", "data": rows}, indent=2))
     one.write_text(json.dumps(rows[0]) + "\n")
     assert read_squad(lines) == (squad, v2) and read_squad(flat) == (squad, v2)
+    flat.write_text(json.dumps(rows))  # an array of rows: to_json(lines=False), load_dataset("json") reads it
+    assert read_squad(flat) == (squad, v2)
     assert read_squad(one)[0] == squad[:1]
     lines.write_text(json.dumps(rows[0]) + "\n" + json.dumps({**rows[1], "answers": ["x"]}) + "\n")
     with pytest.raises(ValueError, match=r"squad.jsonl:2: expected the Hub's squad columns id, question, context"):
