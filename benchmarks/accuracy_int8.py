@@ -111,7 +111,8 @@ def export_onnx(model, path, ids, mask, translations=None):
     custom_translation_table), saved at `path`."""
     import warnings
 
-    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    dims = {0: torch.export.Dim("batch", min=2, max=4096),  # README: min=2 for torch < 2.10, max for 2.6
+            1: torch.export.Dim("seqlen", min=2, max=model.config.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,

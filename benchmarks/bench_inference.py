@@ -169,7 +169,10 @@ def onnx_runner(name, model, example, int8=False, translations=None, reduce_rang
     except ImportError:
         return "onnxruntime not installed (pip install -e .[export])"
     ids, mask = example
-    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    reps = (2 if ids.shape[0] < 2 else 1, 2 if ids.shape[1] < 2 else 1)
+    ids, mask = ids.repeat(reps), mask.repeat(reps)  # (a --batch-size 1 example: the dims start at 2)
+    dims = {0: torch.export.Dim("batch", min=2, max=4096),  # README: min=2 for torch < 2.10, max for 2.6
+            1: torch.export.Dim("seqlen", min=2, max=model.config.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,

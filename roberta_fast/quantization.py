@@ -433,7 +433,11 @@ def int8_linear_ref(x, weight_int8, weight_scale, bias=None, qmax=ACTIVATION_QMA
     quantizes identically; fbgemm's own quantization puts a few values one step apart."""
     scale, zero_point = activation_qparams(x, qmax)
     xq = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, 0, 255) - zero_point  # integer values, as float
-    out = F.linear(xq, weight_int8.to(x.dtype)) * (scale * weight_scale)  # exact integer products, fp32 sums
+    # on rows (2-D): torch 2.6's ONNX export reruns aten.linear by its C++ kernel on symbolic sizes, where a
+    # 3-D input without bias reaches matmul's should_fold and its numel() ("Cannot call numel() on tensor with
+    # symbolic sizes"); 2-D, linear is mm. Same products: eager matmul folds a contiguous 3-D input to mm too
+    rows = F.linear(xq.reshape(-1, xq.shape[-1]), weight_int8.to(x.dtype))  # exact integer products, fp32 sums
+    out = rows.reshape(*x.shape[:-1], rows.shape[-1]) * (scale * weight_scale)
     return out if bias is None else out + bias
 
 
@@ -445,6 +449,29 @@ torch.library.define("roberta_fast::int8_linear",
 torch.library.impl("roberta_fast::int8_linear", "CompositeImplicitAutograd")(int8_linear_ref)
 
 
+@functools.lru_cache(maxsize=None)
+def onnx_export_decomposes_custom_ops() -> bool:
+    """Whether torch.onnx.export decomposes roberta_fast::int8_linear even where a custom_translation_table
+    translates it: torch 2.6's exporter spared from decomposition only the aten and prims ops its registry
+    translates (torch/onnx/_internal/exporter/_decomp.py, get_onnx_implemented_overloads; pytorch#150367,
+    fixed by #151826 for 2.8). Asked of that function itself, with a registry holding this op alone."""
+    try:
+        from torch.onnx._internal.exporter import _decomp
+    except ImportError:
+        return False
+    op = torch.ops.roberta_fast.int8_linear.default
+
+    class Registry:  # what get_onnx_implemented_overloads reads of an ONNXRegistry, before and after the fix
+        functions = {op.name(): [type("Decomp", (), {"fx_target": op})]}
+
+        def is_registered(self, target):
+            return target is op
+    try:
+        return op not in _decomp.get_onnx_implemented_overloads(Registry())
+    except Exception:  # another exporter: no claim
+        return False
+
+
 def onnx_translation_table():
     """{operator: ONNX translation} for torch.onnx.export(..., dynamo=True, custom_translation_table=...):
     each int8 layer of a quantized model becomes ONNX's integer matmul (QuantizeLinear, MatMulInteger),
@@ -454,6 +481,11 @@ def onnx_translation_table():
         from onnxscript import opset18 as op
     except ImportError as error:
         raise ImportError("the int8 ONNX translation needs onnxscript: pip install -e .[export]") from error
+    if onnx_export_decomposes_custom_ops():
+        warnings.warn(f"this torch's ONNX exporter ({torch.__version__}) decomposes roberta_fast::int8_linear "
+                      "before it reads the custom_translation_table (pytorch#150367, fixed in 2.8): the int8 "
+                      "layers export as fp32 MatMuls (the same outputs, at fp32 speed); export with torch >= 2.8 "
+                      "for ONNX's integer matmul", stacklevel=2)
 
     def int8_linear_onnx(x, weight_int8, weight_scale, bias=None, qmax: int = ACTIVATION_QMAX):
         """int8_linear_ref in ONNX ops: activation_qparams, then uint8 x times int8 weights in int32."""

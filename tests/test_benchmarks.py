@@ -248,7 +248,7 @@ def test_onnxruntime_int8_of_the_mlm_head_runs_its_decoder_as_an_int8_matmul(tmp
     torch.manual_seed(0)
     model = bench.rf.RobertaForMaskedLM(cfg).eval()
     ids = torch.randint(3, cfg.vocab_size, (2, 8))
-    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=cfg.max_seq_len)}
+    dims = {0: torch.export.Dim("batch", min=2, max=4096), 1: torch.export.Dim("seqlen", min=2, max=cfg.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": torch.ones_like(ids)}, dynamo=True,

@@ -321,13 +321,18 @@ def test_onnx_export_of_a_quantized_model_runs_in_onnxruntime_with_eagers_logits
 
     model = padded(rf.quantize(model_of(cls), dtype=dtype, activation_bits=bits))
     ids, mask = awkward_inputs(cls)
-    dims = {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seqlen", max=model.config.max_seq_len)}
+    dims = {0: torch.export.Dim("batch", min=2, max=4096),  # the README's dims (min=2: torch < 2.10)
+            1: torch.export.Dim("seqlen", min=2, max=model.config.max_seq_len)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.onnx's notes on its own internals
         program = torch.onnx.export(model, (ids,), kwargs={"attention_mask": mask}, dynamo=True, verbose=False,
                                     dynamic_shapes={"input_ids": dims, "attention_mask": dims},
                                     custom_translation_table=onnx_translation_table() if int8_ops else None)
     op_types = [node.op_type for node in program.model.graph]
+    if int8_ops and rf.quantization.onnx_export_decomposes_custom_ops():  # torch 2.6: fp32 MatMuls, a warning
+        with pytest.warns(UserWarning, match="pytorch#150367"):
+            onnx_translation_table()
+        int8_ops = False
     int8_layers = len(LAYER_LINEARS) * TINY["num_hidden_layers"] + (cls == "RobertaForMaskedLM")  # + its decoder
     assert op_types.count("MatMulInteger") == (int8_layers if int8_ops else 0), sorted(set(op_types))
     if int8_ops:
