@@ -475,8 +475,9 @@ def main(argv=None) -> int:
               "run without it", file=sys.stderr)
         return 2
     import triton
-    if not hasattr(triton, "knobs"):
-        print(f"compile_report: needs Triton >= 3.4 (it hooks the compiler through triton.knobs); this is "
+    if not hasattr(triton, "knobs") or not hasattr(triton.knobs.nvidia, "dump_ptxas_log"):
+        print(f"compile_report: needs Triton >= 3.5 (it hooks the compiler through triton.knobs and reads "
+              f"ptxas's report through knobs.nvidia.dump_ptxas_log); this is "
               f"Triton {triton.__version__}", file=sys.stderr)
         return 2
     launches = []

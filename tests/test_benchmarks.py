@@ -574,11 +574,12 @@ def _run_compiled(args, timeout=600):
 def _triton_has_knobs() -> bool:
     import triton
 
-    return hasattr(triton, "knobs")
+    return hasattr(triton, "knobs") and hasattr(triton.knobs.nvidia, "dump_ptxas_log")
 
 
 needs_triton_knobs = pytest.mark.skipif(
-    not _triton_has_knobs(), reason="compile_report hooks Triton's compiler through triton.knobs (Triton >= 3.4)")
+    not _triton_has_knobs(), reason="compile_report hooks Triton's compiler through triton.knobs and reads "
+                                    "ptxas's report through knobs.nvidia.dump_ptxas_log (Triton >= 3.5)")
 
 
 ATTENTION_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}

@@ -76,11 +76,13 @@ EXPECTED = {  # files each stage must hand back (dry shapes: tiny preset, seq 16
 
 
 def skip_kernels_stage_without_triton_knobs():
-    """The kernels stage's compile report hooks Triton's compiler through triton.knobs (Triton >= 3.4)."""
+    """The kernels stage's compile report hooks Triton's compiler through triton.knobs and reads ptxas's
+    report through knobs.nvidia.dump_ptxas_log (Triton >= 3.5)."""
     import triton
 
-    if not hasattr(triton, "knobs"):
-        pytest.skip(f"the compile report needs Triton >= 3.4 (triton.knobs); this is Triton {triton.__version__}")
+    if not hasattr(triton, "knobs") or not hasattr(triton.knobs.nvidia, "dump_ptxas_log"):
+        pytest.skip(f"the compile report needs Triton >= 3.5 (triton.knobs.nvidia.dump_ptxas_log); this is "
+                    f"Triton {triton.__version__}")
 
 
 @pytest.mark.parametrize("stage", STAGES)
