@@ -468,18 +468,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def triton_cannot_report() -> str | None:
+    """Why the installed Triton cannot make this report (None if it can): the report hooks the compiler
+    through triton.knobs and reads ptxas's report through knobs.nvidia.dump_ptxas_log (Triton >= 3.5)."""
+    import triton
+
+    if hasattr(triton, "knobs") and hasattr(triton.knobs.nvidia, "dump_ptxas_log"):
+        return None
+    return (f"needs Triton >= 3.5 (it hooks the compiler through triton.knobs and reads ptxas's report "
+            f"through knobs.nvidia.dump_ptxas_log); this is Triton {triton.__version__}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("compile_report: TRITON_INTERPRET=1 is set, so the kernels are interpreted, not compiled; "
               "run without it", file=sys.stderr)
         return 2
-    import triton
-    if not hasattr(triton, "knobs") or not hasattr(triton.knobs.nvidia, "dump_ptxas_log"):
-        print(f"compile_report: needs Triton >= 3.5 (it hooks the compiler through triton.knobs and reads "
-              f"ptxas's report through knobs.nvidia.dump_ptxas_log); this is "
-              f"Triton {triton.__version__}", file=sys.stderr)
+    why = triton_cannot_report()
+    if why:
+        print(f"compile_report: {why}", file=sys.stderr)
         return 2
+    import triton
     launches = []
     for arch in args.arch:
         dtypes = {name: DTYPES[name] for name in args.dtypes if name != "bf16" or arch >= BF16_MIN_ARCH}

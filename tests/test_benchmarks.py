@@ -571,15 +571,8 @@ def _run_compiled(args, timeout=600):
                           timeout=timeout)
 
 
-def _triton_has_knobs() -> bool:
-    import triton
-
-    return hasattr(triton, "knobs") and hasattr(triton.knobs.nvidia, "dump_ptxas_log")
-
-
-needs_triton_knobs = pytest.mark.skipif(
-    not _triton_has_knobs(), reason="compile_report hooks Triton's compiler through triton.knobs and reads "
-                                    "ptxas's report through knobs.nvidia.dump_ptxas_log (Triton >= 3.5)")
+_NO_REPORT = _load_benchmark("compile_report").triton_cannot_report()  # None where this Triton can report
+needs_triton_knobs = pytest.mark.skipif(_NO_REPORT is not None, reason=f"compile_report {_NO_REPORT}")
 
 
 ATTENTION_KERNELS = {"_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}
