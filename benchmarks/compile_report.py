@@ -142,8 +142,8 @@ def _cuda_launch_geometry(sm_count: int):
 
     cuda = torch.device("cuda")
 
-    def tile_shape(n_cols, n_rows, device, max_cols, min_cols=1):
-        return _utils.tile_shape(n_cols, n_rows, cuda, max_cols, min_cols)
+    def tile_shape(n_cols, n_rows, device, *args, **kwargs):
+        return _utils.tile_shape(n_cols, n_rows, cuda, *args, **kwargs)
 
     def num_programs(device):
         return 4 * sm_count  # _utils.num_programs on a CUDA device

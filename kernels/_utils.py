@@ -100,17 +100,19 @@ def num_programs(device: torch.device) -> int:
     return 4  # the interpreter runs programs one after another
 
 
-def tile_shape(n_cols: int, n_rows: int, device: torch.device, max_cols: int, min_cols: int = 1):
+def tile_shape(n_cols: int, n_rows: int, device: torch.device, max_cols: int, min_cols: int = 1,
+               per_thread: int = 16):
     """(BLOCK_M, BLOCK_N, num_warps) for row tiles of min_cols up to `max_cols` columns.
 
-    On the GPU a tile holds ~4K elements (16 per thread); under the interpreter
-    tiles are bigger because each program costs Python overhead. min_cols: a kernel
-    calling philox_rand16 needs BLOCK_N >= 8 (it masks the columns past n_cols).
+    On the GPU a tile holds ~256 * per_thread elements, per_thread of them per thread (8 warps;
+    wider rows take up to 16 warps, then more per thread); under the interpreter tiles are bigger
+    because each program costs Python overhead. min_cols: a kernel calling philox_rand16 needs
+    BLOCK_N >= 8 (it masks the columns past n_cols).
     """
     block_n = max(min(triton.next_power_of_2(n_cols), max_cols), min_cols)
-    target = 4096 if device.type == "cuda" else 16384
+    target = 256 * per_thread if device.type == "cuda" else 16384
     block_m = max(1, min(target // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    num_warps = max(1, min(16, block_m * block_n // 512))
+    num_warps = max(1, min(16, block_m * block_n // (32 * per_thread)))
     return block_m, block_n, num_warps
 
 

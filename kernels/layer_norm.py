@@ -211,7 +211,10 @@ def _layer_norm_bwd(
     dx = torch.empty_like(x)
     dr = torch.empty((M, N) if store_dr else (0,), dtype=residual.dtype if store_dr else x.dtype,
                      device=x.device)
-    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN, MIN_BLOCK_N)
+    # half the forward's elements per thread: the backward keeps ~6 fp32 values per element live
+    # across its row sums; at 16 per thread ptxas took 145-155 registers (one 8-warp program per
+    # SM) or, under Triton 3.7.1, spilled; at 8 it takes 64-96 on sm_70-90 (compile_report)
+    block_m, block_n, num_warps = tile_shape(N, M, x.device, MAX_HIDDEN, MIN_BLOCK_N, per_thread=8)
     rows_per_program = block_m * triton.cdiv(M, block_m * num_programs(x.device))
     n_programs = triton.cdiv(M, rows_per_program) if M else 0
     # every program writes its whole row of partial sums: no zero-fill needed
