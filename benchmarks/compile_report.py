@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
@@ -64,6 +65,7 @@ class Launch:
     attrs: dict
     num_warps: int
     num_stages: int
+    enable_fp_fusion: bool  # as the launch resolved it (the launchers pass kernels.LAUNCH_OPTIONS)
 
 
 @dataclass
@@ -239,7 +241,8 @@ def capture(arch, dtypes, head_dims, hidden_sizes) -> list[Launch]:
             run()
         for fn, c in records:
             launch = Launch(fn.__module__, fn.__name__, case, dict(c["signature"]), dict(c["constants"]),
-                            dict(c["configs"][0]), c["num_warps"], c["num_stages"])
+                            dict(c["configs"][0]), c["num_warps"], c["num_stages"],
+                            c["enable_fp_fusion"])
             key = (launch.kernel, repr(launch.signature), repr(launch.constants), repr(launch.attrs),
                    launch.num_warps, launch.num_stages)
             if key not in seen:
@@ -265,8 +268,8 @@ def config_variants(launch: Launch, autotune_off: bool = False) -> list[Launch]:
         constants = dict(launch.constants)
         for meta, value in config.kwargs.items():
             constants[(fn.arg_names.index(meta),)] = value
-        variants.append(Launch(launch.module, launch.kernel, launch.case, launch.signature, constants, launch.attrs,
-                               config.num_warps, config.num_stages))
+        variants.append(dataclasses.replace(launch, constants=constants, num_warps=config.num_warps,
+                                            num_stages=config.num_stages))
     return variants
 
 
@@ -315,7 +318,8 @@ def compile_one(launch: Launch, arch: int) -> Row:
         with contextlib.redirect_stdout(log):
             kernel = triton.compile(ASTSource(fn, launch.signature, launch.constants, launch.attrs),
                                     target=GPUTarget("cuda", arch, 32),
-                                    options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                                    options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                                             "enable_fp_fusion": launch.enable_fp_fusion})
     except Exception as err:  # the point is to report it, with the variant that failed
         row.status, row.error = "error", f"{type(err).__name__}: {str(err).strip()[:2000]}"
         return row

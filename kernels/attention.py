@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._utils import dropout_threshold, on_device, philox_rand16
+from ._utils import LAUNCH_OPTIONS, dropout_threshold, on_device, philox_rand16
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -413,9 +413,9 @@ def _launch(name, grid_block, seqlen, batch_heads, *args, **constexprs):
     grid = lambda m: (triton.cdiv(seqlen, m[grid_block]), batch_heads)  # noqa: E731
     kernel, configs = _KERNELS[name]
     if _INTERPRET:
-        kernel[grid](*args, **constexprs, **_INTERPRET_META[name])
+        kernel[grid](*args, **constexprs, **_INTERPRET_META[name], **LAUNCH_OPTIONS)
     elif autotune_enabled():
-        _tuned(name)[grid](*args, **constexprs)  # configs that do not fit the GPU time as infinite
+        _tuned(name)[grid](*args, **constexprs, **LAUNCH_OPTIONS)  # configs that do not fit the GPU time as infinite
     else:
         _launch_first_fitting(name, kernel, default_order(name, constexprs["HEAD_DIM"]), grid, args, constexprs)
 
@@ -429,7 +429,7 @@ def _launch_first_fitting(name, kernel, configs, grid, args, constexprs):
     for i in range(_FIRST_FITTING.get(key, 0), len(configs)):
         config = configs[i]
         try:  # OutOfResources is raised before the launch: nothing has run
-            kernel[grid](*args, **constexprs, **config.all_kwargs())
+            kernel[grid](*args, **constexprs, **config.all_kwargs(), **LAUNCH_OPTIONS)
         except OutOfResources:
             continue
         _FIRST_FITTING[key] = i
@@ -519,7 +519,7 @@ def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dr
     with on_device(q.device):
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * nheads)](
             out, dout, delta, cu_ptr, *_bsh_strides(out, varlen), *_bsh_strides(dout, varlen), *lse_strides,
-            nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen,
+            nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen, **LAUNCH_OPTIONS,
         )
         _launch("dkdv", "BLOCK_N", seqlen, batch * nheads, q, k, v, dout, dk, dv, *common,
                 *_bsh_strides(dk, varlen), *tail, HEAD_DIM=head_dim, **flags)
@@ -828,7 +828,7 @@ def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, d
     block_m, block_n = (_INTERPRET_BLOCK, _INTERPRET_BLOCK) if _INTERPRET else (64, 64)
     with on_device(device):
         _dropout_mask_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-            mask, rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n)
+            mask, rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n, **LAUNCH_OPTIONS)
     return mask.bool()
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_tensor, check_triton_device, num_programs, on_device, tile_shape
+from ._utils import LAUNCH_OPTIONS, check_tensor, check_triton_device, num_programs, on_device, tile_shape
 
 MAX_BLOCK_N = 256  # column tile; divides 768, 1024, 3072 and 4096
 
@@ -84,7 +84,7 @@ def _bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     with on_device(x.device):
         _bias_gelu_fwd_kernel[grid](x, bias, y, M, N, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    num_warps=num_warps)
+                                    num_warps=num_warps, **LAUNCH_OPTIONS)
     return y
 
 
@@ -110,7 +110,7 @@ def _bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tup
         with on_device(x.device):
             _bias_gelu_bwd_kernel[(row_programs, col_tiles)](
                 dy, x, bias, dx, db_part, M, N, rows_per_program,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **LAUNCH_OPTIONS,
             )
     return dx, db_part.sum(0)
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_tensor, check_triton_device, on_device
+from ._utils import LAUNCH_OPTIONS, check_tensor, check_triton_device, on_device
 
 MAX_BLOCK_V = 4096  # vocabulary chunk per loop step on a GPU (16 fp32 per thread at 8 warps)
 
@@ -89,7 +89,7 @@ def _cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor,
         block_v, num_warps = _launch_shape(V, logits.device)
         with on_device(logits.device):
             _cross_entropy_fwd_kernel[(M,)](logits, target, loss, lse, V, logits.stride(0), ignore_index,
-                                            BLOCK_V=block_v, num_warps=num_warps)
+                                            BLOCK_V=block_v, num_warps=num_warps, **LAUNCH_OPTIONS)
     return loss, lse
 
 
@@ -109,7 +109,8 @@ def _cross_entropy_bwd(dloss: torch.Tensor, logits: torch.Tensor, target: torch.
         block_v, num_warps = _launch_shape(V, logits.device)
         with on_device(logits.device):
             _cross_entropy_bwd_kernel[(M,)](dloss.contiguous(), logits, target, lse, dlogits, V, logits.stride(0),
-                                            dlogits.stride(0), ignore_index, BLOCK_V=block_v, num_warps=num_warps)
+                                            dlogits.stride(0), ignore_index, BLOCK_V=block_v, num_warps=num_warps,
+                                            **LAUNCH_OPTIONS)
     return dlogits
 
 

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (check_tensor, check_triton_device, dropout_threshold, num_programs, on_device,
-                     philox_rand16, tile_shape)
+from ._utils import (LAUNCH_OPTIONS, check_tensor, check_triton_device, dropout_threshold, num_programs,
+                     on_device, philox_rand16, tile_shape)
 
 MAX_HIDDEN = 16384  # one row lives in registers; larger rows would spill badly
 MIN_BLOCK_N = 8  # philox_rand16 serves 8 columns per call: hidden sizes 1-7 get masked columns
@@ -181,6 +181,7 @@ def _layer_norm_fwd(
             M, N, eps, dropout_threshold(dropout_p), _dropout_scale(dropout_p),
             HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_KEEP=store_keep,
             HAS_CAST=cast_dtype is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            **LAUNCH_OPTIONS,
         )
     return y, y_cast, keep, mean, rstd
 
@@ -227,6 +228,7 @@ def _layer_norm_bwd(
                 M, N, rows_per_program, dropout_threshold(dropout_p), _dropout_scale(dropout_p),
                 HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_DR=store_dr,
                 HAS_DY_CAST=dy_cast is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                **LAUNCH_OPTIONS,
             )
     return dx, dr, dw_part.sum(0), db_part.sum(0)
 
