@@ -308,9 +308,10 @@ def _attn_bwd_dq_kernel(
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_in[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_in[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(s * scale_log2 - lse[:, None])
-        if HAS_MASK:  # keys past the end need no mask: k = 0 there, so they add nothing to dQ
-            p = tl.where(_key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)[None, :], p, 0.0)
+        # keys past the end are masked too: there s = 0, so p = exp2(-lse) overflows when the row's
+        # scores are all very negative, and inf * (k = 0) would make dQ NaN
+        p = tl.where(_key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)[None, :],
+                     tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if HAS_DROPOUT:
             keep = _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N) >= thresh

@@ -231,6 +231,36 @@ def test_varlen_equals_padded(device, dropout_p):
         torch.testing.assert_close(g_v, g[mask], **tol)
 
 
+@pytest.mark.parametrize("dtype, score", [(torch.float16, -20.0), (torch.float32, -95.0)], ids=["fp16", "fp32"])
+def test_rows_whose_scores_are_all_very_negative(device, dtype, score):
+    """Every score ~ `score` (softmax is shift-invariant: the gradients are ordinary ones), lengths that
+    end inside a key block and no key mask, as the model's unpadded batches run: keys past the end add
+    nothing to dQ (they made it NaN: s = 0 there, exp(-lse) overflowed, times k = 0)."""
+    _skip_unless_runnable(device, dtype)
+    torch.manual_seed(0)
+    headdim, lengths = 32, [100, 37]
+    direction = torch.nn.functional.normalize(torch.randn(headdim), dim=0)
+
+    def sequence(n):  # (1, n, 1, headdim) each: q . k / sqrt(headdim) ~ score for every pair
+        k = direction * 4 + 0.05 * torch.randn(1, n, 1, headdim)
+        q = (direction * score * headdim ** 0.5 / 4).expand(1, n, 1, headdim)
+        return [x.to(device=device, dtype=dtype) for x in (q, k, torch.randn(1, n, 1, headdim))]
+
+    seqs = [sequence(n) for n in lengths]
+    douts = [torch.randn(1, n, 1, headdim, device=device, dtype=dtype) for n in lengths]
+    leaves = [x.clone().requires_grad_() for x in seqs[0]]  # padded form, no mask: one sequence of 100
+    out = attention(*leaves)
+    _check_against_ref(leaves, lambda x: x, None, douts[0], out, torch.autograd.grad(out, leaves, douts[0]))
+
+    packed = [torch.cat([s[i][0] for s in seqs]).requires_grad_() for i in range(3)]  # (137, 1, headdim)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    out_v = attention_varlen(*packed, cu_seqlens, max(lengths))
+    grads_v = torch.autograd.grad(out_v, packed, torch.cat([d[0] for d in douts]))
+    for i, (first, n) in enumerate(zip(cu_seqlens.tolist(), lengths)):
+        rows = slice(first, first + n)
+        _check_against_ref(seqs[i], lambda x: x, None, douts[i], out_v[rows][None], [g[rows][None] for g in grads_v])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 def test_qkvpacked_equals_separate_tensors(device, dtype, varlen):
