@@ -79,6 +79,17 @@ def _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _program_ids(seqlen, BLOCK: tl.constexpr):
+    """(block along the sequence, batch * head) of this program. One grid axis holds both, sequence
+    blocks fastest (the order of a (blocks, batch * heads) grid): CUDA's second axis stops at 65,535,
+    which a batch of 5,462 sequences of 12 heads passes."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(seqlen, BLOCK)
+    bh = pid // n_blocks
+    return pid - bh * n_blocks, bh
+
+
+@triton.jit
 def _dropout_rand(Rng, bh, offs_m, start_n, BLOCK_N: tl.constexpr):
     """16-bit randoms for query rows offs_m x key columns start_n..start_n+BLOCK_N: keep = rand >= thresh."""
     return philox_rand16(tl.load(Rng), offs_m, start_n, bh, tl.load(Rng + 1).to(tl.int32), BLOCK_N)
@@ -138,8 +149,7 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (batch, head): online softmax over key blocks."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _program_ids(seqlen, BLOCK_M)
     b = bh // nheads
     h = bh % nheads
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
@@ -184,8 +194,7 @@ def _attn_bwd_preprocess_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32 (equals rowsum(dP * P), also under dropout)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _program_ids(seqlen, BLOCK_M)
     b = bh // nheads
     h = bh % nheads
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
@@ -219,8 +228,7 @@ def _attn_bwd_dkdv_kernel(
     Works in the transposed (key, query) orientation so P^T and dS^T feed the dots
     without a layout transpose (as in Triton's fused-attention tutorial).
     """
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_n, bh = _program_ids(seqlen, BLOCK_N)
     b = bh // nheads
     h = bh % nheads
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
@@ -282,8 +290,7 @@ def _attn_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (batch, head); loops over all key blocks."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _program_ids(seqlen, BLOCK_M)
     b = bh // nheads
     h = bh % nheads
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
@@ -326,8 +333,7 @@ def _attn_bwd_dq_kernel(
 @triton.jit
 def _dropout_mask_kernel(Mask, Rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Writes the keep mask (batch, nheads, seqlen_q, seqlen_k) the attention kernels use."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _program_ids(seqlen_q, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     for start_n in range(0, seqlen_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -409,9 +415,9 @@ def autotune_enabled():
 
 
 def _launch(name, grid_block, seqlen, batch_heads, *args, **constexprs):
-    """Launch kernel `name` over (blocks of seqlen along grid_block, batch * heads)."""
+    """Launch kernel `name` over blocks of seqlen along grid_block times batch * heads (_program_ids)."""
     args = (*args, seqlen, max(16, triton.next_power_of_2(seqlen)))  # + seqlen_bucket, the autotune key
-    grid = lambda m: (triton.cdiv(seqlen, m[grid_block]), batch_heads)  # noqa: E731
+    grid = lambda m: (triton.cdiv(seqlen, m[grid_block]) * batch_heads,)  # noqa: E731
     kernel, configs = _KERNELS[name]
     if _INTERPRET:
         kernel[grid](*args, **constexprs, **_INTERPRET_META[name], **LAUNCH_OPTIONS)
@@ -518,7 +524,7 @@ def _backward(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, rng, dr
               *_bsh_strides(dout, varlen))
     tail = (*lse_strides, stride_mb, nheads)
     with on_device(q.device):
-        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * nheads)](
+        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block) * batch * nheads,)](
             out, dout, delta, cu_ptr, *_bsh_strides(out, varlen), *_bsh_strides(dout, varlen), *lse_strides,
             nheads, seqlen, HEAD_DIM=head_dim, BLOCK_M=pre_block, IS_VARLEN=varlen, **LAUNCH_OPTIONS,
         )
@@ -669,16 +675,13 @@ def _check_qkv(q, k, v, ndim, layout):
     return q, k, v
 
 
-def _check_common(head_dim, dropout_p, softmax_scale, batch_heads):
+def _check_common(head_dim, dropout_p, softmax_scale):
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
         raise ValueError(f"attention: softmax_scale must be a positive float or None, got {softmax_scale!r}")
-    if batch_heads > 65535:
-        raise ValueError(f"attention: batch * nheads = {batch_heads} exceeds the CUDA grid limit 65535; "
-                         "split the batch")
     return float(dropout_p), float(softmax_scale)
 
 
@@ -778,7 +781,7 @@ def attention_qkvpacked(qkv, attention_mask=None, dropout_p=0.0, softmax_scale=N
 
 def _padded_args(q, attention_mask, dropout_p, softmax_scale, dropout_seed):
     """The forward op's arguments after q, k, v for a (batch, seqlen, nheads, headdim) call, checked."""
-    dropout_p, softmax_scale = _check_common(q.shape[3], dropout_p, softmax_scale, q.shape[0] * q.shape[2])
+    dropout_p, softmax_scale = _check_common(q.shape[3], dropout_p, softmax_scale)
     key_mask = _key_mask(attention_mask, q)
     rng = _rng_state(dropout_p, dropout_seed, q.device)
     return key_mask, None, q.shape[1], rng, dropout_p, softmax_scale
@@ -796,7 +799,7 @@ def _varlen_args(q, cu_seqlens, max_seqlen, dropout_p, softmax_scale, dropout_se
             (isinstance(max_seqlen, int) and max_seqlen < 1):
         raise ValueError(f"attention_varlen: max_seqlen must be a positive int, got {max_seqlen!r}")
     batch = cu_seqlens.numel() - 1
-    dropout_p, softmax_scale = _check_common(q.shape[2], dropout_p, softmax_scale, batch * q.shape[1])
+    dropout_p, softmax_scale = _check_common(q.shape[2], dropout_p, softmax_scale)
     if validate and not torch.compiler.is_compiling():
         lengths = cu_seqlens.diff()
         first, last, shortest, longest = torch.stack(
@@ -828,7 +831,7 @@ def attention_dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, d
     thresh, _ = _dropout_args(float(dropout_p))
     block_m, block_n = (_INTERPRET_BLOCK, _INTERPRET_BLOCK) if _INTERPRET else (64, 64)
     with on_device(device):
-        _dropout_mask_kernel[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
+        _dropout_mask_kernel[(triton.cdiv(seqlen_q, block_m) * batch * nheads,)](
             mask, rng, thresh, nheads, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n, **LAUNCH_OPTIONS)
     return mask.bool()
 

@@ -8,6 +8,8 @@ run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when ther
 is no GPU; bf16 there relies on tests/interpreter_bf16.py); larger shapes run only on a
 CUDA GPU.
 """
+import importlib
+
 import interpreter_bf16
 import pytest
 import torch
@@ -21,6 +23,8 @@ from roberta_fast.kernels.attention import (
     attention_ref,
     attention_varlen,
 )
+
+attn_module = importlib.import_module("roberta_fast.kernels.attention")  # the package's `attention` is the function
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -348,6 +352,36 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(value_c, value)
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b)
+
+
+def test_grid_keeps_batch_times_heads_off_cudas_second_axis(device, monkeypatch):
+    """CUDA's second and third grid axes stop at 65,535: every launch puts batch * heads on the first
+    (2^31 - 1), so 5,462 sequences of 12 heads run (they were refused). The grids are recorded by
+    stand-in kernels (that many programs take minutes in the interpreter); the programs' arithmetic
+    (_program_ids) is what every other test here runs."""
+    _skip_unless_runnable(device)
+    grids = []
+
+    class Recorded:
+        def __init__(self, meta):
+            self.meta = meta
+
+        def __getitem__(self, grid):
+            grids.append(grid(self.meta) if callable(grid) else grid)
+            return lambda *args, **kwargs: None
+
+    meta = {"BLOCK_M": 16, "BLOCK_N": 16}
+    monkeypatch.setattr(attn_module, "_KERNELS", {name: (Recorded(meta), configs)
+                                                  for name, (_, configs) in attn_module._KERNELS.items()})
+    for name in ("_attn_bwd_preprocess_kernel", "_dropout_mask_kernel"):
+        monkeypatch.setattr(attn_module, name, Recorded(meta))
+    batch, seqlen, nheads = 5462, 3, 12
+    (q, k, v), _ = _inputs(batch, seqlen, nheads, 32, torch.float32, device)
+    torch.autograd.grad(attention(q, k, v, dropout_p=0.1).sum(), (q, k, v))
+    attention_dropout_mask(batch, nheads, seqlen, seqlen, 0.1, 0, device)
+    assert len(grids) == 5  # forward, preprocess, dK/dV, dQ, the dropout mask
+    for grid in grids:
+        assert len(grid) == 1 and grid[0] % (batch * nheads) == 0 and grid[0] >= batch * nheads, grid
 
 
 def test_custom_op_registration(device):
