@@ -798,7 +798,6 @@ def _varlen_args(q, cu_seqlens, max_seqlen, dropout_p, softmax_scale, dropout_se
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or \
             (isinstance(max_seqlen, int) and max_seqlen < 1):
         raise ValueError(f"attention_varlen: max_seqlen must be a positive int, got {max_seqlen!r}")
-    batch = cu_seqlens.numel() - 1
     dropout_p, softmax_scale = _check_common(q.shape[2], dropout_p, softmax_scale)
     if validate and not torch.compiler.is_compiling():
         lengths = cu_seqlens.diff()

@@ -588,8 +588,9 @@ def test_every_kernel_the_backend_launches_compiles_clean_for_v100_t4_a100_h100(
     PTX) and spills no register in its autotuning-off config (or, where that one does, some
     autotune candidate is clean); the Triton attention is not launched below sm_80."""
     # a launch that leaves fp fusion to Triton's default (which 3.10 changes) is an error: Triton 3.9 warns
-    proc = _run_compiled(["-W", "error:TRITON_DEFAULT_FP_FUSION", "benchmarks/compile_report.py", "--default-configs",
-                          "--launched-only", "--head-dims", "64", "--jobs", "2", "--json", str(tmp_path / "report.json")])
+    proc = _run_compiled(["-W", "error:TRITON_DEFAULT_FP_FUSION", "benchmarks/compile_report.py",
+                          "--default-configs", "--launched-only", "--head-dims", "64", "--jobs", "2",
+                          "--json", str(tmp_path / "report.json")])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert {r["arch"] for r in rows} == {70, 75, 80, 90}
