@@ -1422,24 +1422,29 @@ PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H
 
 
 def training_flops(config: RobertaConfig, tokens: int, predicted_tokens: int, seq_len: int,
-                   sbo_predicted_tokens: int = 0) -> float:
+                   sbo_predicted_tokens: int = 0, attended_pairs: float | None = None) -> float:
     """Model FLOPs of one training step, PaLM convention (DESIGN.md).
 
     6 · (encoder matmul params · tokens + MLM-head matmul params · predicted tokens
          + SBO-head matmul params · SBO-predicted tokens)
     + 12 · L · H · T · tokens for attention. Embedding lookups are not matmuls. The span
     boundary head (--objective mlm+sbo) is two Linear layers (3H -> H, H -> H) and the tied decoder.
+    attended_pairs: the (query, key) pairs attention computes, the sum of each sequence's length
+    squared (shorter rows and packed documents attend only within themselves; padding is not work);
+    T · tokens, every row full, when not given.
     """
     h, i, n, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     encoder_matmul = n * (4 * h * h + 2 * h * i)
     head_matmul = h * h + h * vocab
     sbo_matmul = 3 * h * h + h * h + h * vocab
     return (6 * (encoder_matmul * tokens + head_matmul * predicted_tokens + sbo_matmul * sbo_predicted_tokens)
-            + 12 * n * h * seq_len * tokens)
+            + 12 * n * h * (seq_len * tokens if attended_pairs is None else attended_pairs))
 
 
 def estimate_mfu(config: RobertaConfig, tokens_per_s: float, predicted_per_s: float, seq_len: int,
-                 device_name: str, sbo_predicted_per_s: float = 0.0) -> float:
+                 device_name: str, sbo_predicted_per_s: float = 0.0, attended_pairs_per_s: float | None = None
+                 ) -> float:
     """Model FLOPs utilisation against the datasheet peak; NaN for an unknown device (a CPU)."""
     peak = next((v for k, v in PEAK_FLOPS if k in device_name), math.nan)
-    return training_flops(config, tokens_per_s, predicted_per_s, seq_len, sbo_predicted_per_s) / peak
+    return training_flops(config, tokens_per_s, predicted_per_s, seq_len, sbo_predicted_per_s,
+                          attended_pairs_per_s) / peak

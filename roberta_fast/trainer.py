@@ -272,6 +272,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# ---------------------------------------------------------------------- metrics
+def attended_pairs(batch: dict) -> int:
+    """The (query, key) pairs attention computes for a host batch, for MFU: each sequence's length
+    squared (a packed row's documents each on their own), padding none."""
+    mask = batch["attention_mask"]
+    if "cu_seqlens" not in batch:
+        return int((mask.sum(1) ** 2).sum())
+    cu = batch["cu_seqlens"].long()
+    real = mask.reshape(-1)[cu[:-1]] != 0  # a row's padding tail is a segment of its own
+    return int((cu.diff()[real] ** 2).sum())
+
+
 # ---------------------------------------------------------------------- trainer
 class Trainer:
     """Everything of one training run; `run()` trains, `train_step()` does one optimizer step."""
@@ -513,16 +525,19 @@ class Trainer:
         model = self.ddp or self.model
         model.train()
         per_micro = cfg.batch_size * w  # sequences of one micro-step over all ranks
-        # counts: (MLM predicted, SBO predicted, non-pad tokens); each loss is a mean over its own predicted tokens
-        masked, counts = [], torch.zeros(3, dtype=torch.float32, device=self.device)
-        tokens = 0
+        # counts: (MLM predicted, SBO predicted, non-pad tokens, attended pairs); each loss is a mean over its
+        # own predicted tokens; the last two are for tokens/s and MFU
+        masked, counts = [], torch.zeros(4, dtype=torch.float32, device=self.device)
+        tokens = pairs = 0
         for m, batch in enumerate(micro_batches):
             offset = m * per_micro + self.dist.rank * cfg.batch_size  # the row's position in the step (BatchLoader)
             inputs, labels, extra = self.mask(batch, self.step, offset, cfg.seed)
             counts[:2] += self.predicted_counts(labels, extra)
             tokens += int(batch["attention_mask"].sum())
+            pairs += attended_pairs(batch)
             masked.append((inputs, labels, extra))
-        counts[2] = tokens  # this rank's; ranks' rows differ in padding (exact below 2^24 tokens a step)
+        counts[2:] = torch.tensor([tokens, pairs])  # this rank's; ranks' rows differ in padding (tokens: exact
+        # below 2^24 a step)
         self.dist.all_reduce(counts)  # the whole step's counts, all ranks
         factors = (w * self.scaler.scale) / counts[:2].clamp_min(1.0)  # DDP averages: x world_size
         loss_sums = torch.zeros(2, dtype=torch.float32, device=self.device)
@@ -545,7 +560,7 @@ class Trainer:
         tokens = int(counts[2])  # all ranks' non-pad tokens (read after the optimizer's sync: no extra wait)
         self.tokens_seen += tokens
         return {"loss_sum": loss_sums[0], "count": counts[0], "sbo_loss_sum": loss_sums[1], "sbo_count": counts[1],
-                "lr": lr, "grad_norm": grad_norm, "skipped": found_inf, "tokens": tokens}
+                "lr": lr, "grad_norm": grad_norm, "skipped": found_inf, "tokens": tokens, "pairs": float(counts[3])}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -833,12 +848,13 @@ class Trainer:
         the weights, and go on across a resume (the checkpoint keeps them); tokens / predicted count
         the work done since t0, for tokens/s and MFU, and restart with the clock."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return {"tokens": 0, "predicted": zero.clone(), "sbo_predicted": zero.clone(), "loss": zero,
+        return {"tokens": 0, "pairs": 0.0, "predicted": zero.clone(), "sbo_predicted": zero.clone(), "loss": zero,
                 "count": zero.clone(), "sbo_loss": zero.clone(), "sbo_count": zero.clone(), "t0": time.perf_counter()}
 
     def _accumulate(self, stats: dict) -> None:
         window = self.window
         window["tokens"] += stats["tokens"]
+        window["pairs"] += stats["pairs"]
         window["predicted"] += stats["count"]
         window["sbo_predicted"] += stats["sbo_count"]
         if stats["skipped"]:  # a non-finite loss or gradients (found on every rank alike): no update, no loss
@@ -864,7 +880,7 @@ class Trainer:
             "lr": stats["lr"], "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
             "grad_norm": stats["grad_norm"], "tokens_per_s": tokens_per_s,
             "mfu": estimate_mfu(self.model_config, tokens_per_s / w, predicted_per_s / w, self.cfg.seq_len,
-                                device_name, sbo_predicted_per_s / w),
+                                device_name, sbo_predicted_per_s / w, window["pairs"] / max(elapsed, 1e-9) / w),
             "memory_gb": memory_gb(self.device), "tokens_seen": self.tokens_seen,
         }
         if self.with_sbo:

@@ -126,6 +126,10 @@ def test_mfu_peak_by_device_name(name, peak):
     cfg = RobertaConfig.preset("base")
     flops = training_flops(cfg, 1e5, 1.5e4, 512)
     assert estimate_mfu(cfg, 1e5, 1.5e4, 512, name) == pytest.approx(flops / peak)
+    # full rows attend seq_len keys per token; rows of 128 (or packed documents) a quarter of that
+    assert training_flops(cfg, 1e5, 1.5e4, 512, attended_pairs=512 * 1e5) == flops
+    attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * 1e5 * (512 - 128)
+    assert training_flops(cfg, 1e5, 1.5e4, 512, attended_pairs=128 * 1e5) == pytest.approx(flops - attention)
     assert math.isnan(estimate_mfu(cfg, 1e5, 1.5e4, 512, "cpu"))
 
 

@@ -674,6 +674,45 @@ def test_packed_doc_sentences_train_and_evaluate(dataset, tmp_path):
         small_config(dataset, tmp_path / "p", pack=True).validate()
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["doc", "doc-packed"])
+def test_mfu_counts_attention_within_each_document(dataset, tmp_path, pack):
+    """DOC-SENTENCES rows attend within their document (packed rows: within each of theirs), not to the
+    padding: a step's attended pairs, MFU's attention term, are each document's length squared (it counted
+    seq_len x tokens, every row as a full one)."""
+    trainer = Trainer(small_config(dataset, tmp_path / "o", mode="doc", pack=pack, seq_len=512,
+                                   batch_size=16), log=lambda *a: None)
+    try:
+        batch = trainer.next_micro_batches()[0]
+        stats = trainer.train_step([batch])
+        first_position = trainer.model_config.pad_token_id + 1
+    finally:
+        trainer.close()
+    lengths = []
+    for b, mask in enumerate(batch["attention_mask"].bool()):
+        if pack:  # documents start where the positions restart
+            starts = (batch["position_ids"][b][mask] == first_position).nonzero().flatten().tolist()
+            lengths += [end - start for start, end in zip(starts, starts[1:] + [int(mask.sum())])]
+        else:
+            lengths.append(int(mask.sum()))
+    assert stats["pairs"] == sum(n * n for n in lengths) < trainer.cfg.seq_len * stats["tokens"]
+
+
+def test_attended_pairs_of_packed_rows_are_their_documents_squared():
+    """Two packed rows of 8: documents of 3 + 4 (and a padding tail of 1), and of 8."""
+    from roberta_fast.data import collate
+    from roberta_fast.trainer import attended_pairs
+
+    def sample(lengths, seq_len=8):
+        n = sum(lengths)
+        return {"input_ids": torch.zeros(seq_len, dtype=torch.int64).numpy(),
+                "attention_mask": (torch.arange(seq_len) < n).long().numpy(),
+                "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).numpy()}
+
+    batch = collate([sample([3, 4]), sample([8])], 8)
+    assert attended_pairs(batch) == 3 * 3 + 4 * 4 + 8 * 8
+    assert attended_pairs({"attention_mask": batch["attention_mask"]}) == 7 * 7 + 8 * 8  # unpacked: whole rows
+
+
 @pytest.mark.parametrize("pack", [False, True], ids=["full", "doc-packed"])
 def test_fused_backend_trains_like_the_reference(dataset, tmp_path, pack):
     """The whole step on backend="fused" (Triton kernels; the interpreter on a CPU) against
