@@ -29,7 +29,27 @@ def report(err: Exception, every_rank: bool) -> None:
         print(f"error: [rank {rank}] {err}", file=sys.stderr)
 
 
+def out_of_memory_advice(cfg, trainer) -> str:
+    """What to change when a step does not fit in the GPU's memory: a smaller micro-batch with the
+    same global batch (more accumulation steps, the same optimizer steps: the rerun resumes from
+    the last checkpoint), activation checkpointing, then shorter sequences."""
+    ways = []
+    if cfg.batch_size > 1:  # the largest divisor of it up to its half, so the global batch still divides
+        smaller = max(d for d in range(1, cfg.batch_size // 2 + 1) if cfg.batch_size % d == 0)
+        accum = trainer.grad_accum * cfg.batch_size // smaller
+        ways.append(f"--batch-size {smaller} --grad-accum {accum} (the same {trainer.global_batch} sequences per "
+                    "optimizer step; the rerun resumes from the last checkpoint)")
+    if not cfg.activation_checkpointing:
+        ways.append("--activation-checkpointing (less activation memory, about a third more compute)")
+    if not ways:
+        ways.append("a smaller --seq-len or model")
+    return (f"A micro-batch of {cfg.batch_size} sequences of {cfg.seq_len} tokens does not fit in memory: rerun "
+            f"with {', or '.join(ways)}.")
+
+
 def main(argv=None) -> int:
+    import torch
+
     from .train_config import load_config
     from .trainer import Trainer
 
@@ -44,6 +64,9 @@ def main(argv=None) -> int:
     except ValueError as err:  # e.g. a checkpoint that does not match the config
         report(err, every_rank=False)
         return 2
+    except torch.OutOfMemoryError as err:  # (a RuntimeError) name the flags that fit the step in memory
+        report(RuntimeError(f"{str(err).strip()} {out_of_memory_advice(cfg, trainer)}"), every_rank=True)
+        return 1
     except RuntimeError as err:
         report(err, every_rank=True)
         return 1

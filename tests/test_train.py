@@ -7,6 +7,7 @@ All runs share one small dataset (1 MB of the embedded corpus, vocab 1024) and u
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -131,6 +132,34 @@ def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tm
     assert (tmp_path / "run" / "checkpoints" / "step_00000003.pt").is_file()
     monkeypatch.setattr(Trainer, "train_step", step)
     assert main(argv) == 0 and (tmp_path / "run" / "final").is_dir()
+
+
+def test_out_of_memory_names_the_flags_that_fit_and_the_rerun_with_them_resumes(dataset, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A step that does not fit in the GPU's memory (torch.OutOfMemoryError, faked here) exits 1 with
+    one line naming a smaller --batch-size with the --grad-accum that keeps the optimizer step's
+    size; that rerun resumes from the last checkpoint and finishes."""
+    step = Trainer.train_step
+
+    def out_of_memory(self, micro_batches):
+        if self.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return step(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", out_of_memory)
+    argv = small_argv(dataset) + ["--out", str(tmp_path / "run"), "--save-every", "2", "--grad-accum", "2",
+                                      "--log-every", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "CUDA out of memory. Tried to allocate 2.00 GiB." in err
+    flags = re.search(r"rerun with --batch-size (\d+) --grad-accum (\d+) \(the same 8 sequences per optimizer "
+                      r"step; the rerun resumes from the last checkpoint\), or --activation-checkpointing", err)
+    assert flags and flags.groups() == ("2", "4"), err
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert main(argv + ["--batch-size", flags[1], "--grad-accum", flags[2]]) == 0
+    out = capsys.readouterr()
+    assert "step_00000002.pt" in out.out + out.err and (tmp_path / "run" / "final").is_dir()
+    assert [s for s, _ in train_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
