@@ -31,8 +31,10 @@ Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight de
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
 model's own limit (at most 512; 384 for qa, as run_qa), --doc-stride to a third of it (run_qa's
-128 of 384). A run that never beats the trivial answer says so: the majority class, the
-majority tag or all-O entity F1 0, the null answer's SQuAD EM/F1, chance among the options.
+128 of 384). --grad-accum N computes each batch as N micro-batches (the whole batch's gradients,
+less memory); a step that runs out of GPU memory exits with status 1 naming it. A run that never
+beats the trivial answer says so: the majority class, the majority tag or all-O entity F1 0, the
+null answer's SQuAD EM/F1, chance among the options.
 
 SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal's number (143,
 130); the same command then resumes, and refuses a checkpoint trained on another LR
@@ -60,7 +62,7 @@ from .hf import MismatchedSizes
 from .metrics import MetricsLogger
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
-from .tasks import PROBLEM_TYPES, TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
+from .tasks import IGNORE, PROBLEM_TYPES, TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
 from .train_config import COMMAND_LINE_ONLY
 from .trainer import (Optimizer, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
@@ -93,6 +95,7 @@ class FinetuneConfig:
     metric: str | None = None  # validation metric choosing the best epoch (exported): classify accuracy | f1 (two classes: the second label's, GLUE's MRPC / QQP) | macro_f1 | mcc (GLUE's CoLA); regression pearson | spearman; token f1 | precision | recall | accuracy (f1, precision, recall with BIO-style tags only); qa f1 | exact_match; choice accuracy (default: the first of each that the run reports: token accuracy without BIO-style tags)
     epochs: int = 10  # passes over the training examples (RoBERTa's GLUE recipe: 10)
     batch_size: int = 16  # examples per optimizer step
+    grad_accum: int = 1  # split each step's batch into this many micro-batches, one forward and backward each: the same updates in less memory (RACE's batch of 16 x 4 options x 512 tokens, large models)
     lr: float | None = None  # peak learning rate (default: 2e-5 * (768 / hidden size)^2, at most 1e-3; printed)
     warmup_ratio: float = 0.06  # share of all steps spent warming up linearly to --lr
     weight_decay: float = 0.1  # decoupled (AdamW), not on biases and LayerNorm
@@ -126,6 +129,23 @@ def default_lr(hidden_size: int) -> float:
 
 
 # ---------------------------------------------------------------------- the job
+def loss_terms(batch: dict) -> int:
+    """How many terms the model's mean loss over `batch` averages: labelled tokens (token
+    classification), scores (regression), else one per row (classes, options, answer spans)."""
+    labels = batch.get("labels")
+    if labels is None:  # qa: start and end positions, one each per window
+        return len(batch["input_ids"])
+    return labels.numel() if labels.is_floating_point() else int((labels != IGNORE).sum())
+
+
+def micro_batches(batch: dict, n: int):
+    """`batch` cut into at most n micro-batches of consecutive rows, all but the last of ceil(rows / n)."""
+    rows = len(batch["input_ids"])
+    size = -(-rows // n)
+    for start in range(0, rows, size):
+        yield {k: v[start:start + size] for k, v in batch.items()}
+
+
 class Finetuner:
     """Owns the model, data (a tasks.Task), optimizer and state of one fine-tuning run."""
 
@@ -142,6 +162,9 @@ class Finetuner:
         if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
                 or not (cfg.lr is None or cfg.lr > 0) or cfg.keep_checkpoints < 1):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4, lr > 0 and keep_checkpoints >= 1")
+        if not 1 <= cfg.grad_accum <= cfg.batch_size:
+            raise ValueError(f"--grad-accum {cfg.grad_accum}: give 1 to --batch-size ({cfg.batch_size}) micro-batches "
+                             "per step")
         empty = [f.name for f in dataclasses.fields(cfg)
                  if isinstance(getattr(cfg, f.name), str) and not getattr(cfg, f.name).strip()]
         if empty:  # an unset shell variable (--valid "$DEV") must not quietly mean the default
@@ -287,16 +310,24 @@ class Finetuner:
         set_rng_state(state["rng"], self.device)
 
     def train_step(self, batch: dict) -> tuple[float, float, bool]:
+        """One optimizer step on `batch`, in --grad-accum micro-batches: each one's mean loss weighted by
+        its share of the batch's loss terms, so the gradients are the whole batch's."""
         self.model.train()
-        with autocast(self.precision, self.device):
-            loss = self.model(**{k: v.to(self.device) for k, v in batch.items()}).loss
-        (loss * self.scaler.scale).backward()
+        terms, loss = max(loss_terms(batch), 1), 0.0
+        for micro in micro_batches(batch, self.cfg.grad_accum):
+            share = loss_terms(micro) / terms
+            if share == 0:  # no labelled token in it: nothing to learn (and its mean loss would be NaN)
+                continue
+            with autocast(self.precision, self.device):
+                micro_loss = self.model(**{k: v.to(self.device) for k, v in micro.items()}).loss * share
+            (micro_loss * self.scaler.scale).backward()
+            loss = loss + micro_loss.detach()
         norm, skipped = self.optimizer.step(self.schedule.lr(), self.scaler.scale)
         self.optimizer.zero_grad()
         self.scaler.update(skipped)
         if not skipped:
             self.schedule.step()
-        return loss.item(), norm, skipped
+        return float(loss), norm, skipped
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -413,6 +444,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def out_of_memory_advice(cfg: FinetuneConfig) -> str:
+    """What to change when a step does not fit in the GPU's memory: more micro-batches per step (the
+    same updates; the rerun resumes from the last checkpoint), activation checkpointing, shorter windows."""
+    ways = []
+    if cfg.grad_accum < cfg.batch_size:
+        ways.append(f"--grad-accum {min(cfg.batch_size, 2 * cfg.grad_accum)} (the same updates, in micro-batches of "
+                    "fewer examples; the rerun resumes from the last checkpoint)")
+    if not cfg.activation_checkpointing:
+        ways.append("--activation-checkpointing (less activation memory, about a third more compute)")
+    ways.append("a smaller --max-len")
+    return (f"A micro-batch of {-(-cfg.batch_size // cfg.grad_accum)} examples does not fit in memory: rerun with "
+            f"{', or '.join(ways)}.")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = FinetuneConfig(**vars(args))
@@ -425,6 +470,9 @@ def main(argv=None) -> int:
         return 2
     except DiskSpaceError as err:  # a checkpoint or the export: the last checkpoint is kept
         print(f"roberta_fast.finetune: error: {err}", file=sys.stderr)
+        return 1
+    except torch.OutOfMemoryError as err:  # name the flags that fit a step in memory
+        print(f"roberta_fast.finetune: error: {str(err).strip()} {out_of_memory_advice(cfg)}", file=sys.stderr)
         return 1
     finally:
         if finetuner is not None:

@@ -405,6 +405,33 @@ def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(task, tmp_p
     assert not (tmp_path / "run" / "model").exists()
 
 
+def test_out_of_memory_names_grad_accum_which_resumes_with_the_same_schedule(task, tmp_path, monkeypatch, capsys):
+    """A step that does not fit in the GPU's memory (faked) exits 1 naming --grad-accum; a run stopped
+    at step 3 resumes under another --grad-accum (the same updates), and --grad-accum past the batch
+    is refused."""
+    step = Finetuner.train_step
+
+    def out_of_memory(self, *args):
+        if self.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+        return step(self, *args)
+
+    monkeypatch.setattr(Finetuner, "train_step", out_of_memory)
+    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--valid", str(task / "valid.jsonl"),
+            "--text-field", "sentence", "--device", "cpu", "--epochs", "1", "--out", str(tmp_path / "run")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "CUDA out of memory. Tried to allocate 1.00 GiB. A micro-batch of 16 examples does not fit in memory: " \
+           "rerun with --grad-accum 2 (the same updates" in err and "--activation-checkpointing" in err, err
+    monkeypatch.setattr(Finetuner, "train_step", step)
+    assert main(argv + ["--grad-accum", "2", "--stop-after", "3"]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003.pt").is_file()
+    assert main(argv + ["--grad-accum", "4"]) == 0
+    assert "resumed from" in capsys.readouterr().out and (tmp_path / "run" / "model").is_dir()
+    assert main(argv + ["--grad-accum", "17", "--out", str(tmp_path / "other")]) == 2
+    assert "--grad-accum 17: give 1 to --batch-size (16) micro-batches per step" in capsys.readouterr().err
+
+
 def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
     """A resumed run on other --epochs (so other total steps) would restart the decay mid-run:
     refused, naming the old and new values and --allow-schedule-change, which continues."""

@@ -567,6 +567,47 @@ def run_task(model_dir, out, **fields):
     return Finetuner(cfg, log=lambda *_: None).run()
 
 
+@pytest.mark.parametrize("task", ["classify", "regression", "token", "qa", "choice"])
+def test_grad_accum_gives_the_whole_batchs_gradients(model_dir, tmp_path, task):
+    """--grad-accum 3 runs each batch of 5 as micro-batches of 2, 2 and 1 rows: with dropout off, every
+    step's gradients (before clipping and Adam) are the unsplit batch's: each micro-batch's mean loss is
+    weighted by its share of the batch's loss terms (rows, scores, or labelled tokens)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
+                                                   "attention_probs_dropout_prob": 0.0}))
+    if task in ("classify", "regression"):
+        rows = ["text,label"] + [f"{text[:60]},{i % 3 if task == 'classify' else i * 0.37}"
+                                 for i, text in enumerate(t.replace(",", " ") for t in texts()[:40])]
+        (tmp_path / "rows.csv").write_text("\n".join(rows) + "\n")
+        fields = dict(task="classify", train=str(tmp_path / "rows.csv"))
+    else:
+        fields = dict(task=task, train=str({"token": CONLL, "qa": SQUAD, "choice": RACE}[task]))
+        fields.update(max_len=32, doc_stride=8) if task == "qa" else None
+    runs = []
+    for accum in (1, 3):
+        cfg = FinetuneConfig(model=str(model), out=str(tmp_path / f"accum{accum}"), device="cpu", precision="fp32",
+                             batch_size=5, grad_accum=accum, lr=1e-3, warmup_ratio=0.0, stop_after=4,
+                             valid=fields["train"], **fields)
+        tuner = Finetuner(cfg, log=lambda *_: None)
+        grads, step = [], tuner.optimizer.step
+
+        def recorded_step(lr, scale, step=step, grads=grads, model=tuner.model):
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+            return step(lr, scale)
+
+        tuner.optimizer.step = recorded_step
+        tuner.run()
+        runs.append(grads)
+    assert len(runs[0]) == len(runs[1]) == 4 and runs[0][0].keys() == runs[1][0].keys()
+    for step, (whole, split) in enumerate(zip(*runs)):
+        for name, grad in whole.items():
+            torch.testing.assert_close(split[name], grad, rtol=1e-4, atol=1e-7, msg=f"step {step + 1}, {name}")
+
+
 def test_token_task_end_to_end(model_dir, tmp_path):
     """Learns the sample's tags by heart, exports a model that transformers' token-classification
     pipeline runs with the tag names."""
