@@ -186,15 +186,20 @@ EOF
 ) || true
 auto_dtype=${auto_dtype:-bf16} roofline_gpu=${roofline_gpu:-h100}
 
+describe() {  # what roberta_fast runs on this machine (python -m roberta_fast.info), after the versions
+  { echo; timeout 60 "$py" -m roberta_fast.info; } >>"$out/environment.txt" 2>&1
+}
+
 ensure_built() {  # the extension with its CUDA ops (MAX_JOBS=16: the machine's cores)
   local check="import torch, roberta_fast._C as C; assert C.built_with_cuda() or '$dry' == '1'"  # torch first: _C links libc10
   if "$py" -c "$check" 2>/dev/null; then
     note "build: $([ "$dry" = 1 ] && echo 'skipped (dry run; the extension here is built)' || echo 'already built')"
+    describe
     return 0
   fi
   if [ "$dry" != 1 ]; then
     export MAX_JOBS=${MAX_JOBS:-16}
-    run build 300 "$py" -m pip install --no-build-isolation --no-deps -e . && "$py" -c "$check" && return 0
+    run build 300 "$py" -m pip install --no-build-isolation --no-deps -e . && "$py" -c "$check" && describe && return 0
   fi
   note "build: FAILED: roberta_fast._C $([ "$dry" = 1 ] && echo 'is not built here' || echo 'has no CUDA ops (see build.log)')"
   finish 1

@@ -94,6 +94,7 @@ def test_every_stage_runs_dry_and_packs_its_files(dry_runs, stage):
     assert f"==== {stage} summary" in proc.stdout and "DRY RUN" in proc.stdout
     assert summary.strip().splitlines()[-1] in proc.stdout  # the summary is printed last
     assert "environment.txt" in files
+    assert "extension: roberta_fast._C" in files["environment.txt"].decode()  # every stage: roberta_fast.info
     for name in EXPECTED[stage]:
         assert name in files and files[name], f"{stage} did not hand back {name}: {sorted(files)}"
 
