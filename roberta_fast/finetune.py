@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 import warnings
@@ -154,6 +155,12 @@ class Finetuner:
         for name in ("model", "train"):
             if not getattr(cfg, name):
                 raise ValueError(f"--{name} is required")
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world != "1":  # under torchrun every process would fine-tune alone, all on one GPU, into one --out
+            raise ValueError(f"fine-tuning runs in one process on one device, and this one was started as one of "
+                             f"WORLD_SIZE={world} (torchrun): data-parallel fine-tuning is not implemented. Run "
+                             "`python -m roberta_fast.finetune ...` alone (--device cuda:N picks the GPU; "
+                             "--grad-accum fits a large batch on it)")
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
         if cfg.problem_type not in PROBLEM_TYPES or (cfg.problem_type != "auto" and cfg.task != "classify"):

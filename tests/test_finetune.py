@@ -432,6 +432,17 @@ def test_out_of_memory_names_grad_accum_which_resumes_with_the_same_schedule(tas
     assert "--grad-accum 17: give 1 to --batch-size (16) micro-batches per step" in capsys.readouterr().err
 
 
+def test_a_run_started_by_torchrun_is_refused_before_anything(task, tmp_path, monkeypatch, capsys):
+    """Under torchrun each process would fine-tune alone, every one on cuda:0 into one --out: refused,
+    naming the single-process command, before --out is made."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert "started as one of WORLD_SIZE=8 (torchrun): data-parallel fine-tuning is not implemented" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
     """A resumed run on other --epochs (so other total steps) would restart the decay mid-run:
     refused, naming the old and new values and --allow-schedule-change, which continues."""
