@@ -166,6 +166,12 @@ class RobertaConfig:
         return self
 
     @property
+    def model_type(self) -> str:
+        """transformers' config attribute (sentence-transformers, PEFT and optimum branch on it): "roberta",
+        or what the checkpoint's config.json said ("xlm-roberta", "camembert"), as to_dict writes it."""
+        return self.extra.get("model_type", "roberta")
+
+    @property
     def use_return_dict(self) -> bool:
         """transformers' older name of return_dict."""
         return self.return_dict

@@ -94,3 +94,14 @@ def test_a_transformers_config_object_saves_as_transformers_saves_it(tmp_path):
     saved = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert not {"_name_or_path", "chunk_size_feed_forward", "is_encoder_decoder"} & set(saved)
     assert rf.RobertaConfig.from_dict({"chunk_size_feed_forward": 64}).to_dict()["chunk_size_feed_forward"] == 64
+
+
+@pytest.mark.parametrize("hf_class", ["RobertaConfig", "XLMRobertaConfig", "CamembertConfig"])
+def test_model_type_reads_as_transformers_config_says_it(tmp_path, hf_class):
+    """`config.model_type`, which sentence-transformers (its Transformer module's preprocess), PEFT and
+    optimum read off a model's config, was missing: an rf model inside a SentenceTransformer failed."""
+    hf = getattr(transformers, hf_class)(vocab_size=123, hidden_size=48, num_attention_heads=3)
+    hf.save_pretrained(tmp_path)
+    for ours in (rf.RobertaConfig.from_json_file(tmp_path / "config.json"), rf.RobertaConfig.from_dict(hf.to_dict())):
+        assert ours.model_type == hf.model_type == ours.to_dict()["model_type"]
+    assert rf.RobertaConfig.preset("tiny").model_type == "roberta"
