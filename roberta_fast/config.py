@@ -159,6 +159,7 @@ class RobertaConfig:
         return self.max_position_embeddings - self.pad_token_id - 1
 
     is_encoder_decoder = False  # transformers' flags: RoBERTa is an encoder, with no sub-configs
+    is_decoder = add_cross_attention = False  # (a config setting either is refused: decoder_error)
     sub_configs = {}  # (no annotation: a class attribute, not a dataclass field)
 
     def get_text_config(self, *args, **kwargs) -> "RobertaConfig":

@@ -105,3 +105,4 @@ def test_model_type_reads_as_transformers_config_says_it(tmp_path, hf_class):
     for ours in (rf.RobertaConfig.from_json_file(tmp_path / "config.json"), rf.RobertaConfig.from_dict(hf.to_dict())):
         assert ours.model_type == hf.model_type == ours.to_dict()["model_type"]
     assert rf.RobertaConfig.preset("tiny").model_type == "roberta"
+    assert ours.is_decoder is ours.add_cross_attention is ours.is_encoder_decoder is False  # read as flags, too
