@@ -433,18 +433,41 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
         warnings.warn(f"newly initialised (not in the checkpoint): {missing}", stacklevel=3)
     if unexpected:
         warnings.warn(f"checkpoint weights not used by {cls.__name__}: {unexpected}", stacklevel=3)
-    model = cls(config, backend=backend, **kwargs)
-    if any(p.is_meta for p in model.parameters()):
+    if torch.empty(0).is_meta:
         raise RuntimeError("You are using `from_pretrained` with a meta device context manager (torch.device('meta')): "
                            "the weights would not be loaded; call from_pretrained outside it")
-    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
-    if dtype is not None or device is not None:
-        model.to(device=device, dtype=dtype)
+    # Copies of the checkpoint's tensors become the shapes-only model's parameters: nothing loaded is first
+    # initialised at random (half of roberta-large's load time), and none of them stays in the file's
+    # memory map (a file rewritten in place later would change them) or shared with a transformers model.
+    target = dtype if dtype is not None else torch.float32
+    model.load_state_dict({k: state.pop(k).to(target, copy=True) for k in list(state) if k in expected},
+                          strict=False, assign=True)
+    _init_missing(model, target)
+    if device is not None:
+        model.to(device=device)
     model.eval()
     if output_loading_info:
         return model, {"missing_keys": set(missing), "unexpected_keys": set(unexpected),
                        "mismatched_keys": mismatched, "error_msgs": []}
     return model
+
+
+def _init_missing(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Allocate and initialise, as a new model's, the parameters the checkpoint did not hold (still on
+    the meta device): a new task head, a pooler. The model's _init_weights for Linear, Embedding and
+    LayerNorm weights; the other parameters (a decoder bias) start at zero, as their modules make them."""
+    for module in model.modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not any(p.is_meta for p in params.values()):
+            continue
+        loaded = {name: p for name, p in params.items() if not p.is_meta}
+        module.to_empty(device="cpu", recurse=False)
+        module.to(dtype)
+        for p in module.parameters(recurse=False):
+            torch.nn.init.zeros_(p)
+        model._init_weights(module)
+        for name, p in loaded.items():
+            setattr(module, name, p)
 
 
 def _refuse_untied_decoder(config: RobertaConfig, hf_state: dict, prefix: str) -> None:

@@ -67,6 +67,39 @@ def test_a_missing_head_is_still_initialised(tmp_path):
     assert model.classifier.out_proj.weight.shape == (3, 16)
 
 
+def test_loaded_weights_are_copies_and_only_missing_ones_are_initialised(tmp_path):
+    """from_pretrained fills a shapes-only model with copies of the checkpoint's tensors: no random
+    init of what it loads (the torch RNG is untouched), none of them left in the file's memory map
+    (a file rewritten in place afterwards changes nothing) or shared with a transformers model given;
+    what the checkpoint lacks starts as in a new model: a pooler N(0, initializer_range) with zero bias,
+    a bare encoder's MLM head with LayerNorm at one and zero biases, in the asked dtype."""
+    transformers = pytest.importorskip("transformers")
+    directory = _tiny_dir(tmp_path / "m")
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    model = rf.RobertaForMaskedLM.from_pretrained(directory)
+    assert torch.equal(torch.get_rng_state(), rng)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = directory / "model.safetensors"
+    with open(weights, "r+b") as f:  # zeroed in place, as a writer that does not replace the file would
+        f.write(bytes(weights.stat().st_size))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    hf = transformers.RobertaModel(transformers.RobertaConfig(**TINY), add_pooling_layer=False)
+    model = rf.RobertaModel.from_pretrained(hf)  # no pooler there
+    words = hf.embeddings.word_embeddings.weight
+    assert not any(p.data_ptr() == words.data_ptr() for p in model.parameters())
+    assert model.pooler.weight.std().item() == pytest.approx(model.config.initializer_range, rel=0.5)
+    assert not model.pooler.bias.any() and all(p.requires_grad for p in model.parameters())
+    encoder = tmp_path / "encoder"
+    rf.RobertaModel(rf.RobertaConfig(**TINY)).save_pretrained(encoder)
+    mlm = rf.RobertaForMaskedLM.from_pretrained(encoder, dtype=torch.float16)
+    head = mlm.lm_head
+    assert {p.dtype for p in mlm.parameters()} == {torch.float16}
+    assert not head.bias.any() and bool((head.layer_norm.weight == 1).all()) and not head.layer_norm.bias.any()
+    assert head.dense.weight.std().item() == pytest.approx(mlm.config.initializer_range, rel=0.5)
+
+
 @pytest.mark.parametrize("index_name", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
 @pytest.mark.parametrize("escape", ["relative", "absolute"])
 def test_an_index_naming_a_shard_outside_the_directory_is_refused(tmp_path, index_name, escape):
