@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import types
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -191,6 +192,19 @@ class PackedLinear(_InferenceLinear):
         return super().extra_repr() + ", fp32 weights packed by oneDNN"
 
 
+def by_value(tensors) -> tuple:
+    """A packed-weight holder's pickled state: its tensors as numpy arrays (None kept), which every pickler
+    copies by value. torch.multiprocessing would share tensors through file descriptors instead, and
+    these, unpacked for the pickle alone, are freed (their descriptors closed) before a spawned process
+    reads them: a prepacked or int8 model could not be sent to one (sentence-transformers' process pool)."""
+    return tuple(None if t is None else t.numpy() for t in tensors)
+
+
+def as_tensors(state) -> tuple:
+    """by_value's state (or an older pickle's tensors) as tensors."""
+    return tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in state)
+
+
 class _OnednnFp32Weight:
     """An fp32 Linear weight in oneDNN's blocked layout, run by oneDNN's matmul with an optional
     post-op. The only copy (to_dense reads it back). A plain holder, not module state: torch.export
@@ -204,10 +218,10 @@ class _OnednnFp32Weight:
         return self.packed.to_dense(), None if self.bias is None else self.bias.clone()
 
     def __getstate__(self):
-        return self.unpack()
+        return by_value(self.unpack())
 
     def __setstate__(self, state):
-        self.__init__(*state)
+        self.__init__(*as_tensors(state))
 
     def spec(self, tokens: int) -> tuple:
         """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""

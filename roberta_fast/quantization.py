@@ -73,7 +73,7 @@ from torch import nn
 from . import _ext
 from .ops import gelu_fresh
 from .prepacked import LAYER_LINEARS  # noqa: F401 (public here too)
-from .prepacked import _InferenceLinear, attach_tied_decoder, encoder_linears, mlm_head
+from .prepacked import _InferenceLinear, as_tensors, attach_tied_decoder, by_value, encoder_linears, mlm_head
 
 ACTIVATION_QMAX = 127  # 7-bit uint8 activations in [0, 127]: fbgemm's reduce_range on x86
 
@@ -208,7 +208,7 @@ class _OnednnWeight:
         return self.packed.to_dense().t().contiguous(), self.scale.clone(), bias
 
     def __getstate__(self):
-        return (*self.unpack(), self.qmax)
+        return (*by_value(self.unpack()), self.qmax)
 
     def __setstate__(self, state):
         _unpickled(self, state)
@@ -237,7 +237,7 @@ def _unpickled(holder, state):
     which must compute its activation range (a pickle from before activation_bits: 7 bits)."""
     *tensors, qmax = state if len(state) == 4 else (*state, ACTIVATION_QMAX)
     _check_activation_range(holder.engine, qmax)
-    holder.__init__(*tensors, qmax)
+    holder.__init__(*as_tensors(tensors), qmax)
 
 
 @contextlib.contextmanager
@@ -282,10 +282,18 @@ class _PackedWeight:
         qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float(), None if bias is None else bias.clone()
 
+    def __getstate__(self):
+        return {"engine": self.engine, "qmax": self.qmax, "weights": by_value(self.unpack())}
+
     def __setstate__(self, state):
-        """Unpickled (the packed weight unpickles itself): this CPU must compute its activation range."""
-        self.__dict__.update({"qmax": ACTIVATION_QMAX, **state})
-        _check_activation_range(self.engine, self.qmax)
+        """Unpickled, packed again (an older pickle's packed weight unpickles itself): this CPU must compute
+        its activation range."""
+        state = {"qmax": ACTIVATION_QMAX, **state}
+        _check_activation_range(state["engine"], state["qmax"])
+        if "weights" in state:
+            self.__init__(*as_tensors(state["weights"]), state["engine"], state["qmax"])
+        else:
+            self.__dict__.update(state)
 
     def spec(self, tokens: int) -> tuple:
         """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""
@@ -329,7 +337,7 @@ class _AutoWeight:
         return self.onednn.unpack()
 
     def __getstate__(self):
-        return (*self.unpack(), self.qmax)
+        return (*by_value(self.unpack()), self.qmax)
 
     def __setstate__(self, state):
         _unpickled(self, state)
@@ -404,6 +412,15 @@ class _Fp16Weight:
         """(weight_fp16, bias): fresh tensors read back from the packed weight."""
         weight, bias = torch.ops.quantized.linear_unpack_fp16(self.packed)  # fp32 holding fp16 values
         return weight.half(), None if bias is None else bias.clone()
+
+    def __getstate__(self):
+        return by_value(self.unpack())
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):  # an older pickle: the packed weight unpickled itself
+            self.__dict__.update(state)
+        else:
+            self.__init__(*as_tensors(state))
 
     def spec(self, tokens: int) -> tuple:
         """What __call__ runs, for the C++ inference layer (csrc/inference_layer.cpp)."""

@@ -719,3 +719,32 @@ def test_fp16_weights_trace_combine_with_prepack_and_count_parameters():
     traced = torch.jit.trace(direct, (ids, mask), strict=False)
     with torch.inference_mode():
         torch.testing.assert_close(traced(ids, mask)[0], direct(ids, attention_mask=mask)[0], rtol=1e-5, atol=1e-5)
+
+
+def _serve_in_child(models, x, queue):
+    """A spawned process's work: each model's output on x (as numpy: by value, the process then exits)."""
+    with torch.inference_mode():
+        queue.put([model(x).last_hidden_state.numpy() for model in models])
+
+
+def test_prepacked_int8_and_fp16_models_can_be_sent_to_a_spawned_process():
+    """torch.multiprocessing (sentence-transformers' process pool, a DataLoader's workers) sends a model
+    by sharing its tensors' file descriptors: the packed holders' state, unpacked for the pickle alone,
+    was freed before the spawned process read it ("bad value(s) in fds_to_keep"). The child computes
+    what the parent does, on every packing."""
+    fp32 = rf.RobertaModel(rf.RobertaConfig(**TINY)).eval()
+    models = [rf.prepack(copy.deepcopy(fp32)), rf.quantize(copy.deepcopy(fp32)),
+              rf.quantize(copy.deepcopy(fp32), engine="fbgemm"), rf.quantize(copy.deepcopy(fp32), engine="auto"),
+              rf.quantize(copy.deepcopy(fp32), dtype=torch.float16)]
+    x = torch.randint(3, TINY["vocab_size"], (2, 9))
+    context = torch.multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_serve_in_child, args=(models, x, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=300)
+    finally:
+        child.join(timeout=60)
+    with torch.inference_mode():
+        for model, out in zip(models, got, strict=True):
+            torch.testing.assert_close(torch.from_numpy(out), model(x).last_hidden_state, rtol=0, atol=0)
