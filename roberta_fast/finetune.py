@@ -6,6 +6,7 @@ token classification, question answering or multiple-choice task.
     python -m roberta_fast.finetune --task token --train train.conll --valid dev.conll ...
     python -m roberta_fast.finetune --task qa --train train-v2.0.json --valid dev-v2.0.json ...
     python -m roberta_fast.finetune --task choice --train race_train.jsonl --valid race_dev.jsonl ...
+    torchrun --nproc_per_node 8 -m roberta_fast.finetune --task qa ...
 
 --task classify (the default): CSV, GLUE's .tsv as shipped (tab-separated, no quoting; CoLA's,
 which has no header row, by column number: --text-field 3 --label-field 1) or JSONL rows
@@ -32,7 +33,9 @@ Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
 model's own limit (at most 512; 384 for qa, as run_qa), --doc-stride to a third of it (run_qa's
 128 of 384). --grad-accum N computes each batch as N micro-batches (the whole batch's gradients,
-less memory); a step that runs out of GPU memory exits with status 1 naming it. A run that never
+less memory); a step that runs out of GPU memory exits with status 1 naming it. Under torchrun
+each batch is split over the processes (gradients summed: the same updates; evaluation split and
+gathered; rank 0 writes and speaks: docs/finetuning.md). A run that never
 beats the trivial answer says so: the majority class, the majority tag or all-O entity F1 0, the
 null answer's SQuAD EM/F1, chance among the options.
 
@@ -53,6 +56,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -66,7 +70,7 @@ from .schedule import WarmupLinearDecay
 from .tasks import IGNORE, PROBLEM_TYPES, TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
 from .train_config import COMMAND_LINE_ONLY
-from .trainer import (Optimizer, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
+from .trainer import (Dist, Optimizer, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
                       seed_everything, set_rng_state)
 
 # the settings behind each LR-schedule field (check_schedule)
@@ -139,12 +143,12 @@ def loss_terms(batch: dict) -> int:
     return labels.numel() if labels.is_floating_point() else int((labels != IGNORE).sum())
 
 
-def micro_batches(batch: dict, n: int):
-    """`batch` cut into at most n micro-batches of consecutive rows, all but the last of ceil(rows / n)."""
+def micro_batches(batch: dict, n: int) -> list[dict]:
+    """`batch` cut into n micro-batches of consecutive rows, as even as can be (sizes differ by at most
+    one; empty ones, when the batch has fewer than n rows, are kept: each process takes its share by place)."""
     rows = len(batch["input_ids"])
-    size = -(-rows // n)
-    for start in range(0, rows, size):
-        yield {k: v[start:start + size] for k, v in batch.items()}
+    bounds = [rows * i // n for i in range(n + 1)]
+    return [{k: v[start:stop] for k, v in batch.items()} for start, stop in zip(bounds, bounds[1:])]
 
 
 class Finetuner:
@@ -155,12 +159,7 @@ class Finetuner:
         for name in ("model", "train"):
             if not getattr(cfg, name):
                 raise ValueError(f"--{name} is required")
-        world = os.environ.get("WORLD_SIZE", "1")
-        if world != "1":  # under torchrun every process would fine-tune alone, all on one GPU, into one --out
-            raise ValueError(f"fine-tuning runs in one process on one device, and this one was started as one of "
-                             f"WORLD_SIZE={world} (torchrun): data-parallel fine-tuning is not implemented. Run "
-                             "`python -m roberta_fast.finetune ...` alone (--device cuda:N picks the GPU; "
-                             "--grad-accum fits a large batch on it)")
+        self.dist = Dist()  # under torchrun: each step's batch is split over the processes
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
         if cfg.problem_type not in PROBLEM_TYPES or (cfg.problem_type != "auto" and cfg.task != "classify"):
@@ -169,9 +168,13 @@ class Finetuner:
         if (cfg.epochs < 1 or cfg.batch_size < 1 or (cfg.max_len is not None and cfg.max_len < 4)
                 or not (cfg.lr is None or cfg.lr > 0) or cfg.keep_checkpoints < 1):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4, lr > 0 and keep_checkpoints >= 1")
-        if not 1 <= cfg.grad_accum <= cfg.batch_size:
-            raise ValueError(f"--grad-accum {cfg.grad_accum}: give 1 to --batch-size ({cfg.batch_size}) micro-batches "
-                             "per step")
+        world = self.dist.world_size
+        if cfg.grad_accum < 1 or cfg.grad_accum * world > cfg.batch_size:
+            raise ValueError(f"--grad-accum {cfg.grad_accum}" + (f" with {world} processes" if world > 1 else "")
+                             + f": each step's --batch-size {cfg.batch_size} examples are split into "
+                             + (f"{world} processes x " if world > 1 else "") + "--grad-accum micro-batches, so give "
+                             f"--grad-accum 1 to {cfg.batch_size // world}"
+                             + (f" (or a --batch-size of at least {world})" if cfg.batch_size < world else ""))
         empty = [f.name for f in dataclasses.fields(cfg)
                  if isinstance(getattr(cfg, f.name), str) and not getattr(cfg, f.name).strip()]
         if empty:  # an unset shell variable (--valid "$DEV") must not quietly mean the default
@@ -187,9 +190,12 @@ class Finetuner:
             raise ValueError(f"need --n-best >= 1 and --max-answer-len >= 1 (got {cfg.n_best} and "
                              f"{cfg.max_answer_len}): with none, every predicted answer would be empty")
         self.out = Path(cfg.out)
-        self.device = resolve_device(cfg.device, 0)
+        self.device = resolve_device(cfg.device, self.dist.local_rank)
+        self.dist.init(self.device)
+        if not self.dist.is_main:  # rank 0 speaks for the job; the others compute alike
+            self.log = log = (lambda *a, **k: None)
         self.precision = resolve_precision(cfg.precision, self.device)
-        seed_everything(cfg.seed)
+        seed_everything(cfg.seed)  # the same on every rank: held-out split, data order, a new head's weights
 
         self.tokenizer = RobertaTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         self.task = task = TASKS[cfg.task](cfg)
@@ -227,6 +233,10 @@ class Finetuner:
                 "their words past it are not trained on or scored; raise --max-len to keep them")
         self.model.config.extra.update(task.config_extra())
         self.model.to(self.device)
+        for tensor in self.model.state_dict().values():  # every rank starts from rank 0's weights, as DDP does
+            self.dist.broadcast(tensor)
+        if self.dist.rank:  # dropout streams differ per rank; rank 0 keeps the single-process stream
+            seed_everything(cfg.seed + 1_000_003 * self.dist.rank)
         self.model.check_inputs = False  # ids come from the model's own tokenizer, lengths are truncated
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model "
@@ -247,7 +257,8 @@ class Finetuner:
         self.step, self.best = 0, None
         self.epochs_evaluated = 0  # a stop on an epoch's last step leaves its evaluation to the resumed run
         self.export_pending = False  # the best epoch's export is not written yet (a full disk stopped it)
-        self.lock = lock_out(self.out, log)  # one writer per --out, as the trainer (last: nothing can fail after)
+        # one writer per --out, as the trainer (last: nothing can fail after); rank 0 writes for the job
+        self.lock = lock_out(self.out, log) if self.dist.is_main else None
 
     def follow_head_labels(self, new_weights: set) -> None:
         """A --model whose head came with the checkpoint (no weight of it in `new_weights`) keeps its label
@@ -271,12 +282,14 @@ class Finetuner:
         return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.task))
 
     def state_dict(self) -> dict:
+        """The run's state; collective (every rank contributes its RNG state)."""
+        rngs = self.dist.gather_objects(rng_state(self.device))
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "best": self.best, "best_metric": self.task.best_metric,
                 "epochs_evaluated": self.epochs_evaluated,
                 "export_pending": self.export_pending,
-                "rng": rng_state(self.device),
+                "rng": rngs[0], "rngs": rngs,  # rank 0's (what a single process reads), every rank's
                 "labels": self.names, "task": self.cfg.task,
                 "tokenizer_hash": self.tokenizer.tokenizer_hash,  # roberta_fast.export refuses another tokenizer
                 "config": {k: absolute_if_local(v) if k in ("model", "tokenizer") else v  # export reads them anywhere
@@ -314,21 +327,33 @@ class Finetuner:
         # older checkpoints: assume all but the last finished epoch evaluated (evaluating one again is harmless)
         self.epochs_evaluated = state.get("epochs_evaluated", max(0, self.step // self.steps_per_epoch - 1))
         self.export_pending = state.get("export_pending", False)
-        set_rng_state(state["rng"], self.device)
+        rngs = state.get("rngs", [state["rng"]])
+        if len(rngs) == self.dist.world_size:
+            set_rng_state(rngs[self.dist.rank], self.device)
+        else:  # another number of processes: the dropout streams cannot continue; start fresh ones
+            self.log(f"note: the checkpoint was written by {len(rngs)} processes, this run has "
+                     f"{self.dist.world_size}: dropout RNG streams are reseeded")
+            seed_everything(self.cfg.seed + 1_000_003 * self.dist.rank + self.step)
 
     def train_step(self, batch: dict) -> tuple[float, float, bool]:
-        """One optimizer step on `batch`, in --grad-accum micro-batches: each one's mean loss weighted by
-        its share of the batch's loss terms, so the gradients are the whole batch's."""
+        """One optimizer step on `batch`, in --grad-accum micro-batches per process: each one's mean loss
+        weighted by its share of the batch's loss terms, so the gradients (summed over the processes) are
+        the whole batch's. Every process reads the same batches and takes its own micro-batches."""
         self.model.train()
-        terms, loss = max(loss_terms(batch), 1), 0.0
-        for micro in micro_batches(batch, self.cfg.grad_accum):
+        accum, rank = self.cfg.grad_accum, self.dist.rank
+        terms = max(loss_terms(batch), 1)
+        loss = torch.zeros((), device=self.device)
+        for micro in micro_batches(batch, accum * self.dist.world_size)[rank * accum:(rank + 1) * accum]:
             share = loss_terms(micro) / terms
-            if share == 0:  # no labelled token in it: nothing to learn (and its mean loss would be NaN)
+            if share == 0:  # no row, or no labelled token in it: nothing to learn (its mean loss would be NaN)
                 continue
             with autocast(self.precision, self.device):
                 micro_loss = self.model(**{k: v.to(self.device) for k, v in micro.items()}).loss * share
             (micro_loss * self.scaler.scale).backward()
-            loss = loss + micro_loss.detach()
+            loss += micro_loss.detach().float()
+        if self.dist.enabled:
+            self.sum_gradients()
+            self.dist.all_reduce(loss)
         norm, skipped = self.optimizer.step(self.schedule.lr(), self.scaler.scale)
         self.optimizer.zero_grad()
         self.scaler.update(skipped)
@@ -336,31 +361,77 @@ class Finetuner:
             self.schedule.step()
         return float(loss), norm, skipped
 
+    def sum_gradients(self, bucket_bytes: int = 64 << 20) -> None:
+        """Every process's gradients summed (each holds its micro-batches' weighted share), in flat buckets.
+        A parameter no micro-batch of this process reached (none at all: fewer rows than processes) gets zeros
+        where another's has a gradient; one no process reached keeps none, as in a single process."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+        self.dist.all_reduce(reached, torch.distributed.ReduceOp.MAX)
+        grads = []
+        for p, anywhere in zip(params, reached.tolist()):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if anywhere:
+                grads.append(p.grad)
+        buckets, size = [[]], 0  # consecutive gradients of one dtype, up to bucket_bytes each
+        for g in grads:
+            if buckets[-1] and (size + g.nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype):
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += g.nbytes
+        for bucket in filter(None, buckets):
+            flat = self.dist.all_reduce(torch.cat([g.reshape(-1) for g in bucket]))
+            for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(summed.view_as(g))
+
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """The task's validation metrics (loss first) at the current weights."""
+        """The task's validation metrics (loss first) at the current weights. Under torchrun each process
+        runs every world_size-th batch; all gather the outputs and compute the same metrics."""
         self.model.eval()
 
         def run(batch):
             with autocast(self.precision, self.device):
                 return self.model(**{k: v.to(self.device) for k, v in batch.items()})
 
-        return self.task.evaluate(run, self.cfg.batch_size, self.pad_id)
+        if not self.dist.enabled:
+            return self.task.evaluate(run, self.cfg.batch_size, self.pad_id)
+        world, rank = self.dist.world_size, self.dist.rank
+        mine = {i: {k: v.cpu() for k, v in run(batch).items()}
+                for i, batch in enumerate(self.task.valid_batches(self.cfg.batch_size, self.pad_id))
+                if i % world == rank}
+        outputs = {i: SimpleNamespace(**out) for part in self.dist.gather_objects(mine) for i, out in part.items()}
+        replay = iter(outputs[i] for i in range(len(outputs)))
+        return self.task.evaluate(lambda batch: next(replay), self.cfg.batch_size, self.pad_id)
 
     def export(self, directory: Path) -> None:
-        """The best epoch's model in HF format. It follows that epoch's checkpoint (export_pending
-        set), so a full disk here keeps the checkpoint and the rerun exports without training again."""
-        try:
-            export_pretrained(self.model, self.tokenizer, directory)
-        except DiskSpaceError as err:
-            raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the best "
-                                 "epoch without training again") from None
-        self.task.after_export(directory)
+        """The best epoch's model in HF format (rank 0 writes it; the others wait). It follows that epoch's
+        checkpoint (export_pending set), so a full disk here keeps the checkpoint and the rerun exports
+        without training again."""
+        if self.dist.is_main:
+            try:
+                export_pretrained(self.model, self.tokenizer, directory)
+            except DiskSpaceError as err:
+                raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the "
+                                     "best epoch without training again") from None
+            self.task.after_export(directory)
+        self.dist.barrier()
         self.export_pending = False
 
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the run; collective (rank 0 writes it, the others wait)."""
+        state = self.state_dict()
+        if self.dist.is_main:
+            self.checkpoints.save(self.step, state)
+        self.dist.barrier()
+
     def close(self) -> None:
-        """Release --out."""
-        self.lock.release()
+        """Release --out and leave the process group."""
+        if self.lock is not None:
+            self.lock.release()
+        self.dist.close()
 
     def end_epoch(self, epoch: int, metrics: MetricsLogger) -> dict:
         """Evaluate the epoch just finished, checkpoint, and export it if it is the best so far."""
@@ -373,7 +444,7 @@ class Finetuner:
                      "best_metric": key, "best_epoch": self.best["epoch"]})
         metrics.write(f"epoch {epoch + 1}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         self.epochs_evaluated = epoch + 1
-        self.checkpoints.save(self.step, self.state_dict())
+        self.save_checkpoint()
         if self.export_pending:
             self.export(self.out / "model")
         return result
@@ -392,7 +463,8 @@ class Finetuner:
         self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training {self.task.unit} "
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
                  f"{self.precision} on {self.device} ({explain(self.cfg.precision, self.device)})")
-        metrics = MetricsLogger(self.out, total, start_step=self.step)  # after the line: it opens the bar
+        # after the line: it opens the bar
+        metrics = MetricsLogger(self.out, total, start_step=self.step, enabled=self.dist.is_main)
         result = None
         try:
             with StopSignal() as stop:
@@ -409,12 +481,13 @@ class Finetuner:
                         if self.step % self.cfg.log_every == 0:
                             metrics.log({"kind": "train", "step": self.step, "loss": loss, "lr": self.schedule.lr(),
                                          "grad_norm": norm, "skipped": skipped, "loss_scale": self.scaler.scale})
-                        reason = stop.requested or (self.step == self.cfg.stop_after and "--stop-after")
+                        stopped_by = self.dist.agreed_signal(stop)  # every rank stops at the same step
+                        reason = (stopped_by and stopped_by.name) or (self.step == self.cfg.stop_after
+                                                                      and "--stop-after")
                         if reason:
-                            self.checkpoints.save(self.step, self.state_dict())
+                            self.save_checkpoint()
                             self.log(f"{reason}: checkpoint saved at step {self.step}; rerun to resume")
-                            return {"stopped": reason, "step": self.step,
-                                    "signal": signal.Signals[stop.requested] if stop.requested else None}
+                            return {"stopped": reason, "step": self.step, "signal": stopped_by}
                     result = self.end_epoch(epoch, metrics)
         finally:
             metrics.close()
@@ -451,35 +524,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def out_of_memory_advice(cfg: FinetuneConfig) -> str:
+def out_of_memory_advice(cfg: FinetuneConfig, world_size: int = 1) -> str:
     """What to change when a step does not fit in the GPU's memory: more micro-batches per step (the
     same updates; the rerun resumes from the last checkpoint), activation checkpointing, shorter windows."""
-    ways = []
-    if cfg.grad_accum < cfg.batch_size:
-        ways.append(f"--grad-accum {min(cfg.batch_size, 2 * cfg.grad_accum)} (the same updates, in micro-batches of "
+    ways, most = [], cfg.batch_size // world_size
+    if cfg.grad_accum < most:
+        ways.append(f"--grad-accum {min(most, 2 * cfg.grad_accum)} (the same updates, in micro-batches of "
                     "fewer examples; the rerun resumes from the last checkpoint)")
     if not cfg.activation_checkpointing:
         ways.append("--activation-checkpointing (less activation memory, about a third more compute)")
     ways.append("a smaller --max-len")
-    return (f"A micro-batch of {-(-cfg.batch_size // cfg.grad_accum)} examples does not fit in memory: rerun with "
-            f"{', or '.join(ways)}.")
+    micro = -(-cfg.batch_size // (cfg.grad_accum * world_size))
+    return f"A micro-batch of {micro} examples does not fit in memory: rerun with {', or '.join(ways)}."
 
 
 def main(argv=None) -> int:
+    """The CLI; under torchrun a mistake every rank makes (the data, the flags) is reported once, by rank 0."""
+    from .train import report
+
     args = build_parser().parse_args(argv)
     cfg = FinetuneConfig(**vars(args))
+    prefix, world = "roberta_fast.finetune: error", int(os.environ.get("WORLD_SIZE", "1"))
     finetuner = None
     try:
         finetuner = Finetuner(cfg)
         result = finetuner.run()
     except (ValueError, FileNotFoundError) as err:
-        print(f"roberta_fast.finetune: error: {err}", file=sys.stderr)
+        report(err, every_rank=False, prefix=prefix)
         return 2
-    except DiskSpaceError as err:  # a checkpoint or the export: the last checkpoint is kept
-        print(f"roberta_fast.finetune: error: {err}", file=sys.stderr)
+    except DiskSpaceError as err:  # a checkpoint or the export (rank 0's): the last checkpoint is kept
+        report(err, every_rank=False, prefix=prefix)
         return 1
     except torch.OutOfMemoryError as err:  # name the flags that fit a step in memory
-        print(f"roberta_fast.finetune: error: {str(err).strip()} {out_of_memory_advice(cfg)}", file=sys.stderr)
+        report(RuntimeError(f"{str(err).strip()} {out_of_memory_advice(cfg, world)}"), every_rank=True, prefix=prefix)
         return 1
     finally:
         if finetuner is not None:

@@ -385,6 +385,10 @@ class Task:
         self.names = [spelt[n.lower()] for n in order]
         return True
 
+    def valid_batches(self, batch_size: int, pad_id: int):
+        """The validation batches evaluate() reads, in its order (finetune splits them over processes)."""
+        return self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False)
+
     @staticmethod
     def after_export(directory: Path) -> None:
         """Adjust an exported model directory for this task (finetune's and roberta_fast.export's)."""
@@ -603,7 +607,7 @@ class ClassifyTask(Task):
 
     def evaluate(self, run, batch_size, pad_id):
         losses, outputs = [], []
-        for batch in self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False):
+        for batch in self.valid_batches(batch_size, pad_id):
             out = run(batch)
             losses.append(float(out.loss) * len(batch["labels"]))
             logits = out.logits.float().cpu()
@@ -838,7 +842,7 @@ class TokenTask(Task):
     def evaluate(self, run, batch_size, pad_id):
         """Loss, accuracy over the (untruncated) words, and entity scores when the tags are BIO-like."""
         loss, gold, predicted = 0.0, [], []
-        for batch in self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False):
+        for batch in self.valid_batches(batch_size, pad_id):
             out = run(batch)
             loss += float(out.loss) * len(batch["labels"])
             labels, guesses = batch["labels"].numpy(), out.logits.argmax(-1).cpu().numpy()
@@ -1112,6 +1116,9 @@ class QATask(Task):
     def __len__(self):
         return len(self.train_features)
 
+    def valid_batches(self, batch_size, pad_id):
+        return self.batches(np.arange(len(self.valid_features)), batch_size, pad_id, train=False)
+
     def batches(self, order, batch_size, pad_id, train=True):
         features = self.train_features if train else self.valid_features
         for start in range(0, len(order), batch_size):
@@ -1124,8 +1131,7 @@ class QATask(Task):
     def evaluate(self, run, batch_size, pad_id):
         loss, starts, ends = 0.0, [], []
         features = self.valid_features
-        for start, batch in zip(range(0, len(features), batch_size),
-                                self.batches(np.arange(len(features)), batch_size, pad_id, train=False)):
+        for start, batch in zip(range(0, len(features), batch_size), self.valid_batches(batch_size, pad_id)):
             out = run(batch)
             loss += float(out.loss) * len(batch["input_ids"])
             for f, s, e in zip(features[start:start + batch_size], out.start_logits.float().cpu().numpy(),
@@ -1256,7 +1262,7 @@ class ChoiceTask(Task):
 
     def evaluate(self, run, batch_size, pad_id):
         loss = right = 0.0
-        for batch in self.batches(np.arange(len(self.valid)), batch_size, pad_id, train=False):
+        for batch in self.valid_batches(batch_size, pad_id):
             out = run(batch)
             loss += float(out.loss) * len(batch["labels"])
             right += float((out.logits.argmax(-1).cpu() == batch["labels"]).sum())

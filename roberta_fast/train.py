@@ -19,14 +19,14 @@ import os
 import sys
 
 
-def report(err: Exception, every_rank: bool) -> None:
+def report(err: Exception, every_rank: bool, prefix: str = "error") -> None:
     """One `error:` line. Under torchrun a mistake in the config, data or checkpoint fails every rank
     alike: rank 0 says it (once, not once per process); other failures name their rank."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{prefix}: {err}", file=sys.stderr)
     elif every_rank or rank == 0:
-        print(f"error: [rank {rank}] {err}", file=sys.stderr)
+        print(f"{prefix}: [rank {rank}] {err}", file=sys.stderr)
 
 
 def out_of_memory_advice(cfg, trainer) -> str:

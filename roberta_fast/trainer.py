@@ -91,6 +91,20 @@ class Dist:
             dist.all_reduce(tensor, op=op)
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """rank 0's tensor, in place on every rank."""
+        if self.enabled:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def agreed_signal(self, stop) -> signal.Signals | None:
+        """The SIGTERM/SIGINT any rank's StopSignal got, or None: all ranks must stop at the same step."""
+        number = signal.Signals[stop.requested].value if stop.requested else 0
+        if self.enabled:  # only then a device tensor: its copy syncs with the GPU every step
+            flag = torch.tensor([float(number)], device=self.device)
+            number = int(self.all_reduce(flag, dist.ReduceOp.MAX).item())
+        return signal.Signals(number) if number else None
+
     def gather_objects(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] on every rank."""
         if not self.enabled:
@@ -781,7 +795,7 @@ class Trainer:
                         last_eval = self.evaluate()
                         log.log({"kind": "eval", "step": self.step, **last_eval})
                         log.write(self._eval_line(self.step, last_eval))
-                    stopped_by = self._stop_requested(stop)
+                    stopped_by = self.dist.agreed_signal(stop)
                     if self.step % cfg.save_every == 0 or self.step == end or stopped_by:
                         path = self.save_checkpoint()
                         if stopped_by:
@@ -827,14 +841,6 @@ class Trainer:
         # signal: the SIGTERM/SIGINT that stopped the run (python -m roberta_fast.train exits 128 + it)
         return {"status": status, "step": self.step, "first_eval": first_eval, "last_eval": last_eval,
                 "signal": stopped_by}
-
-    def _stop_requested(self, stop: StopSignal) -> signal.Signals | None:
-        """The SIGTERM/SIGINT any rank got, or None (all ranks must stop at the same step)."""
-        number = signal.Signals[stop.requested].value if stop.requested else 0
-        if self.dist.enabled:  # only then a device tensor: its copy syncs with the GPU every step
-            flag = torch.tensor([float(number)], device=self.device)
-            number = int(self.dist.all_reduce(flag, dist.ReduceOp.MAX).item())
-        return signal.Signals(number) if number else None
 
     def _window_state(self) -> dict:
         """The log interval in progress, for a checkpoint: the loss sums over every rank (each rank adds

@@ -4,6 +4,7 @@ import json
 import random
 import signal
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -429,18 +430,114 @@ def test_out_of_memory_names_grad_accum_which_resumes_with_the_same_schedule(tas
     assert main(argv + ["--grad-accum", "4"]) == 0
     assert "resumed from" in capsys.readouterr().out and (tmp_path / "run" / "model").is_dir()
     assert main(argv + ["--grad-accum", "17", "--out", str(tmp_path / "other")]) == 2
-    assert "--grad-accum 17: give 1 to --batch-size (16) micro-batches per step" in capsys.readouterr().err
+    assert ("--grad-accum 17: each step's --batch-size 16 examples are split into --grad-accum micro-batches, so "
+            "give --grad-accum 1 to 16\n") in capsys.readouterr().err
 
 
-def test_a_run_started_by_torchrun_is_refused_before_anything(task, tmp_path, monkeypatch, capsys):
-    """Under torchrun each process would fine-tune alone, every one on cuda:0 into one --out: refused,
-    naming the single-process command, before --out is made."""
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--out", str(tmp_path / "run")]
-    assert main(argv) == 2
-    assert "started as one of WORLD_SIZE=8 (torchrun): data-parallel fine-tuning is not implemented" in \
-        capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+def dropout_free(task, directory):
+    """task's model with its dropout off: runs that split batches differently then compute the same."""
+    import shutil
+
+    shutil.copytree(task / "model", directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
+                                                       "attention_probs_dropout_prob": 0.0}))
+    return directory
+
+
+def _torchrun_worker(rank, world, port, cfgs, logs):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    lines, tuner = [], None
+    try:
+        for cfg in cfgs:  # one job after another, in one process group
+            tuner = Finetuner(cfg, log=lines.append)
+            tuner.run()
+            tuner.lock and tuner.lock.release()
+        (Path(logs) / f"rank{rank}.json").write_text(json.dumps(lines))
+        tuner.dist.barrier()
+    finally:
+        tuner and tuner.close()
+
+
+def train_losses(out):
+    return [(r["step"], r["loss"]) for r in rf.metrics.read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_torchrun_fine_tunes_as_one_process_and_resumes_at_any_process_count(task, tmp_path):
+    """Two processes (gloo) with --batch-size 16 --grad-accum 2 (micro-batches of 4) compute one process's
+    run: the same losses at every step and the same evaluations. Rank 0 alone writes the log, checkpoints and
+    export, and speaks; a run stopped there resumes under two processes or under one (dropout streams then
+    reseeded, said once)."""
+    import shutil
+
+    import torch.multiprocessing as mp
+
+    model = dropout_free(task, tmp_path / "model")
+    quiet = dict(log=lambda *_: None)
+    one = Finetuner(config(task, tmp_path / "one", model=str(model), epochs=4), **quiet).run()
+    two = [config(task, tmp_path / "two", model=str(model), epochs=4, grad_accum=2, stop_after=5),
+           config(task, tmp_path / "two", model=str(model), epochs=4, grad_accum=2)]
+    mp.spawn(_torchrun_worker, args=(2, free_port(), two[:1], str(tmp_path)), nprocs=2)
+    shutil.copytree(tmp_path / "two", tmp_path / "then-one")
+    mp.spawn(_torchrun_worker, args=(2, free_port(), two[1:], str(tmp_path)), nprocs=2)
+    lines = json.loads((tmp_path / "rank0.json").read_text())
+    assert json.loads((tmp_path / "rank1.json").read_text()) == []
+    assert f"resumed from {tmp_path / 'two' / 'checkpoints' / 'step_00000005.pt'} at step 5" in lines
+    assert any(line.startswith("best epoch") for line in lines)
+    single = train_losses(tmp_path / "one")
+    assert [step for step, _ in train_losses(tmp_path / "two")] == [step for step, _ in single] == list(range(1, 53))
+    assert [loss for _, loss in train_losses(tmp_path / "two")] == pytest.approx([loss for _, loss in single],
+                                                                                 rel=1e-5)
+    evals = {run: [r for r in rf.metrics.read_metrics(tmp_path / run / "metrics.jsonl") if r["kind"] == "eval"]
+             for run in ("one", "two")}
+    assert [(r["step"], r["accuracy"]) for r in evals["two"]] == [(r["step"], r["accuracy"]) for r in evals["one"]]
+    assert [r["loss"] for r in evals["two"]] == pytest.approx([r["loss"] for r in evals["one"]], rel=1e-5)
+    assert evals["one"][-1]["accuracy"] == one["last"]["accuracy"] >= 0.9
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").glob("*.pt")) == ["step_00000052.pt"]
+    assert (tmp_path / "two" / "model" / "model.safetensors").is_file()
+    lines = []
+    Finetuner(config(task, tmp_path / "then-one", model=str(model), epochs=4), log=lines.append).run()
+    assert "note: the checkpoint was written by 2 processes, this run has 1: dropout RNG streams are reseeded" \
+        in lines
+    assert [loss for _, loss in train_losses(tmp_path / "then-one")] == pytest.approx(
+        [loss for _, loss in single], rel=1e-5)
+
+
+def test_the_cli_under_torchrun_speaks_once(task, tmp_path):
+    """`torchrun --nproc_per_node 2 -m roberta_fast.finetune` (CPU, gloo): one progress report and one export;
+    a flag every rank refuses is said once, by rank 0."""
+    import os
+    import subprocess
+    import sys
+
+    def torchrun(*flags):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), "-m", "roberta_fast.finetune", "--model", str(task / "model"), "--train",
+                str(task / "train.csv"), "--valid", str(task / "valid.jsonl"), "--text-field", "sentence",
+                "--device", "cpu", "--epochs", "1", "--max-len", "32", "--out", str(tmp_path / "run"), *flags]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    bad = torchrun("--grad-accum", "9")
+    assert bad.returncode != 0
+    assert bad.stderr.count("--grad-accum 9 with 2 processes: each step's --batch-size 16 examples are split into "
+                            "2 processes x --grad-accum micro-batches, so give --grad-accum 1 to 8") == 1, bad.stderr
+    done = torchrun("--grad-accum", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("best epoch 1 (by accuracy)") == 1 and done.stdout.count("fine-tuning --task") == 1
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):

@@ -2,6 +2,7 @@
 label alignment and doc-stride windows as transformers makes them, SQuAD's official scoring,
 seqeval-style entity chunks, and `--task token|qa|choice` end to end into transformers' pipelines."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -567,45 +568,130 @@ def run_task(model_dir, out, **fields):
     return Finetuner(cfg, log=lambda *_: None).run()
 
 
-@pytest.mark.parametrize("task", ["classify", "regression", "token", "qa", "choice"])
-def test_grad_accum_gives_the_whole_batchs_gradients(model_dir, tmp_path, task):
-    """--grad-accum 3 runs each batch of 5 as micro-batches of 2, 2 and 1 rows: with dropout off, every
-    step's gradients (before clipping and Adam) are the unsplit batch's: each micro-batch's mean loss is
-    weighted by its share of the batch's loss terms (rows, scores, or labelled tokens)."""
+TASK_KINDS = ["classify", "regression", "token", "qa", "choice"]
+
+
+def dropout_free_task(model_dir, tmp_path, task) -> dict:
+    """FinetuneConfig fields for `task` on the sample data (--valid = --train) with model_dir's model,
+    its dropout off (so that runs which split batches differently compute the same)."""
     import shutil
 
     model = tmp_path / "model"
-    shutil.copytree(model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
-                                                   "attention_probs_dropout_prob": 0.0}))
+    if not model.exists():
+        shutil.copytree(model_dir, model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
+                                                       "attention_probs_dropout_prob": 0.0}))
     if task in ("classify", "regression"):
         rows = ["text,label"] + [f"{text[:60]},{i % 3 if task == 'classify' else i * 0.37}"
                                  for i, text in enumerate(t.replace(",", " ") for t in texts()[:40])]
-        (tmp_path / "rows.csv").write_text("\n".join(rows) + "\n")
-        fields = dict(task="classify", train=str(tmp_path / "rows.csv"))
+        (tmp_path / f"{task}.csv").write_text("\n".join(rows) + "\n")
+        fields = dict(task="classify", train=str(tmp_path / f"{task}.csv"))
     else:
         fields = dict(task=task, train=str({"token": CONLL, "qa": SQUAD, "choice": RACE}[task]))
         fields.update(max_len=32, doc_stride=8) if task == "qa" else None
+    return dict(model=str(model), device="cpu", precision="fp32", lr=1e-3, warmup_ratio=0.0, valid=fields["train"],
+                **fields)
+
+
+def recording_gradients(tuner, update: bool = True) -> list:
+    """The gradients of each of tuner's optimizer steps, before clipping and Adam, as they are recorded;
+    update=False leaves the weights as they are (Adam's first steps turn gradients of ~0 into steps of ±lr,
+    so later steps would compare gradients at other weights)."""
+    grads, step = [], tuner.optimizer.step
+
+    def recorded_step(lr, scale):
+        grads.append({name: p.grad.clone() for name, p in tuner.model.named_parameters() if p.grad is not None})
+        return step(lr, scale) if update else (0.0, False)
+
+    tuner.optimizer.step = recorded_step
+    return grads
+
+
+@pytest.mark.parametrize("task", TASK_KINDS)
+def test_grad_accum_gives_the_whole_batchs_gradients(model_dir, tmp_path, task):
+    """--grad-accum 3 runs each batch of 5 as micro-batches of 1, 2 and 2 rows: with dropout off, every
+    step's gradients (before clipping and Adam) are the unsplit batch's: each micro-batch's mean loss is
+    weighted by its share of the batch's loss terms (rows, scores, or labelled tokens)."""
+    fields = dropout_free_task(model_dir, tmp_path, task)
     runs = []
     for accum in (1, 3):
-        cfg = FinetuneConfig(model=str(model), out=str(tmp_path / f"accum{accum}"), device="cpu", precision="fp32",
-                             batch_size=5, grad_accum=accum, lr=1e-3, warmup_ratio=0.0, stop_after=4,
-                             valid=fields["train"], **fields)
-        tuner = Finetuner(cfg, log=lambda *_: None)
-        grads, step = [], tuner.optimizer.step
-
-        def recorded_step(lr, scale, step=step, grads=grads, model=tuner.model):
-            grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-            return step(lr, scale)
-
-        tuner.optimizer.step = recorded_step
+        tuner = Finetuner(FinetuneConfig(out=str(tmp_path / f"accum{accum}"), batch_size=5, grad_accum=accum,
+                                         stop_after=4, **fields), log=lambda *_: None)
+        runs.append(recording_gradients(tuner))
         tuner.run()
-        runs.append(grads)
-    assert len(runs[0]) == len(runs[1]) == 4 and runs[0][0].keys() == runs[1][0].keys()
-    for step, (whole, split) in enumerate(zip(*runs)):
+    assert_same_gradients(*runs, steps=4)
+
+
+def assert_same_gradients(whole_runs, split_runs, steps):
+    assert len(whole_runs) == len(split_runs) == steps and whole_runs[0].keys() == split_runs[0].keys()
+    for step, (whole, split) in enumerate(zip(whole_runs, split_runs)):
         for name, grad in whole.items():
             torch.testing.assert_close(split[name], grad, rtol=1e-4, atol=1e-7, msg=f"step {step + 1}, {name}")
+
+
+def evaluate_and_step(cfg) -> tuple[dict, Finetuner]:
+    """A fine-tuning job's validation metrics at its starting weights, then its gradients for its first
+    batch of 5 and for that batch's first row alone (under torchrun a process then has no row), both at
+    those weights."""
+    tuner = Finetuner(cfg, log=lambda *_: None)
+    grads = recording_gradients(tuner, update=False)
+    metrics = tuner.evaluate()
+    batch = next(tuner.task.batches(tuner.order(0), 5, tuner.pad_id))
+    tuner.train_step(batch)
+    tuner.train_step({k: v[:1] for k, v in batch.items()})
+    return {"grads": grads, "eval": metrics}, tuner
+
+
+def _split_worker(rank, world, port, cases, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    found, tuner = {}, None
+    try:
+        for task, cfg in cases.items():
+            found[task], tuner = evaluate_and_step(cfg)
+            tuner.lock and tuner.lock.release()  # (the process group stays for the next task)
+        if rank == 0:
+            torch.save(found, result)
+        tuner.dist.barrier()
+    finally:
+        tuner and tuner.close()
+
+
+def test_torchrun_processes_split_each_batch_and_the_evaluation(model_dir, tmp_path):
+    """Under torchrun (2 gloo processes here) each step's batch is split over the processes, each
+    micro-batch's loss weighted by its share of the batch's terms, and the gradients summed: every task's
+    gradients equal one process's, also for a batch of one row (the other process has none: its parameters
+    get zeros, not no gradient). Each process evaluates every second validation batch; the gathered outputs
+    give every process one process's metrics (on one thread, as the workers: the same sums, bit for bit)."""
+    import torch.multiprocessing as mp
+
+    cases = {task: dropout_free_task(model_dir, tmp_path, task) for task in TASK_KINDS}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = {task: evaluate_and_step(FinetuneConfig(out=str(tmp_path / f"one-{task}"), batch_size=5,
+                                                         **fields))[0]
+                  for task, fields in cases.items()}
+    finally:
+        torch.set_num_threads(threads)
+    split = {task: FinetuneConfig(out=str(tmp_path / f"two-{task}"), batch_size=5, grad_accum=2, **fields)
+             for task, fields in cases.items()}
+    result = tmp_path / "split.pt"
+    mp.spawn(_split_worker, args=(2, free_port(), split, str(result)), nprocs=2)
+    found = torch.load(result)
+    for task in TASK_KINDS:
+        assert_same_gradients(single[task]["grads"], found[task]["grads"], steps=2)
+        assert found[task]["eval"] == single[task]["eval"], task
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_token_task_end_to_end(model_dir, tmp_path):
