@@ -892,6 +892,10 @@ class RobertaModel(_PreTrained):
                                  for name in ("last_hidden_state", "pooler_output", "hidden_states", "attentions",
                                               "cross_attentions")))
 
+    def runs_unpadded(self, shaped) -> bool:
+        """Whether a padded batch like `shaped` (input_ids or inputs_embeds) runs unpadded (ops.unpad_impl)."""
+        return self.unpad and ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) is not None
+
     def _hooked(self) -> bool:
         """Whether a module of the encoder has forward (pre-)hooks (or global ones are set): then the batch
         runs whole and padded, so each hook sees the (batch, seqlen, ...) tensors transformers' would,
@@ -991,13 +995,14 @@ def _cat_rows(parts: list):
     return parts[0]
 
 
-def _labels_on_padding(labels, attention_mask) -> bool:
-    """Whether a label (not -100) falls on a masked position. transformers computes those positions
-    from the pad tokens and counts them in the loss, so such a batch runs padded, as there (unpadded,
-    their logits would come from zeros). Not asked under export / tracing / compiling, which run padded
-    or cannot branch on data; a batch of our own trainer never has such a label."""
+def _labels_on_padding(encoder, shaped, labels, attention_mask) -> bool:
+    """Whether a label (not -100) falls on a masked position of a batch the encoder would run unpadded.
+    transformers computes those positions from the pad tokens and counts them in the loss, so such a
+    batch runs padded, as there (unpadded, their logits would come from zeros). Asked under torch.compile
+    too, whose graph already breaks where the batch is unpadded (export and tracing run padded); a batch of
+    our own trainer never has such a label."""
     if (labels is None or attention_mask is None or not isinstance(labels, torch.Tensor)
-            or labels.shape != attention_mask.shape or torch.jit.is_tracing() or torch.compiler.is_compiling()):
+            or labels.shape != attention_mask.shape or not encoder.runs_unpadded(shaped)):
         return False
     return bool(((labels != IGNORE_INDEX) & ~attention_mask.bool()).any())
 
@@ -1143,7 +1148,8 @@ class RobertaForMaskedLM(_PreTrained):
             predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, cu_seqlens, max_seqlen,
-                                      inputs_embeds, padded=_labels_on_padding(labels, attention_mask))
+                                      inputs_embeds, padded=_labels_on_padding(self.roberta, shaped, labels,
+                                                                               attention_mask))
         x = encoded.last_hidden_state
         backend = self._backend_for(x)
         if masked_only:
@@ -1290,7 +1296,9 @@ class RobertaForTokenClassification(_PreTrained):
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
         encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
                                       output_hidden_states, output_attentions, inputs_embeds=inputs_embeds,
-                                      padded=_labels_on_padding(labels, attention_mask))
+                                      padded=_labels_on_padding(
+                                          self.roberta, input_ids if input_ids is not None else inputs_embeds,
+                                          labels, attention_mask))
         p = self.dropout_p if self.training else 0.0
         logits = self.classifier(F.dropout(encoded.last_hidden_state, p=p, training=p > 0))
         loss = None

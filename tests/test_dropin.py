@@ -132,6 +132,22 @@ def test_labels_at_padded_positions_count_as_in_transformers(cls, backend):
                                    hf(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
 
+@pytest.mark.parametrize("cls", ["RobertaForMaskedLM", "RobertaForTokenClassification"])
+def test_labels_at_padded_positions_count_as_in_transformers_under_torch_compile(cls):
+    """The same under torch.compile (Dynamo's tracing; inductor would compute alike), where the check once
+    was skipped: the CPU's no_grad batch ran unpadded, its pad positions' logits from zeros (5e-4 off)."""
+    hf = hf_model(cls, num_labels=3)
+    ours = getattr(rf, cls).from_pretrained(hf).eval()
+    compiled = torch.compile(ours, backend="eager")
+    ids, mask = padded_batch("right", seed=2)
+    labels = ids.clone() if cls == "RobertaForMaskedLM" else ids % 3
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, labels=labels)
+        actual = compiled(ids, attention_mask=mask, labels=labels)
+        assert rel_err(actual.loss, expected.loss) < 1e-5
+        assert rel_err(actual.logits, expected.logits) < 1e-5
+
+
 HOOKED = {  # our module: transformers' (a LayerNorm or embedding our layers use by its tensors when unhooked)
     "roberta.embeddings.token_type_embeddings": "roberta.embeddings.token_type_embeddings",
     "roberta.embeddings.layer_norm": "roberta.embeddings.LayerNorm",
