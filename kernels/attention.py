@@ -72,6 +72,7 @@ def _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         start = tl.load(CuSeqlens + b)
         length = tl.load(CuSeqlens + b + 1) - start
+        start = start.to(tl.int64)  # start * token stride passes 2^31 in a big batch
     else:
         start = 0
         length = seqlen
@@ -152,16 +153,17 @@ def _attn_fwd_kernel(
     pid_m, bh = _program_ids(seqlen, BLOCK_M)
     b = bh // nheads
     h = bh % nheads
+    b64 = b.to(tl.int64)  # batch offsets of Q, K, V, O and their gradients pass 2^31 in a big batch
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
     if pid_m * BLOCK_M >= length:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < length
-    q = tl.load(Q + b * stride_qb + h * stride_qh + (start + offs_m[:, None]) * stride_qs + offs_d[None, :],
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + (start + offs_m[:, None]) * stride_qs + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh + start * stride_ks
-    v_base = V + b * stride_vb + h * stride_vh + start * stride_vs
+    k_base = K + b64 * stride_kb + h * stride_kh + start * stride_ks
+    v_base = V + b64 * stride_vb + h * stride_vh + start * stride_vs
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2
@@ -180,7 +182,7 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0  # no key to attend: output zeros, lse = +inf makes the backward's p = 0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc * (inv_keep / l_safe)[:, None]
-    tl.store(Out + b * stride_ob + h * stride_oh + (start + offs_m[:, None]) * stride_os + offs_d[None, :],
+    tl.store(Out + b64 * stride_ob + h * stride_oh + (start + offs_m[:, None]) * stride_os + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
     tl.store(Lse + b * stride_lb + h * stride_lh + start + offs_m, lse, mask=row_ok)
@@ -197,6 +199,7 @@ def _attn_bwd_preprocess_kernel(
     pid_m, bh = _program_ids(seqlen, BLOCK_M)
     b = bh // nheads
     h = bh % nheads
+    b64 = b.to(tl.int64)  # batch offsets of Q, K, V, O and their gradients pass 2^31 in a big batch
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
     if pid_m * BLOCK_M >= length:
         return
@@ -204,9 +207,9 @@ def _attn_bwd_preprocess_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < length
     rows = start + offs_m[:, None]
-    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_ok[:, None],
+    o = tl.load(Out + b64 * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None],
+    do = tl.load(DOut + b64 * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None],
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_lb + h * stride_lh + start + offs_m, delta, mask=row_ok)
@@ -231,6 +234,7 @@ def _attn_bwd_dkdv_kernel(
     pid_n, bh = _program_ids(seqlen, BLOCK_N)
     b = bh // nheads
     h = bh % nheads
+    b64 = b.to(tl.int64)  # batch offsets of Q, K, V, O and their gradients pass 2^31 in a big batch
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
     if pid_n * BLOCK_N >= length:
         return
@@ -238,12 +242,12 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     key_in = offs_n < length
     valid_n = _key_valid(KeyMask, b, stride_mb, offs_n, length, HAS_MASK)  # (BLOCK_N,)
-    k = tl.load(K + b * stride_kb + h * stride_kh + (start + offs_n[:, None]) * stride_ks + offs_d[None, :],
+    k = tl.load(K + b64 * stride_kb + h * stride_kh + (start + offs_n[:, None]) * stride_ks + offs_d[None, :],
                 mask=key_in[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + (start + offs_n[:, None]) * stride_vs + offs_d[None, :],
+    v = tl.load(V + b64 * stride_vb + h * stride_vh + (start + offs_n[:, None]) * stride_vs + offs_d[None, :],
                 mask=key_in[:, None], other=0.0)
-    q_base = Q + b * stride_qb + h * stride_qh + start * stride_qs
-    do_base = DOut + b * stride_db + h * stride_dh + start * stride_ds
+    q_base = Q + b64 * stride_qb + h * stride_qh + start * stride_qs
+    do_base = DOut + b64 * stride_db + h * stride_dh + start * stride_ds
     lse_base = Lse + b * stride_lb + h * stride_lh + start
     delta_base = Delta + b * stride_lb + h * stride_lh + start
 
@@ -272,9 +276,9 @@ def _attn_bwd_dkdv_kernel(
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     dk = dk * softmax_scale
     rows = start + offs_n[:, None]
-    tl.store(DK + b * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + b64 * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=key_in[:, None])
-    tl.store(DV + b * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + b64 * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=key_in[:, None])
 
 
@@ -293,6 +297,7 @@ def _attn_bwd_dq_kernel(
     pid_m, bh = _program_ids(seqlen, BLOCK_M)
     b = bh // nheads
     h = bh % nheads
+    b64 = b.to(tl.int64)  # batch offsets of Q, K, V, O and their gradients pass 2^31 in a big batch
     start, length = _seq_bounds(CuSeqlens, b, seqlen, IS_VARLEN)
     if pid_m * BLOCK_M >= length:
         return
@@ -300,13 +305,13 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < length
     rows = start + offs_m[:, None]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None],
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DOut + b64 * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=row_ok[:, None],
                  other=0.0)
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + start + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + start + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh + start * stride_ks
-    v_base = V + b * stride_vb + h * stride_vh + start * stride_vs
+    k_base = K + b64 * stride_kb + h * stride_kh + start * stride_ks
+    v_base = V + b64 * stride_vb + h * stride_vh + start * stride_vs
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(0, length, BLOCK_N):
@@ -326,7 +331,7 @@ def _attn_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     dq = dq * softmax_scale
-    tl.store(DQ + b * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + b64 * stride_gb + h * stride_gh + rows * stride_gs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
 
@@ -668,11 +673,21 @@ def _check_qkv(q, k, v, ndim, layout):
         raise ValueError(f"attention: tensors must be on a CUDA GPU (or the CPU under TRITON_INTERPRET=1), "
                          f"got {q.device}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    for x in (q, k, v):
-        if sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) >= 2**31:
-            raise ValueError(f"attention: a tensor of shape {tuple(x.shape)} and strides {x.stride()} spans more "
-                             "elements than the kernels' 32-bit indexing allows; split the batch")
+    # The kernels offset by batch and by a sequence's first token in 64 bits; within a sequence, and into
+    # the fp32 (batch, heads, seqlen) statistics, in 32 bits (RoBERTa's 512-token sequences are far below).
+    if q.shape[:-1].numel() >= 2**31 or (ndim == 4 and any(_sequence_span(x) >= 2**31 for x in (q, k, v))):
+        raise ValueError(f"attention: q, k, v of shape {tuple(q.shape)} pass the kernels' 32-bit indexing "
+                         "within a sequence (or 2^31 token-head rows in all); split the sequences")
     return q, k, v
+
+
+def _sequence_span(x, max_seqlen=None):
+    """Elements one sequence of x (batch, seqlen, ...) or packed (total_tokens, ...) spans: seqlen, or
+    max_seqlen of packed tokens, rows of the token stride, plus one token's heads."""
+    token = 1 if x.dim() == 4 else 0
+    rows = x.shape[token] if max_seqlen is None else max_seqlen
+    return (rows - 1) * x.stride(token) + sum((n - 1) * st for n, st in zip(x.shape[token + 1:],
+                                                                               x.stride()[token + 1:]))
 
 
 def _check_common(head_dim, dropout_p, softmax_scale):
@@ -798,6 +813,9 @@ def _varlen_args(q, cu_seqlens, max_seqlen, dropout_p, softmax_scale, dropout_se
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or \
             (isinstance(max_seqlen, int) and max_seqlen < 1):
         raise ValueError(f"attention_varlen: max_seqlen must be a positive int, got {max_seqlen!r}")
+    if isinstance(max_seqlen, int) and _sequence_span(q, max_seqlen) >= 2**31:
+        raise ValueError(f"attention_varlen: sequences of up to {max_seqlen} tokens of q {tuple(q.shape)} pass the "
+                         "kernels' 32-bit indexing within a sequence; split the sequences")
     dropout_p, softmax_scale = _check_common(q.shape[2], dropout_p, softmax_scale)
     if validate and not torch.compiler.is_compiling():
         lengths = cu_seqlens.diff()

@@ -384,6 +384,71 @@ def test_grid_keeps_batch_times_heads_off_cudas_second_axis(device, monkeypatch)
         assert len(grid) == 1 and grid[0] % (batch * nheads) == 0 and grid[0] >= batch * nheads, grid
 
 
+PAST_2_31 = """
+import sys
+import torch
+from roberta_fast.kernels.attention import attention_qkvpacked, attention_ref
+
+device, H, D = sys.argv[1], 2, 32
+torch.manual_seed(0)
+
+
+def run(storage, shape, strides, **kwargs):
+    \"\"\"attention_qkvpacked on a (.., 3, H, D) view of `storage` with `strides` and its gradient, against
+    attention_ref on a contiguous copy.\"\"\"
+    qkv = storage.as_strided(shape, strides)
+    values = torch.randn(shape, dtype=torch.float16, device=device)
+    qkv.copy_(values)
+    leaf = qkv.detach().requires_grad_()
+    out = attention_qkvpacked(leaf, **kwargs)
+    out.float().pow(2).sum().backward()
+    copy = values.float().requires_grad_()
+    if "cu_seqlens" in kwargs:  # packed: each sequence on its own
+        cu = kwargs["cu_seqlens"].tolist()
+        ref = torch.cat([attention_ref(*(t[None] for t in copy[a:b].unbind(1)))[0] for a, b in zip(cu, cu[1:])])
+    else:
+        ref = attention_ref(*copy.unbind(2), attention_mask=kwargs.get("attention_mask"))
+    ref.pow(2).sum().backward()
+    assert (out.float() - ref).abs().max() < 4e-3, (out.float() - ref).abs().max()
+    assert (leaf.grad.float() - copy.grad).abs().max() < 4e-2, (leaf.grad.float() - copy.grad).abs().max()
+
+
+# padded: batch 2 of (3, 5, 3, H, D) starts 2^31 elements in (batch stride 2^30); 4 GiB of address space,
+# three small slabs touched
+storage = torch.empty(2**31 + 5 * 3 * H * D, dtype=torch.float16, device=device)
+mask = torch.ones(3, 5, dtype=torch.bool, device=device)
+mask[2, 3:] = False
+run(storage, (3, 5, 3, H, D), (2**30, 3 * H * D, H * D, D, 1), attention_mask=mask)
+# packed: the second sequence's first token is 2^31 elements in (token stride 2^29)
+cu = torch.tensor([0, 4, 5], dtype=torch.int32, device=device)
+run(storage, (5, 3, H, D), (2**29, H * D, D, 1), cu_seqlens=cu, max_seqlen=4)
+# one sequence spanning 2^31 elements is refused, not read wrongly
+for shape, strides, kwargs in [((1, 3, 3, H, D), (0, 2**30, H * D, D, 1), {}),
+                               ((5, 3, H, D), (2**29, H * D, D, 1), dict(cu_seqlens=cu, max_seqlen=5))]:
+    try:
+        attention_qkvpacked(storage.as_strided(shape, strides), **kwargs)
+    except ValueError as err:
+        assert "32-bit indexing within a sequence" in str(err), err
+    else:
+        raise AssertionError(f"{shape} {strides} was not refused")
+print("ok")
+"""
+
+
+def test_offsets_past_2_31_elements(device):
+    """A big batch (1M tokens of roberta-base's fused QKV: 2.4e9 elements) puts a sequence's Q, K, V more
+    than 2^31 elements from the tensor's start: the kernels offset by batch and by a sequence's first token
+    in 64 bits (in 32 they wrapped and read outside the tensor: a crash here, so this runs in a child
+    process), and were refused before. A view with a 2^30 batch stride (2^29 token stride, packed) of 4 GiB
+    of untouched memory puts a sequence there; outputs and gradients against attention_ref."""
+    import subprocess
+    import sys
+
+    _skip_unless_runnable(device)
+    child = subprocess.run([sys.executable, "-c", PAST_2_31, str(device)], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", (child.returncode, child.stderr[-2000:])
+
+
 def test_custom_op_registration(device):
     _skip_unless_runnable(device)
     (q, k, v), _ = _inputs(1, 9, 2, 32, torch.float32, device)
