@@ -27,7 +27,8 @@ on a GPU (padded batches run unpadded), FusedAdam, mixed precision with loss sca
 linear decay, atomic checkpoints with exact resume (also mid-epoch), progress and
 metrics.jsonl; each epoch reports the task's validation metrics, and the best epoch (by --metric, default
 the task's main one: accuracy, Pearson, entity F1, SQuAD F1; recorded in metrics.jsonl) is exported as an HF model (config.json +
-model.safetensors + tokenizer) that transformers' Auto class and pipeline for the task load.
+model.safetensors + tokenizer) that transformers' Auto class and pipeline for the task load, and its
+validation predictions to OUT/predictions/valid.* (GLUE's TSV, CoNLL, SQuAD's JSON, RACE's letters).
 Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
@@ -64,6 +65,7 @@ import torch
 from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint, restoring
 from .files import absolute_if_local
 from .hf import MismatchedSizes
+from .integrity import is_no_space
 from .metrics import MetricsLogger
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
@@ -406,17 +408,27 @@ class Finetuner:
         replay = iter(outputs[i] for i in range(len(outputs)))
         return self.task.evaluate(lambda batch: next(replay), self.cfg.batch_size, self.pad_id)
 
-    def export(self, directory: Path) -> None:
-        """The best epoch's model in HF format (rank 0 writes it; the others wait). It follows that epoch's
-        checkpoint (export_pending set), so a full disk here keeps the checkpoint and the rerun exports
-        without training again."""
+    def export(self) -> None:
+        """The best epoch's model in HF format, OUT/model, and its validation predictions,
+        OUT/predictions/valid.* (rank 0 writes them; the others wait). It follows that epoch's checkpoint
+        (export_pending set), so a full disk here keeps the checkpoint and the rerun exports without
+        training again."""
+        if self.task.predictions is None:  # a resumed run's pending export: that epoch's, evaluated again
+            self.evaluate()
         if self.dist.is_main:
             try:
-                export_pretrained(self.model, self.tokenizer, directory)
+                export_pretrained(self.model, self.tokenizer, self.out / "model")
+                self.task.after_export(self.out / "model")
+                self.task.write_predictions(self.out / "predictions" / "valid")
             except DiskSpaceError as err:
                 raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the "
                                      "best epoch without training again") from None
-            self.task.after_export(directory)
+            except OSError as err:
+                if not is_no_space(err):
+                    raise
+                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing the best epoch's "
+                                     f"predictions). The checkpoint of step {self.step} is kept: the rerun exports "
+                                     "the best epoch without training again") from None
         self.dist.barrier()
         self.export_pending = False
 
@@ -446,7 +458,7 @@ class Finetuner:
         self.epochs_evaluated = epoch + 1
         self.save_checkpoint()
         if self.export_pending:
-            self.export(self.out / "model")
+            self.export()
         return result
 
     def run(self) -> dict:
@@ -458,7 +470,7 @@ class Finetuner:
                 self.load_state_dict(state)
             self.log(f"resumed from {latest} at step {self.step}")
             if self.export_pending:  # its best epoch was never exported (the disk was full)
-                self.export(self.out / "model")
+                self.export()
         total = self.steps_per_epoch * self.cfg.epochs
         self.log(f"fine-tuning --task {self.cfg.task} on {len(self.task)} training {self.task.unit} "
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "

@@ -354,6 +354,7 @@ class Task:
 
     name = model_class = best_metric = None
     metrics = ()  # what evaluate() reports besides the loss
+    predictions = None  # the last evaluate()'s, per validation example, for write_predictions
     notes = ()  # lines about the data for the run's log (rows skipped), set by __init__
     max_len = 512  # default tokens per sequence, capped by the model's positions
     unit = "examples"  # what one training item is (len(task) counts them)
@@ -388,6 +389,15 @@ class Task:
     def valid_batches(self, batch_size: int, pad_id: int):
         """The validation batches evaluate() reads, in its order (finetune splits them over processes)."""
         return self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False)
+
+    def write_predictions(self, stem: Path) -> Path:
+        """The last evaluate()'s predictions, one per validation example in its order, written (atomically)
+        to `stem` with the task's suffix, in the format its tools read; returns the path."""
+        suffix, text = self.predictions_text()
+        path = stem.with_suffix(suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+        return path
 
     @staticmethod
     def after_export(directory: Path) -> None:
@@ -613,10 +623,16 @@ class ClassifyTask(Task):
             logits = out.logits.float().cpu()
             outputs.append((logits[:, 0] if self.regression else logits.argmax(-1)).numpy())
         outputs, labels = np.concatenate(outputs), np.asarray(self.valid_labels)
+        self.predictions = outputs
         loss = sum(losses) / len(self.valid_ids)
         if self.regression:
             return {"loss": loss, "pearson": pearson(outputs, labels), "spearman": spearman(outputs, labels)}
         return {"loss": loss, **classification_scores(outputs, labels, len(self.names))}
+
+    def predictions_text(self):
+        """GLUE's submission format: a header, then `index<TAB>prediction` (the label's name, or the score)."""
+        rows = (repr(float(x)) if self.regression else self.names[x] for x in self.predictions)
+        return ".tsv", "index\tprediction\n" + "".join(f"{i}\t{row}\n" for i, row in enumerate(rows))
 
     def baseline_warning(self, best):
         if self.regression:  # the trivial answer: the training scores' mean, for every example
@@ -805,6 +821,15 @@ class TokenTask(Task):
         if path.is_file():
             write_text_atomic(path, with_prefix_space(Tokenizer.from_file(str(path))).to_str(pretty=True))
 
+    def predictions_text(self):
+        """CoNLL: `word<TAB>tag` per line, a blank line after each sentence (conlleval's input with the gold
+        column added); a word past --max-len, which has no prediction, gets `_`."""
+        lines = []
+        for (words, _), tags in zip(self.valid, self.predictions):
+            lines += [f"{word}\t{tag}" for word, tag in zip(words, [*tags, *["_"] * (len(words) - len(tags))])]
+            lines.append("")
+        return ".conll", "".join(line + "\n" for line in lines)
+
     def encode(self, tokenizer, max_len):
         index = {n: i for i, n in enumerate(self.names)}
         self.truncated = 0
@@ -851,6 +876,7 @@ class TokenTask(Task):
                 gold.append([self.names[i] for i in row[kept]])
                 predicted.append([self.names[i] for i in guess[kept]])
         words = sum(len(g) for g in gold)
+        self.predictions = predicted
         result = {"loss": loss / len(self.valid_ids),
                   "accuracy": sum(a == b for g, p in zip(gold, predicted) for a, b in zip(g, p)) / words}
         if self.chunked:
@@ -1138,10 +1164,15 @@ class QATask(Task):
                                out.end_logits.float().cpu().numpy()):
                 starts.append(s[:len(f.ids)])
                 ends.append(e[:len(f.ids)])
-        predictions = best_answers(self.valid, features, starts, ends, version_2=self.version_2,
-                                   n_best=self.cfg.n_best, max_answer_len=self.cfg.max_answer_len,
-                                   null_threshold=self.cfg.null_threshold)
-        return {"loss": loss / len(features), **squad_scores(self.valid, predictions, self.version_2)}
+        self.predictions = best_answers(self.valid, features, starts, ends, version_2=self.version_2,
+                                        n_best=self.cfg.n_best, max_answer_len=self.cfg.max_answer_len,
+                                        null_threshold=self.cfg.null_threshold)
+        return {"loss": loss / len(features), **squad_scores(self.valid, self.predictions, self.version_2)}
+
+    def predictions_text(self):
+        """SQuAD's: a JSON object of each question's id and answer text ("" for none), what the official
+        evaluation script reads."""
+        return ".json", json.dumps(self.predictions, ensure_ascii=False, indent=1) + "\n"
 
 
 # --------------------------------------------------------------- multiple choice
@@ -1261,12 +1292,19 @@ class ChoiceTask(Task):
         return None
 
     def evaluate(self, run, batch_size, pad_id):
-        loss = right = 0.0
+        loss, chosen = 0.0, []
         for batch in self.valid_batches(batch_size, pad_id):
             out = run(batch)
             loss += float(out.loss) * len(batch["labels"])
-            right += float((out.logits.argmax(-1).cpu() == batch["labels"]).sum())
+            chosen.append(out.logits.argmax(-1).cpu().numpy())
+        self.predictions = np.concatenate(chosen)
+        right = int((self.predictions == np.asarray([e.answer for e in self.valid])).sum())
         return {"loss": loss / len(self.valid), "accuracy": right / len(self.valid)}
+
+    def predictions_text(self):
+        """JSON lines of each question's place in the file and the chosen option's letter, as RACE gives answers."""
+        return ".jsonl", "".join(json.dumps({"index": i, "answer": chr(ord("A") + int(x))}) + "\n"
+                                 for i, x in enumerate(self.predictions))
 
 
 TASKS = {t.name: t for t in (ClassifyTask, TokenTask, QATask, ChoiceTask)}

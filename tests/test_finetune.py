@@ -631,6 +631,16 @@ def test_glue_metrics_binary_f1_and_matthews_correlation():
     assert three["mcc"] == pytest.approx(matthews_corrcoef(three_true, three_pred))
 
 
+def fake_evaluations(task, scores):
+    """A stand-in for task.evaluate that returns these metrics in turn (and predicts class 0 throughout)."""
+    scores = iter(scores)
+
+    def evaluate(*_):
+        task.predictions = np.zeros(len(task.valid_ids), dtype=int)
+        return next(scores)
+    return evaluate
+
+
 def test_metric_chooses_the_best_epoch_and_is_recorded(task, tmp_path, monkeypatch):
     """--metric mcc: GLUE's CoLA picks by Matthews correlation, not accuracy (always answering the majority
     class scores the accuracy and an MCC of 0). The metric is in the log, metrics.jsonl and the result."""
@@ -641,7 +651,7 @@ def test_metric_chooses_the_best_epoch_and_is_recorded(task, tmp_path, monkeypat
     for metric, best in ((None, 1), ("mcc", 2), ("macro_f1", 2)):
         lines = []
         tuner = Finetuner(config(task, tmp_path / str(metric), epochs=2, metric=metric), log=lines.append)
-        monkeypatch.setattr(tuner.task, "evaluate", lambda *_, scores=iter(epochs): next(scores))
+        monkeypatch.setattr(tuner.task, "evaluate", fake_evaluations(tuner.task, epochs))
         result = tuner.run()
         assert result["best"]["epoch"] == best and result["metric"] == (metric or "accuracy"), (metric, result)
         assert any(line.startswith(f"best epoch {best} (by {metric or 'accuracy'}): ") for line in lines), lines
@@ -657,17 +667,17 @@ def test_a_resume_under_another_metric_is_refused(task, tmp_path, monkeypatch):
     """The best epoch so far was chosen (and exported) by accuracy; a resume by --metric mcc would
     compare the next epochs against that epoch only, and export the wrong one as best: refused. The
     same metric (given or by default) resumes."""
-    epochs = iter([{"loss": 0.6, "accuracy": 0.8, "f1": 0.8, "macro_f1": 0.8, "mcc": 0.1},
-                   {"loss": 0.6, "accuracy": 0.7, "f1": 0.7, "macro_f1": 0.7, "mcc": 0.5}])
+    epochs = [{"loss": 0.6, "accuracy": 0.8, "f1": 0.8, "macro_f1": 0.8, "mcc": 0.1},
+              {"loss": 0.6, "accuracy": 0.7, "f1": 0.7, "macro_f1": 0.7, "mcc": 0.5}]
     tuner = Finetuner(config(task, tmp_path / "run", epochs=2, stop_after=17), log=lambda *_: None)  # in epoch 2
-    monkeypatch.setattr(tuner.task, "evaluate", lambda *_: next(epochs))
+    monkeypatch.setattr(tuner.task, "evaluate", fake_evaluations(tuner.task, epochs[:1]))
     tuner.run()
     tuner.close()
     with pytest.raises(ValueError, match=r"chose its best epoch so far by accuracy, this run asks for --metric mcc.*"
                                          r"Resume with --metric accuracy, or use another --out"):
         Finetuner(config(task, tmp_path / "run", epochs=2, metric="mcc"), log=lambda *_: None).run()
     resumed = Finetuner(config(task, tmp_path / "run", epochs=2, metric="accuracy"), log=lambda *_: None)
-    monkeypatch.setattr(resumed.task, "evaluate", lambda *_: next(epochs))
+    monkeypatch.setattr(resumed.task, "evaluate", fake_evaluations(resumed.task, epochs[1:]))
     assert resumed.run()["best"]["epoch"] == 1
 
 

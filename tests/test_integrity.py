@@ -423,8 +423,16 @@ def test_a_full_disk_in_finetuning_is_one_line_and_the_rerun_exports(task, tmp_p
     assert "The checkpoint of step 13 is kept" in err
     assert [p.name for p in out.iterdir() if "model" in p.name] == []
     monkeypatch.undo()
+    from roberta_fast import tasks
+
+    monkeypatch.setattr(tasks, "write_text_atomic", no_space)  # room for the model, not its predictions
+    assert finetune_main(finetune_argv(task, out)) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "(writing the best epoch's predictions). The checkpoint of step 13 is kept" in err
+    monkeypatch.undo()
     assert finetune_main(finetune_argv(task, out)) == 0
     assert (out / "model" / "model.safetensors").is_file()
+    assert (out / "predictions" / "valid.tsv").read_text().count("\n") == 1 + 40  # evaluated again for them
     assert len([r for r in read_metrics(out / "metrics.jsonl", raw=True) if r["kind"] == "train"]) == 13
 
 

@@ -694,6 +694,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("task", TASK_KINDS)
+def test_the_best_epochs_validation_predictions_are_written_beside_its_export(model_dir, tmp_path, task):
+    """OUT/predictions/valid.* holds the exported (best) epoch's prediction for every validation example, in
+    the file's order and the format the task's tools read: GLUE's submission TSV, CoNLL lines, SQuAD's
+    {id: answer} JSON, RACE's letters. The exported model, evaluated again, predicts the same."""
+    fields = dropout_free_task(model_dir, tmp_path, task)
+    tuner = Finetuner(FinetuneConfig(out=str(tmp_path / "run"), batch_size=4, epochs=2, **fields),
+                      log=lambda *_: None)
+    tuner.run()
+    [path] = (tmp_path / "run" / "predictions").iterdir()
+    text = path.read_text()
+    valid = tuner.task.valid
+    if task in ("classify", "regression"):
+        lines = text.splitlines()
+        assert path.name == "valid.tsv" and lines[0] == "index\tprediction" and len(lines) == len(valid) + 1
+        assert [line.split("\t")[0] for line in lines[1:]] == [str(i) for i in range(len(valid))]
+        values = [line.split("\t")[1] for line in lines[1:]]
+        assert all(float(v) == float(v) for v in values) if task == "regression" else set(values) <= {"0", "1", "2"}
+    elif task == "token":
+        sentences = [s.splitlines() for s in text.split("\n\n") if s]
+        assert path.name == "valid.conll" and len(sentences) == len(valid) and text.endswith("\n\n")
+        for (words, _), lines in zip(valid, sentences):
+            assert [line.split("\t")[0] for line in lines] == words
+            assert {line.split("\t")[1] for line in lines} <= set(tuner.names) | {"_"}
+    elif task == "qa":
+        answers = json.loads(text)
+        assert path.name == "valid.json" and list(answers) == [e.id for e in valid]
+        assert all(answer in e.context for e, answer in zip(valid, answers.values()))
+    else:
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert path.name == "valid.jsonl" and [r["index"] for r in rows] == list(range(len(valid)))
+        assert {r["answer"] for r in rows} <= {"A", "B", "C", "D"}
+    best = tuner.task.model_class.from_pretrained(tmp_path / "run" / "model").eval()
+    with torch.no_grad():
+        tuner.task.evaluate(lambda batch: best(**batch), 4, tuner.pad_id)
+    assert tuner.task.predictions_text()[1] == text
+    tuner.close()
+
+
+def test_the_predictions_are_the_best_epochs_not_the_last(model_dir, tmp_path):
+    """An epoch that scores worse than the best leaves the best epoch's predictions in place (its own, made
+    to differ here, are not written)."""
+    fields = dropout_free_task(model_dir, tmp_path, "classify")
+    tuner = Finetuner(FinetuneConfig(out=str(tmp_path / "run"), batch_size=4, epochs=2, **fields),
+                      log=lambda *_: None)
+    evaluate = tuner.task.evaluate
+
+    def second_epoch_worse(*args):
+        result = evaluate(*args)
+        if tuner.step == 2 * tuner.steps_per_epoch:
+            tuner.task.predictions = (tuner.task.predictions + 1) % 3
+            result["accuracy"] = -1.0
+        return result
+
+    tuner.task.evaluate = second_epoch_worse
+    assert tuner.run()["best"]["epoch"] == 1
+    best = tuner.task.model_class.from_pretrained(tmp_path / "run" / "model").eval()
+    with torch.no_grad():
+        evaluate(lambda batch: best(**batch), 4, tuner.pad_id)
+    assert (tmp_path / "run" / "predictions" / "valid.tsv").read_text() == tuner.task.predictions_text()[1]
+    tuner.close()
+
+
 def test_token_task_end_to_end(model_dir, tmp_path):
     """Learns the sample's tags by heart, exports a model that transformers' token-classification
     pipeline runs with the tag names."""
