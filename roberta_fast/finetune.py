@@ -28,7 +28,8 @@ linear decay, atomic checkpoints with exact resume (also mid-epoch), progress an
 metrics.jsonl; each epoch reports the task's validation metrics, and the best epoch (by --metric, default
 the task's main one: accuracy, Pearson, entity F1, SQuAD F1; recorded in metrics.jsonl) is exported as an HF model (config.json +
 model.safetensors + tokenizer) that transformers' Auto class and pipeline for the task load, and its
-validation predictions to OUT/predictions/valid.* (GLUE's TSV, CoNLL, SQuAD's JSON, RACE's letters).
+validation predictions to OUT/predictions/valid.* (GLUE's TSV, CoNLL, SQuAD's JSON, RACE's letters);
+--predict FILE (as --valid, labels optional: a test set) adds its predictions, predict.*.
 Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
@@ -89,6 +90,7 @@ class FinetuneConfig:
     task: str = "classify"  # classify (CSV, GLUE .tsv, JSONL) | token (CoNLL) | qa (SQuAD) | choice (RACE); also Parquet
     out: str = "runs/finetune"  # output directory: checkpoints, metrics.jsonl and the exported model/
     valid: str | None = None  # held-out file, as --train (default: a deterministic 10% of --train, held out)
+    predict: str | None = None  # a file to predict, as --valid (its labels, tags or answers may be absent: GLUE's test sets): the best epoch's predictions go to OUT/predictions/predict.* (default: none)
     tokenizer: str | None = None  # tokenizer directory (default: the --model directory's)
     text_field: str = "text"  # classify: column / JSON field holding the text (column numbers from 0 read a .csv/.tsv without header: CoLA's text 3, label 1)
     pair_field: str | None = None  # classify: column / field of a second text (GLUE's .tsv: sentence2, '#2 String' (MRPC), question2 (QQP)) (default: none)
@@ -230,6 +232,7 @@ class Finetuner:
                              f"use --max-len {limit} or less (or leave it out: the model's limit is the default)")
         self.max_len = cfg.max_len or min(limit, task.max_len)
         task.encode(self.tokenizer, self.max_len)
+        self.predict_task = task.for_predictions(cfg.predict, self.tokenizer, self.max_len) if cfg.predict else None
         if getattr(task, "truncated", 0):
             log(f"note: {task.truncated} sentences are longer than --max-len {self.max_len} tokens: "
                 "their words past it are not trained on or scored; raise --max-len to keep them")
@@ -389,9 +392,11 @@ class Finetuner:
                 g.copy_(summed.view_as(g))
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """The task's validation metrics (loss first) at the current weights. Under torchrun each process
-        runs every world_size-th batch; all gather the outputs and compute the same metrics."""
+    def evaluate(self, task=None) -> dict:
+        """The task's validation metrics (loss first) at the current weights, its predictions kept for
+        write_predictions (`task`: another, predict_task). Under torchrun each process runs every
+        world_size-th batch; all gather the outputs and compute the same metrics."""
+        task = task or self.task
         self.model.eval()
 
         def run(batch):
@@ -399,27 +404,31 @@ class Finetuner:
                 return self.model(**{k: v.to(self.device) for k, v in batch.items()})
 
         if not self.dist.enabled:
-            return self.task.evaluate(run, self.cfg.batch_size, self.pad_id)
+            return task.evaluate(run, self.cfg.batch_size, self.pad_id)
         world, rank = self.dist.world_size, self.dist.rank
         mine = {i: {k: v.cpu() for k, v in run(batch).items()}
-                for i, batch in enumerate(self.task.valid_batches(self.cfg.batch_size, self.pad_id))
+                for i, batch in enumerate(task.valid_batches(self.cfg.batch_size, self.pad_id))
                 if i % world == rank}
         outputs = {i: SimpleNamespace(**out) for part in self.dist.gather_objects(mine) for i, out in part.items()}
         replay = iter(outputs[i] for i in range(len(outputs)))
-        return self.task.evaluate(lambda batch: next(replay), self.cfg.batch_size, self.pad_id)
+        return task.evaluate(lambda batch: next(replay), self.cfg.batch_size, self.pad_id)
 
     def export(self) -> None:
-        """The best epoch's model in HF format, OUT/model, and its validation predictions,
-        OUT/predictions/valid.* (rank 0 writes them; the others wait). It follows that epoch's checkpoint
+        """The best epoch's model in HF format, OUT/model, and its predictions, OUT/predictions/valid.* and
+        (--predict) predict.* (rank 0 writes them; the others wait). It follows that epoch's checkpoint
         (export_pending set), so a full disk here keeps the checkpoint and the rerun exports without
         training again."""
         if self.task.predictions is None:  # a resumed run's pending export: that epoch's, evaluated again
             self.evaluate()
+        if self.predict_task is not None:
+            self.evaluate(self.predict_task)
         if self.dist.is_main:
             try:
                 export_pretrained(self.model, self.tokenizer, self.out / "model")
                 self.task.after_export(self.out / "model")
                 self.task.write_predictions(self.out / "predictions" / "valid")
+                if self.predict_task is not None:
+                    self.predict_task.write_predictions(self.out / "predictions" / "predict")
             except DiskSpaceError as err:
                 raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the "
                                      "best epoch without training again") from None

@@ -40,6 +40,7 @@ Bad input is a ValueError naming the file and line or row (or question id) and t
 from __future__ import annotations
 
 import collections
+import copy
 import csv
 import json
 import re
@@ -390,6 +391,15 @@ class Task:
         """The validation batches evaluate() reads, in its order (finetune splits them over processes)."""
         return self.batches(np.arange(len(self.valid_ids)), batch_size, pad_id, train=False)
 
+    def for_predictions(self, path, tokenizer, max_len: int) -> "Task":
+        """A copy of this task whose validation split is the file at `path`, read as --valid is but with its
+        labels (tags, answers) optional and unread: placeholders stand in, so evaluate() runs (its metrics
+        mean nothing) and write_predictions() writes the file's predictions (finetune --predict)."""
+        other = copy.copy(self)
+        other.predictions = None
+        other.read_unlabelled(path, tokenizer, max_len)
+        return other
+
     def write_predictions(self, stem: Path) -> Path:
         """The last evaluate()'s predictions, one per validation example in its order, written (atomically)
         to `stem` with the task's suffix, in the format its tools read; returns the path."""
@@ -408,16 +418,18 @@ class Task:
 
 
 # ------------------------------------------------------------- classification
-def read_examples(path, cfg, notes: list | None = None, places: list | None = None
+def read_examples(path, cfg, notes: list | None = None, places: list | None = None, labelled: bool = True
                   ) -> list[tuple[str, str | None, str]]:
     """(text, pair or None, label as a string) of every row of a CSV or JSONL file or a table; the labels of a
     .csv / .tsv column of integers as pandas reads them ("+1", "01" and " 1" are "1"), a table's as the dataset
     has them (a ClassLabel's name, spaces and all: its declared names keep their order). Fields given
     as column numbers (0-based) read a .csv / .tsv that has no header row (GLUE's CoLA). The line
     saying which broken .tsv rows were skipped (delimited_rows) goes to `notes` (else it is printed); each
-    example's line or row (place_in) to `places`, for messages about its label."""
+    example's line or row (place_in) to `places`, for messages about its label. labelled=False (--predict's
+    file, GLUE's test sets): the label column is not read, and may be absent (label None)."""
     path = data_file(path)
-    fields = [cfg.text_field, cfg.label_field] + ([cfg.pair_field] if cfg.pair_field else [])
+    texts = [cfg.text_field] + ([cfg.pair_field] if cfg.pair_field else [])
+    fields = texts + ([cfg.label_field] if labelled else [])  # labelled=False: --predict's file, labels unread
     suffix, table = path.suffix.lower(), is_table(path)
     skipped, numbered = [], False
     if suffix in (".csv", ".tsv"):
@@ -454,13 +466,14 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
                              f"{' and no '.join(f'{what[n]} ({n!r})' for n in short)}; fix the line (a cell "
                              "holding the delimiter needs quotes) or remove the row")
         row = {**row, **{name: "" for name in short}}  # a JSON null, a Parquet null: an empty cell
-        label = str(row[cfg.label_field]).strip()  # " 1" is 1, as pandas and datasets read it
-        if not label or label.lower() == "nan" or (suffix in (".csv", ".tsv") and label in PANDAS_MISSING):
+        label = str(row[cfg.label_field]).strip() if labelled else None  # " 1" is 1, as pandas and datasets read it
+        if labelled and (not label or label.lower() == "nan"
+                         or (suffix in (".csv", ".tsv") and label in PANDAS_MISSING)):
             # NaN (pandas' and datasets' missing value), or a cell pandas reads as one ("N/A", "NULL", "None")
             shown = "empty" if not label else "NaN" if label.lower() == "nan" else f"{label!r} (pandas: missing)"
             raise ValueError(f"{where}: the label ({cfg.label_field!r}) is {shown} on this line; fill it in or "
                              "remove the row")
-        if table:  # typed data: a ClassLabel's name (" neg") or a string is the dataset's, spaces and all
+        if table and labelled:  # typed data: a ClassLabel's name (" neg") or a string is the dataset's, spaces and all
             label = str(row[cfg.label_field])
         if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions
             empty_text.append(place_in(where, path))
@@ -472,10 +485,10 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
         header_row_error(*first, numeric, cfg)
     if not examples:
         raise ValueError(f"{path} holds no examples" + (f": {skipped_note(path, skipped)}" if skipped else ""))
-    if suffix in (".csv", ".tsv") and all(is_integer(label) for _, _, label in examples):
+    if labelled and suffix in (".csv", ".tsv") and all(is_integer(label) for _, _, label in examples):
         # pandas (run_glue's datasets) reads such a column as integers: "+1", "01" and "1" are one class, 1
         examples = [(text, pair, str(int(label))) for text, pair, label in examples]
-    for name in fields[:1] + fields[2:]:
+    for name in texts:
         if all(not text.strip() for text in (e[0] if name == cfg.text_field else e[1] for e in examples)):
             raise ValueError(f"{path}: the column {name!r} is empty on every row; name the text columns with "
                              f"--text-field / --pair-field. {glue_fields_hint()}")
@@ -501,7 +514,7 @@ def header_row_error(where: str, row: dict, numeric: dict, cfg) -> None:
     if column is None:
         return
     flags = [("--text-field", cfg.text_field), ("--pair-field", cfg.pair_field), ("--label-field", cfg.label_field)]
-    named = " ".join(f"{flag} {shlex.quote(row[str(n)])}" for flag, n in flags if n is not None)
+    named = " ".join(f"{flag} {shlex.quote(row[str(n)])}" for flag, n in flags if n is not None and str(n) in row)
     raise ValueError(f"{where}: this first line looks like a header row, not an example: column {column} holds "
                      f"{row[column]!r} where every later row has a number. Name the columns by the header "
                      f"({named}), or remove the header line to name them by number")
@@ -560,7 +573,7 @@ class ClassifyTask(Task):
     name, model_class = "classify", RobertaForSequenceClassification
 
     def __init__(self, cfg):
-        self.notes = []
+        self.cfg, self.notes = cfg, []
         train_places, valid_places = [], []  # each example's line or row, for check_scores' messages
         train = read_examples(cfg.train, cfg, self.notes, train_places)
         valid = read_examples(cfg.valid, cfg, self.notes, valid_places) if cfg.valid else None
@@ -629,6 +642,11 @@ class ClassifyTask(Task):
             return {"loss": loss, "pearson": pearson(outputs, labels), "spearman": spearman(outputs, labels)}
         return {"loss": loss, **classification_scores(outputs, labels, len(self.names))}
 
+    def read_unlabelled(self, path, tokenizer, max_len):
+        self.valid = read_examples(path, self.cfg, self.notes, labelled=False)
+        self.valid_ids = encode(tokenizer, self.valid, max_len)
+        self.valid_labels = [0.0 if self.regression else 0] * len(self.valid)
+
     def predictions_text(self):
         """GLUE's submission format: a header, then `index<TAB>prediction` (the label's name, or the score)."""
         rows = (repr(float(x)) if self.regression else self.names[x] for x in self.predictions)
@@ -649,14 +667,17 @@ class ClassifyTask(Task):
 
 
 # --------------------------------------------------------- token classification
-def read_tagged(path) -> list[tuple[list[str], list[str]]]:
+def read_tagged(path, labelled: bool = True) -> list[tuple[list[str], list[str] | None]]:
     """(words, tags) of every sentence of a CoNLL-style file, or of a JSONL file (by suffix .jsonl /
-    .json), Parquet / Arrow file or datasets directory with "tokens" and "tags" (or "ner_tags")."""
+    .json), Parquet / Arrow file or datasets directory with "tokens" and "tags" (or "ner_tags").
+    labelled=False (--predict's file): tags are not read and may be absent, CoNLL lines a word alone (tags None)."""
     path = data_file(path)
     sentences = []
     if path.suffix.lower() in (".jsonl", ".json") or is_table(path):
         for where, row in records(path):
             words, tags = row.get("tokens"), row.get("tags", row.get("ner_tags"))
+            if not labelled and isinstance(words, list):
+                tags = [None] * len(words)
             if not isinstance(words, list) or not isinstance(tags, list):
                 raise ValueError(f"{where}: expected {{\"tokens\": [...], \"tags\": [...]}} "
                                  f"(the object has {sorted(row)})")
@@ -665,10 +686,10 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
                                  "give one tag per token, at least one token")
             if not all(isinstance(w, str) and w and not w.isspace() for w in words):
                 raise ValueError(f"{where}: every token must be a non-blank string")
-            odd = [t for t in tags if not is_scalar(t)]
+            odd = [t for t in tags if not is_scalar(t)] if labelled else []
             if odd:
                 raise ValueError(f"{where}: a tag is {shorten(odd[0])}; every tag must be a string (or a ClassLabel id)")
-            sentences.append((words, [str(t) for t in tags]))
+            sentences.append((words, [str(t) for t in tags] if labelled else None))
     else:
         words, tags = [], []
         try:
@@ -681,10 +702,10 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
                     # when no blank line follows it
                     if not columns or columns[0] == "-DOCSTART-":
                         if words:
-                            sentences.append((words, tags))
+                            sentences.append((words, tags if labelled else None))
                         words, tags = [], []
                         continue
-                    if len(columns) < 2:
+                    if len(columns) < 2 and labelled:
                         raise ValueError(f"{path}:{number}: {line.strip()!r} has a word and no tag; CoNLL lines "
                                          "are 'word<TAB or space>tag' (the tag in the last column), a blank line "
                                          "between sentences")
@@ -693,7 +714,7 @@ def read_tagged(path) -> list[tuple[list[str], list[str]]]:
         except UnicodeDecodeError:
             raise not_utf8(path) from None
         if words:
-            sentences.append((words, tags))
+            sentences.append((words, tags if labelled else None))
     if not sentences:
         raise ValueError(f"{path} holds no sentences")
     return sentences
@@ -830,6 +851,11 @@ class TokenTask(Task):
             lines.append("")
         return ".conll", "".join(line + "\n" for line in lines)
 
+    def read_unlabelled(self, path, tokenizer, max_len):
+        self.valid = [(words, [self.names[0]] * len(words)) for words, _ in read_tagged(path, labelled=False)]
+        self.valid_ids, owners, _ = encode_words(tokenizer, self.valid, max_len)
+        self.valid_labels = [first_subtoken_labels(o, [0] * len(words)) for o, (words, _) in zip(owners, self.valid)]
+
     def encode(self, tokenizer, max_len):
         index = {n: i for i, n in enumerate(self.names)}
         self.truncated = 0
@@ -952,10 +978,11 @@ def squad_articles(path: Path) -> list:
             else article for i, article in enumerate(squad["data"])]
 
 
-def read_squad(path) -> tuple[list[QAExample], bool]:
+def read_squad(path, labelled: bool = True) -> tuple[list[QAExample], bool]:
     """The questions of a SQuAD v1.1 / v2.0 JSON file, or of the Hub's squad layout (id, question, context,
     answers: {text: [...], answer_start: [...]}; no answer: unanswerable) in a Parquet / Arrow file, datasets
-    directory or JSON Lines file (squad_articles), and whether it has unanswerable ones (v2.0)."""
+    directory or JSON Lines file (squad_articles), and whether it has unanswerable ones (v2.0).
+    labelled=False (--predict's file): answers are not read and may be absent."""
     path = data_file(path)
     examples, impossible, seen = [], False, set()
     for article in squad_articles(path):
@@ -973,6 +1000,9 @@ def read_squad(path) -> tuple[list[QAExample], bool]:
                 if not isinstance(context, str) or not isinstance(qa.get("question"), str):
                     raise ValueError(f"{where}: needs a context and a question (strings)")
                 answers = []
+                if not labelled:
+                    examples.append(QAExample(str(qid), qa["question"], context, answers))
+                    continue
                 for a in qa.get("answers", []):
                     text, start = a.get("text"), a.get("answer_start")
                     if not isinstance(text, str) or not text.strip():
@@ -1093,7 +1123,7 @@ def squad_scores(examples: list[QAExample], predictions: dict[str, str], version
     False, as the v1.1 script: every gold answer kept, F1 0 where nothing overlaps."""
     exact = f1 = 0.0
     for e in examples:
-        golds = [text for text, _ in e.answers]
+        golds = [text for text, _ in e.answers] or [""]  # (none only in --predict's unlabelled file: unscored)
         if version_2:
             golds = [text for text in golds if normalize_answer(text)] or [""]
         predicted = predictions[e.id]
@@ -1129,8 +1159,13 @@ class QATask(Task):
         stride = self.cfg.doc_stride if self.cfg.doc_stride is not None else doc_stride_for(max_len)
         if not 0 <= stride < max_len:
             raise ValueError(f"--doc-stride {stride} must be at least 0 and below --max-len {max_len}")
+        self.stride = stride
         self.train_features = qa_features(tokenizer, self.train, max_len, stride)
         self.valid_features = qa_features(tokenizer, self.valid, max_len, stride)
+
+    def read_unlabelled(self, path, tokenizer, max_len):
+        self.valid = read_squad(path, labelled=False)[0]
+        self.valid_features = qa_features(tokenizer, self.valid, max_len, self.stride)
 
     def baseline_warning(self, best):
         null = squad_scores(self.valid, {e.id: "" for e in self.valid}, self.version_2)
@@ -1201,13 +1236,16 @@ def _answer_index(answer, options: list[str], where: str) -> int:
     return index
 
 
-def read_choices(path) -> list[ChoiceExample]:
-    """The questions of a RACE-style JSONL file: one per line, or RACE's per-article objects."""
+def read_choices(path, labelled: bool = True) -> list[ChoiceExample]:
+    """The questions of a RACE-style JSONL file: one per line, or RACE's per-article objects.
+    labelled=False (--predict's file): answers are not read and may be absent (answer 0 stands in)."""
     path = data_file(path)
     examples = []
     for where, row in records(path):
         if "questions" in row:  # RACE's own layout: an article with parallel lists
             qs, opts, answers = row.get("questions"), row.get("options"), row.get("answers")
+            if not labelled and isinstance(qs, list):
+                answers = [None] * len(qs)
             if not (isinstance(qs, list) and isinstance(opts, list) and isinstance(answers, list)
                     and len(qs) == len(opts) == len(answers)):
                 raise ValueError(f"{where}: RACE's layout needs lists \"questions\", \"options\" and \"answers\" "
@@ -1225,7 +1263,8 @@ def read_choices(path) -> list[ChoiceExample]:
             if examples and len(options) != len(examples[0].options):
                 raise ValueError(f"{where}: question {question!r} has {len(options)} options, the first question "
                                  f"{len(examples[0].options)}; every question needs the same number")
-            examples.append(ChoiceExample(article, question, options, _answer_index(answer, options, where)))
+            examples.append(ChoiceExample(article, question, options,
+                                          _answer_index(answer, options, where) if labelled else 0))
     if not examples:
         raise ValueError(f"{path} holds no questions")
     return examples
@@ -1271,6 +1310,13 @@ class ChoiceTask(Task):
 
     def encode(self, tokenizer, max_len):
         self.train_ids, self.valid_ids = (encode_choices(tokenizer, d, max_len) for d in (self.train, self.valid))
+
+    def read_unlabelled(self, path, tokenizer, max_len):
+        self.valid = read_choices(path, labelled=False)
+        if len(self.valid[0].options) != len(self.train[0].options):
+            raise ValueError(f"{path}: {len(self.valid[0].options)} options per question, the training file has "
+                             f"{len(self.train[0].options)}; both need the same number")
+        self.valid_ids = encode_choices(tokenizer, self.valid, max_len)
 
     def __len__(self):
         return len(self.train_ids)

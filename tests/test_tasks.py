@@ -733,6 +733,47 @@ def test_the_best_epochs_validation_predictions_are_written_beside_its_export(mo
     tuner.close()
 
 
+def without_labels(task, fields, tmp_path) -> Path:
+    """The task's validation file with its labels, tags or answers removed (as a test set comes)."""
+    import csv as csv_module
+
+    source = Path(fields["valid"])
+    out = tmp_path / f"unlabelled{source.suffix}"
+    if task in ("classify", "regression"):
+        with open(source, newline="") as f:
+            rows = list(csv_module.DictReader(f))
+        out.write_text("text\n" + "".join(f"{row['text']}\n" for row in rows))
+    elif task == "token":  # the word column alone, blank and -DOCSTART- lines kept
+        out.write_text("".join((line.split()[0] if line.strip() else "") + "\n"
+                               for line in source.read_text().splitlines()))
+    elif task == "qa":
+        data = json.loads(source.read_text())
+        for article in data["data"]:
+            for paragraph in article["paragraphs"]:
+                paragraph["qas"] = [{"id": qa["id"], "question": qa["question"]} for qa in paragraph["qas"]]
+        out.write_text(json.dumps(data))
+    else:
+        rows = [json.loads(line) for line in source.read_text().splitlines()]
+        out.write_text("".join(json.dumps({k: v for k, v in row.items() if k not in ("answer", "answers")}) + "\n"
+                               for row in rows))
+    return out
+
+
+@pytest.mark.parametrize("task", TASK_KINDS)
+def test_predict_writes_the_best_epochs_predictions_for_a_file_without_labels(model_dir, tmp_path, task):
+    """--predict FILE (the format of --valid, labels optional: GLUE's test sets have none): the best epoch's
+    predictions for it, OUT/predictions/predict.*, are what the labelled validation file's are."""
+    fields = dropout_free_task(model_dir, tmp_path, task)
+    unlabelled = without_labels(task, fields, tmp_path)
+    tuner = Finetuner(FinetuneConfig(out=str(tmp_path / "run"), batch_size=4, epochs=1, predict=str(unlabelled),
+                                     **fields), log=lambda *_: None)
+    tuner.run()
+    tuner.close()
+    written = {p.stem: p for p in (tmp_path / "run" / "predictions").iterdir()}
+    assert sorted(written) == ["predict", "valid"] and written["predict"].suffix == written["valid"].suffix
+    assert written["predict"].read_text() == written["valid"].read_text()
+
+
 def test_the_predictions_are_the_best_epochs_not_the_last(model_dir, tmp_path):
     """An epoch that scores worse than the best leaves the best epoch's predictions in place (its own, made
     to differ here, are not written)."""
