@@ -351,7 +351,8 @@ class Task:
     Subclasses read --train / --valid in __init__, set `names` (the labels a checkpoint must
     match), build the model's inputs in `encode(tokenizer, max_len)`, and give batches of
     model keyword arguments and the validation metrics (`best_metric`, one of `metrics`, picks the best
-    epoch; every one is higher-better, and --metric may name any)."""
+    epoch; every one is higher-better, and --metric may name any). evaluate() keeps its `predictions`,
+    which `predictions_text()` formats for the task's tools; `read_unlabelled()` reads --predict's file."""
 
     name = model_class = best_metric = None
     metrics = ()  # what evaluate() reports besides the loss
