@@ -482,6 +482,11 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
         examples.append((str(row[cfg.text_field]), pair, label))
         if places is not None:
             places.append(place_in(where, path))
+    if skipped and not labelled:  # a test set's row skipped would leave it without a prediction, and shift
+        lines = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")  # the index after it
+        raise ValueError(f"{path}: {len(skipped)} row(s) have another number of columns than the header (line(s) "
+                         f"{lines}); every row of a file to predict needs its prediction: fix them (a cell holding "
+                         "a tab needs quotes)")
     if first is not None and len(examples) >= 3:
         header_row_error(*first, numeric, cfg)
     if not examples:

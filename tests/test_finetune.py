@@ -760,6 +760,9 @@ def test_glue_tsv_rows_with_a_wrong_column_count_are_skipped_and_counted(task, t
     logged = []
     Finetuner(config(task, tmp_path / "run", train=str(path), valid=str(path), **fields), log=logged.append)
     assert sum("skipped 2 rows" in line for line in logged) == 2, logged  # one line per file
+    with pytest.raises(ValueError, match=r"train.tsv: 2 row\(s\) have another number of columns than the header "
+                                         r"\(line\(s\) 5, 6\); every row of a file to predict needs its prediction"):
+        read_examples(path, config(task, tmp_path, **fields), labelled=False)  # --predict: none may be dropped
     empty = tmp_path / "empty.tsv"  # the right number of columns, an empty question: kept, as fairseq and datasets do
     empty.write_text(header + "1\t2\t3\t\tcloud?\t0\n" + good[0])
     notes = []
