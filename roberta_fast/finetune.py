@@ -29,7 +29,8 @@ metrics.jsonl; each epoch reports the task's validation metrics, and the best ep
 the task's main one: accuracy, Pearson, entity F1, SQuAD F1; recorded in metrics.jsonl) is exported as an HF model (config.json +
 model.safetensors + tokenizer) that transformers' Auto class and pipeline for the task load, and its
 validation predictions to OUT/predictions/valid.* (GLUE's TSV, CoNLL, SQuAD's JSON, RACE's letters);
---predict FILE (as --valid, labels optional: a test set) adds its predictions, predict.*.
+--predict FILE (as --valid, labels optional: a test set) adds its predictions, predict.*. --eval-only
+evaluates a fine-tuned --model on --valid (metrics to OUT/eval_results.json, predictions) without training.
 Defaults follow RoBERTa's GLUE recipe (10 epochs, batch 16, 6% warmup, weight decay 0.1,
 Adam β2 0.98, ε 1e-6) with the peak LR sized to the model (default_lr: 2e-5 at base,
 ~1e-5 at large, larger for small models, printed at startup); --max-len defaults to the
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -64,7 +66,7 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_checkpoint, restoring
-from .files import absolute_if_local
+from .files import absolute_if_local, write_text_atomic
 from .hf import MismatchedSizes
 from .integrity import is_no_space
 from .metrics import MetricsLogger
@@ -124,6 +126,7 @@ class FinetuneConfig:
     reinit_head: bool = False  # a --model whose task head has other shapes (another label count, regression) or names other labels (its id2label): start a new head (transformers' ignore_mismatched_sizes)
     allow_schedule_change: bool = False  # resume with a changed LR schedule (--lr, --epochs, --batch-size, --warmup-ratio, data)
     trust_checkpoint: bool = False  # load an old-format checkpoint that needs full unpickling (can run code: only files you wrote)
+    eval_only: bool = False  # no training: evaluate --model, fine-tuned for this task (its head names the labels), on --valid and write its predictions (--predict's too); --train is not read
 
 
 def default_lr(hidden_size: int) -> float:
@@ -160,9 +163,13 @@ class Finetuner:
 
     def __init__(self, cfg: FinetuneConfig, log=print):
         self.cfg, self.log = cfg, log
-        for name in ("model", "train"):
+        for name in ("model", "valid") if cfg.eval_only else ("model", "train"):
             if not getattr(cfg, name):
-                raise ValueError(f"--{name} is required")
+                raise ValueError(f"--{name} is required" + (" with --eval-only" if cfg.eval_only else ""))
+        if cfg.eval_only:  # the labels (or a regression) come from --valid; the model's head must fit them
+            if cfg.reinit_head:
+                raise ValueError("--eval-only evaluates the --model's own head: --reinit-head would make it random")
+            self.cfg = cfg = dataclasses.replace(cfg, train=cfg.valid)
         self.dist = Dist()  # under torchrun: each step's batch is split over the processes
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
@@ -218,9 +225,15 @@ class Finetuner:
                                                                       ignore_mismatched_sizes=cfg.reinit_head,
                                                                       output_loading_info=True, **task.model_kwargs())
             except MismatchedSizes as err:  # a fine-tuned model's head, another label set: say the CLI's fix
+                fix = ("--eval-only needs a model fine-tuned on these labels" if cfg.eval_only else
+                       "pass --reinit-head to start a new head, or fine-tune from the pretrained model")
                 raise ValueError(f"--model {cfg.model}'s task head does not fit this task ({task.describe()}): "
-                                 f"{err.detail}; pass --reinit-head to start a new head, or fine-tune from the "
-                                 "pretrained model") from None
+                                 f"{err.detail}; {fix}") from None
+        new = sorted({*loaded["missing_keys"], *(key for key, *_ in loaded["mismatched_keys"])})
+        if cfg.eval_only and any(not key.startswith("roberta.") for key in new):
+            raise ValueError(f"--eval-only evaluates a fine-tuned --model, and {cfg.model} has no head for --task "
+                             f"{cfg.task}: {', '.join(k for k in new if not k.startswith('roberta.'))} would be "
+                             "random; fine-tune it first (without --eval-only)")
         for w in caught:
             log(f"note: {w.message}")
         self.follow_head_labels({*loaded["missing_keys"], *(key for key, *_ in loaded["mismatched_keys"])})
@@ -250,8 +263,9 @@ class Finetuner:
         if cfg.lr is None:  # sized to the model; the resolved value is what the checkpoint records
             hidden = self.model.config.hidden_size
             self.cfg = cfg = dataclasses.replace(cfg, lr=default_lr(hidden))
-            log(f"--lr not given: {cfg.lr:.3g} for hidden size {hidden} (2e-5 * (768 / {hidden})^2, "
-                "at most 1e-3; pass --lr to choose)")
+            if not cfg.eval_only:
+                log(f"--lr not given: {cfg.lr:.3g} for hidden size {hidden} (2e-5 * (768 / {hidden})^2, "
+                    "at most 1e-3; pass --lr to choose)")
 
         self.steps_per_epoch = math.ceil(len(task) / cfg.batch_size)
         total = self.steps_per_epoch * cfg.epochs
@@ -276,10 +290,11 @@ class Finetuner:
             return
         head = [id2label[i] for i in sorted(id2label)]
         if not self.cfg.reinit_head:
+            fix = ("Name the labels in the data as the model does" if self.cfg.eval_only else
+                   "Pass --reinit-head to start a new head, or name the labels in the data as the model does")
             raise ValueError(f"--model {self.cfg.model}'s task head was trained on the labels {head} (its "
                              f"config.json's id2label), this data has {self.task.names}: the head's outputs would "
-                             "mean other classes. Pass --reinit-head to start a new head, or name the labels in the "
-                             "data as the model does")
+                             f"mean other classes. {fix}")
         self.model.classifier.apply(self.model._init_weights)
         self.log(f"note: --reinit-head: a new head for {self.task.names} (the --model's was trained on {head})")
 
@@ -420,26 +435,50 @@ class Finetuner:
         training again."""
         if self.task.predictions is None:  # a resumed run's pending export: that epoch's, evaluated again
             self.evaluate()
+        if self.dist.is_main:
+            try:
+                export_pretrained(self.model, self.tokenizer, self.out / "model")
+            except DiskSpaceError as err:
+                raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the "
+                                     "best epoch without training again") from None
+            self.task.after_export(self.out / "model")
+        self.write_predictions(f"the best epoch's predictions). The checkpoint of step {self.step} is kept: the "
+                               "rerun exports the best epoch without training again")
+        self.export_pending = False
+
+    def write_predictions(self, on_full_disk: str) -> None:
+        """OUT/predictions/valid.* from the last evaluation and, with --predict, predict.* (evaluated now);
+        collective (rank 0 writes them). A full disk: DiskSpaceError naming `on_full_disk`."""
         if self.predict_task is not None:
             self.evaluate(self.predict_task)
         if self.dist.is_main:
             try:
-                export_pretrained(self.model, self.tokenizer, self.out / "model")
-                self.task.after_export(self.out / "model")
                 self.task.write_predictions(self.out / "predictions" / "valid")
                 if self.predict_task is not None:
                     self.predict_task.write_predictions(self.out / "predictions" / "predict")
-            except DiskSpaceError as err:
-                raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the "
-                                     "best epoch without training again") from None
             except OSError as err:
                 if not is_no_space(err):
                     raise
-                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing the best epoch's "
-                                     f"predictions). The checkpoint of step {self.step} is kept: the rerun exports "
-                                     "the best epoch without training again") from None
+                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing {on_full_disk}") from None
         self.dist.barrier()
-        self.export_pending = False
+
+    def evaluate_only(self) -> dict:
+        """--eval-only: --model's validation metrics, printed and in OUT/eval_results.json (as run_glue's; a
+        training run's metrics.jsonl in --out is left as it is), and its predictions."""
+        result = self.evaluate()
+        self.write_predictions("the predictions)")
+        if self.dist.is_main:
+            record = {"model": absolute_if_local(self.cfg.model), "valid": absolute_if_local(self.cfg.valid), **result}
+            try:
+                write_text_atomic(self.out / "eval_results.json", json.dumps(record, indent=1) + "\n")
+            except OSError as err:
+                if not is_no_space(err):
+                    raise
+                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing "
+                                     "eval_results.json)") from None
+        self.log(f"--model {self.cfg.model} on {self.cfg.valid} ({len(self.task.valid)} examples): " +
+                 ", ".join(f"{k} {v:.4f}" for k, v in result.items()) + f"; predictions in {self.out / 'predictions'}")
+        return {"best": None, "last": result, "metric": self.task.best_metric}
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the run; collective (rank 0 writes it, the others wait)."""
@@ -471,6 +510,8 @@ class Finetuner:
         return result
 
     def run(self) -> dict:
+        if self.cfg.eval_only:
+            return self.evaluate_only()
         latest = self.checkpoints.latest() if self.cfg.resume else None
         if latest is not None:
             # onto the CPU: the RNG states must stay CPU tensors; load_state_dict moves the rest
@@ -531,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     helps = field_help(FinetuneConfig)
     for f in dataclasses.fields(FinetuneConfig):
         flag = "--" + f.name.replace("_", "-")
-        required = f.name in ("model", "train")
+        required = f.name == "model"  # and --train, unless --eval-only (Finetuner says so)
         text = helps.get(f.name, "")
         if not required and f.default is not None:  # a None default is described by the help itself
             text += f" (default {f.default})"

@@ -540,6 +540,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_eval_only_needs_a_fine_tuned_model_and_valid(task, tmp_path, capsys):
+    """--eval-only evaluates --model's own head: a model without one (the pretrained MLM) would be scored
+    on a random head, so it is refused, as are --reinit-head and a missing --valid; --train is not needed."""
+    base = ["--model", str(task / "model"), "--valid", str(task / "valid.jsonl"), "--text-field", "sentence",
+            "--device", "cpu", "--eval-only", "--out", str(tmp_path / "run")]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert f"--eval-only evaluates a fine-tuned --model, and {task / 'model'} has no head for --task classify: " \
+           "classifier.dense.bias" in err and "fine-tune it first (without --eval-only)" in err
+    assert main(base + ["--reinit-head"]) == 2
+    assert "--reinit-head would make it random" in capsys.readouterr().err
+    assert main(base[:2] + base[4:]) == 2
+    assert "--valid is required with --eval-only" in capsys.readouterr().err
+    assert main([a for a in base if a != "--eval-only"]) == 2  # training needs --train
+    assert "roberta_fast.finetune: error: --train is required" in capsys.readouterr().err
+
+
 def test_resume_refuses_a_changed_lr_schedule(task, tmp_path):
     """A resumed run on other --epochs (so other total steps) would restart the decay mid-run:
     refused, naming the old and new values and --allow-schedule-change, which continues."""

@@ -762,7 +762,8 @@ def without_labels(task, fields, tmp_path) -> Path:
 @pytest.mark.parametrize("task", TASK_KINDS)
 def test_predict_writes_the_best_epochs_predictions_for_a_file_without_labels(model_dir, tmp_path, task):
     """--predict FILE (the format of --valid, labels optional: GLUE's test sets have none): the best epoch's
-    predictions for it, OUT/predictions/predict.*, are what the labelled validation file's are."""
+    predictions for it, OUT/predictions/predict.*, are what the labelled validation file's are. --eval-only
+    on the exported model gives that epoch's metrics and predictions again."""
     fields = dropout_free_task(model_dir, tmp_path, task)
     unlabelled = without_labels(task, fields, tmp_path)
     tuner = Finetuner(FinetuneConfig(out=str(tmp_path / "run"), batch_size=4, epochs=1, predict=str(unlabelled),
@@ -772,6 +773,19 @@ def test_predict_writes_the_best_epochs_predictions_for_a_file_without_labels(mo
     written = {p.stem: p for p in (tmp_path / "run" / "predictions").iterdir()}
     assert sorted(written) == ["predict", "valid"] and written["predict"].suffix == written["valid"].suffix
     assert written["predict"].read_text() == written["valid"].read_text()
+    # --eval-only on the export: the best epoch's metrics and predictions again, without --train or training
+    best = tuner.best
+    fields.update(model=str(tmp_path / "run" / "model"), train="")
+    again = Finetuner(FinetuneConfig(out=str(tmp_path / "again"), batch_size=4, eval_only=True,
+                                     predict=str(unlabelled), **fields), log=lambda *_: None)
+    result = again.run()
+    again.close()
+    assert result["last"] == pytest.approx({k: v for k, v in best.items() if k != "epoch"}, rel=1e-5, abs=1e-6)
+    results = json.loads((tmp_path / "again" / "eval_results.json").read_text())
+    assert results == {"model": str(tmp_path / "run" / "model"), "valid": fields["valid"], **result["last"]}
+    for stem, path in written.items():
+        assert (tmp_path / "again" / "predictions" / path.name).read_text() == path.read_text(), stem
+    assert not (tmp_path / "again" / "checkpoints").exists() or not any((tmp_path / "again" / "checkpoints").iterdir())
 
 
 def test_the_predictions_are_the_best_epochs_not_the_last(model_dir, tmp_path):
