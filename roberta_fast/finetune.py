@@ -75,7 +75,7 @@ from .schedule import WarmupLinearDecay
 from .tasks import IGNORE, PROBLEM_TYPES, TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
 from .tokenizer import RobertaTokenizer
 from .train_config import COMMAND_LINE_ONLY
-from .trainer import (Dist, Optimizer, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
+from .trainer import (Dist, Optimizer, PeerFailed, check_schedule, export_pretrained, lock_out, resolve_device, rng_state,
                       seed_everything, set_rng_state)
 
 # the settings behind each LR-schedule field (check_schedule)
@@ -180,12 +180,14 @@ class Finetuner:
                 or not (cfg.lr is None or cfg.lr > 0) or cfg.keep_checkpoints < 1):
             raise ValueError("need epochs >= 1, batch_size >= 1, max_len >= 4, lr > 0 and keep_checkpoints >= 1")
         world = self.dist.world_size
+        if cfg.batch_size < world:
+            raise ValueError(f"--batch-size {cfg.batch_size} with {world} processes: each step's examples are split "
+                             f"over the processes, so give a --batch-size of at least {world}")
         if cfg.grad_accum < 1 or cfg.grad_accum * world > cfg.batch_size:
             raise ValueError(f"--grad-accum {cfg.grad_accum}" + (f" with {world} processes" if world > 1 else "")
                              + f": each step's --batch-size {cfg.batch_size} examples are split into "
                              + (f"{world} processes x " if world > 1 else "") + "--grad-accum micro-batches, so give "
-                             f"--grad-accum 1 to {cfg.batch_size // world}"
-                             + (f" (or a --batch-size of at least {world})" if cfg.batch_size < world else ""))
+                             f"--grad-accum 1 to {cfg.batch_size // world}")
         empty = [f.name for f in dataclasses.fields(cfg)
                  if isinstance(getattr(cfg, f.name), str) and not getattr(cfg, f.name).strip()]
         if empty:  # an unset shell variable (--valid "$DEV") must not quietly mean the default
@@ -203,6 +205,15 @@ class Finetuner:
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device, self.dist.local_rank)
         self.dist.init(self.device)
+        try:
+            self._build()
+        except BaseException:  # leave the process group: a rank exiting inside it can abort (gloo)
+            self.dist.close()
+            raise
+
+    def _build(self) -> None:
+        """The tokenizer, data, model, optimizer and run state, once the process group is joined."""
+        cfg, log = self.cfg, self.log
         if not self.dist.is_main:  # rank 0 speaks for the job; the others compute alike
             self.log = log = (lambda *a, **k: None)
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -276,8 +287,10 @@ class Finetuner:
         self.step, self.best = 0, None
         self.epochs_evaluated = 0  # a stop on an epoch's last step leaves its evaluation to the resumed run
         self.export_pending = False  # the best epoch's export is not written yet (a full disk stopped it)
-        # one writer per --out, as the trainer (last: nothing can fail after); rank 0 writes for the job
-        self.lock = lock_out(self.out, log) if self.dist.is_main else None
+        # one writer per --out, as the trainer (last: nothing can fail after); rank 0 writes for the job, and
+        # if it cannot take the lock every rank stops
+        self.lock = self.dist.main_does(lambda: lock_out(self.out, log))
+
 
     def follow_head_labels(self, new_weights: set) -> None:
         """A --model whose head came with the checkpoint (no weight of it in `new_weights`) keeps its label
@@ -435,13 +448,15 @@ class Finetuner:
         training again."""
         if self.task.predictions is None:  # a resumed run's pending export: that epoch's, evaluated again
             self.evaluate()
-        if self.dist.is_main:
+        def export_model():
             try:
                 export_pretrained(self.model, self.tokenizer, self.out / "model")
             except DiskSpaceError as err:
                 raise DiskSpaceError(f"{err}. The checkpoint of step {self.step} is kept: the rerun exports the "
                                      "best epoch without training again") from None
             self.task.after_export(self.out / "model")
+
+        self.dist.main_does(export_model)
         self.write_predictions(f"the best epoch's predictions). The checkpoint of step {self.step} is kept: the "
                                "rerun exports the best epoch without training again")
         self.export_pending = False
@@ -451,7 +466,8 @@ class Finetuner:
         collective (rank 0 writes them). A full disk: DiskSpaceError naming `on_full_disk`."""
         if self.predict_task is not None:
             self.evaluate(self.predict_task)
-        if self.dist.is_main:
+
+        def write():
             try:
                 self.task.write_predictions(self.out / "predictions" / "valid")
                 if self.predict_task is not None:
@@ -460,15 +476,17 @@ class Finetuner:
                 if not is_no_space(err):
                     raise
                 raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing {on_full_disk}") from None
-        self.dist.barrier()
+
+        self.dist.main_does(write)
 
     def evaluate_only(self) -> dict:
         """--eval-only: --model's validation metrics, printed and in OUT/eval_results.json (as run_glue's; a
         training run's metrics.jsonl in --out is left as it is), and its predictions."""
         result = self.evaluate()
         self.write_predictions("the predictions)")
-        if self.dist.is_main:
-            record = {"model": absolute_if_local(self.cfg.model), "valid": absolute_if_local(self.cfg.valid), **result}
+        record = {"model": absolute_if_local(self.cfg.model), "valid": absolute_if_local(self.cfg.valid), **result}
+
+        def write():
             try:
                 write_text_atomic(self.out / "eval_results.json", json.dumps(record, indent=1) + "\n")
             except OSError as err:
@@ -476,16 +494,16 @@ class Finetuner:
                     raise
                 raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing "
                                      "eval_results.json)") from None
+
+        self.dist.main_does(write)
         self.log(f"--model {self.cfg.model} on {self.cfg.valid} ({len(self.task.valid)} examples): " +
                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()) + f"; predictions in {self.out / 'predictions'}")
         return {"best": None, "last": result, "metric": self.task.best_metric}
 
     def save_checkpoint(self) -> None:
-        """A checkpoint of the run; collective (rank 0 writes it, the others wait)."""
+        """A checkpoint of the run; collective (rank 0 writes it, the others wait; a full disk stops every rank)."""
         state = self.state_dict()
-        if self.dist.is_main:
-            self.checkpoints.save(self.step, state)
-        self.dist.barrier()
+        self.dist.main_does(lambda: self.checkpoints.save(self.step, state))
 
     def close(self) -> None:
         """Release --out and leave the process group."""
@@ -603,9 +621,9 @@ def out_of_memory_advice(cfg: FinetuneConfig, world_size: int = 1) -> str:
 def main(argv=None) -> int:
     """The CLI; under torchrun a mistake every rank makes (the data, the flags) is reported once, by rank 0."""
     from .train import report
+    from .train_config import parse_args_once
 
-    args = build_parser().parse_args(argv)
-    cfg = FinetuneConfig(**vars(args))
+    cfg = FinetuneConfig(**vars(parse_args_once(build_parser(), argv)))
     prefix, world = "roberta_fast.finetune: error", int(os.environ.get("WORLD_SIZE", "1"))
     finetuner = None
     try:
@@ -614,6 +632,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         report(err, every_rank=False, prefix=prefix)
         return 2
+    except PeerFailed as err:  # another process failed and said why; rank 0 adds a line if it is a survivor
+        report(err, every_rank=False, prefix=prefix)
+        return 1
     except DiskSpaceError as err:  # a checkpoint or the export (rank 0's): the last checkpoint is kept
         report(err, every_rank=False, prefix=prefix)
         return 1

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import torch
 
     from .train_config import load_config
-    from .trainer import Trainer
+    from .trainer import PeerFailed, Trainer
 
     try:
         cfg = load_config(argv)
@@ -59,11 +59,17 @@ def main(argv=None) -> int:
     except ValueError as err:
         report(err, every_rank=False)
         return 2
+    except PeerFailed as err:  # rank 0 could not start (its error says why)
+        report(err, every_rank=False)
+        return 1
     try:
         summary = trainer.run()
     except ValueError as err:  # e.g. a checkpoint that does not match the config
         report(err, every_rank=False)
         return 2
+    except PeerFailed as err:  # another process failed and said why; rank 0 adds a line if it is a survivor
+        report(err, every_rank=False)
+        return 1
     except torch.OutOfMemoryError as err:  # (a RuntimeError) name the flags that fit the step in memory
         report(RuntimeError(f"{str(err).strip()} {out_of_memory_advice(cfg, trainer)}"), every_rank=True)
         return 1

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -391,9 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args_once(parser, argv=None):
+    """parser.parse_args(argv), where under torchrun only rank 0 prints a usage error or --help (every rank
+    still exits), not once per process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        parser.error = lambda message: sys.exit(2)
+        parser.print_help = lambda file=None: None
+    return parser.parse_args(argv)
+
+
 def load_config(argv=None) -> TrainConfig:
     """The effective, validated TrainConfig for command-line `argv`."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(parse_args_once(build_parser(), argv))
     file_values = read_config_file(args.pop("config")) if args.get("config") else {}
     file_values = {str(k).replace("-", "_"): v for k, v in file_values.items()}
     for key in COMMAND_LINE_ONLY:

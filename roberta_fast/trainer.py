@@ -65,6 +65,11 @@ EVAL_MASK_SEED = 0xE7A1  # validation masks are fixed, and the same for every ru
 
 
 # ---------------------------------------------------------------------- distributed
+class PeerFailed(RuntimeError):
+    """Another process of the torchrun job failed: a collective broke off, or rank 0 said that its part
+    (the --out lock, a checkpoint, the export) failed. That process's own error says why."""
+
+
 class Dist:
     """This process's place in a torchrun job (world_size 1 without torchrun)."""
 
@@ -88,14 +93,39 @@ class Dist:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(tensor, op=op)
+            self._collective(dist.all_reduce, tensor, op=op)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """rank 0's tensor, in place on every rank."""
         if self.enabled:
-            dist.broadcast(tensor, src=0)
+            self._collective(dist.broadcast, tensor, src=0)
         return tensor
+
+    def main_does(self, work):
+        """work() on rank 0 while the others wait; returns its result there (None elsewhere). If it raises,
+        rank 0 raises that and every other rank PeerFailed, so that none goes on alone (a lock another run
+        holds, a full disk at a checkpoint) into a collective that rank 0 never reaches."""
+        result = error = None
+        if self.is_main:
+            try:
+                result = work()
+            except Exception as err:  # noqa: BLE001 -- re-raised below, after the others know
+                error = err
+        if self.enabled:
+            failed = torch.tensor([float(error is not None)], device=self.device)
+            if self.all_reduce(failed, dist.ReduceOp.MAX).item() and error is None:
+                raise PeerFailed("rank 0 stopped (its error says why)")
+        if error is not None:
+            raise error
+        return result
+
+    def _collective(self, collective, *args, **kwargs):
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as err:  # gloo: "Connection closed by peer"; NCCL: DistBackendError
+            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+            raise PeerFailed(f"another process of this torchrun job stopped (its error says why): {first}") from None
 
     def agreed_signal(self, stop) -> signal.Signals | None:
         """The SIGTERM/SIGINT any rank's StopSignal got, or None: all ranks must stop at the same step."""
@@ -110,7 +140,7 @@ class Dist:
         if not self.enabled:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        self._collective(dist.all_gather_object, out, obj)
         return out
 
     def barrier(self) -> None:
@@ -118,9 +148,9 @@ class Dist:
             # NCCL: name this rank's GPU; a barrier before any other collective would
             # otherwise run on GPU rank % device_count (torch 2.4-2.x), maybe not ours
             if self.device is not None and self.device.type == "cuda" and dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.device.index])
+                self._collective(dist.barrier, device_ids=[self.device.index])
             else:
-                dist.barrier()
+                self._collective(dist.barrier)
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
@@ -138,6 +168,10 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but no CUDA GPU is available; use --device cpu")
+        if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(f"--device {name} under torchrun would put every process on GPU {device.index}; use "
+                             "--device cuda (each process takes its LOCAL_RANK's GPU), or CUDA_VISIBLE_DEVICES to "
+                             "choose the GPUs")
         if device.index is None:
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -314,8 +348,8 @@ class Trainer:
         self.lock = None
         made_out = not self.out.exists()
         try:
-            if self.dist.is_main:  # one writer per --out (only rank 0 writes: the lock must not stop the others)
-                self.lock = lock_out(self.out, self.print)
+            # one writer per --out: rank 0 writes for the job (if it cannot take the lock, every rank stops)
+            self.lock = self.dist.main_does(lambda: lock_out(self.out, self.print))
             self._build()
         except BaseException:  # a failed start leaves no --out behind that it made (its lock file alone)
             self.close()
@@ -677,9 +711,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         state = self.state_dict()  # collective
-        path = self.checkpoints.save(self.step, state) if self.dist.is_main else None
-        self.dist.barrier()
-        return path
+        return self.dist.main_does(lambda: self.checkpoints.save(self.step, state))  # a full disk stops every rank
 
     def maybe_resume(self) -> bool:
         """Load the checkpoint that `cfg.resume` names; True if one was loaded."""
@@ -806,10 +838,8 @@ class Trainer:
                     self.window["t0"] += time.perf_counter() - paused
             if self.step == cfg.max_steps and status == "finished":
                 if cfg.export:
-                    with ExportSignal():  # on every rank: the others wait in the barrier
-                        if self.dist.is_main:
-                            self.export(self.out / "final")
-                        self.dist.barrier()
+                    with ExportSignal():  # on every rank: the others wait for rank 0's export
+                        self.dist.main_does(lambda: self.export(self.out / "final"))
             elif status == "finished":
                 status = f"stopped at step {self.step} (stop_at)"
                 checkpoint = self.checkpoints.latest() if self.dist.is_main else None  # saved at this step

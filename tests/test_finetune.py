@@ -532,6 +532,105 @@ def test_the_cli_under_torchrun_speaks_once(task, tmp_path):
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
 
 
+def _locked_out_worker(rank, world, port, cfg, result):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        Finetuner(cfg, log=lambda *_: None).close()
+        outcome = "started"
+    except Exception as err:  # noqa: BLE001 -- recorded for the test
+        outcome = f"{type(err).__name__}: {str(err)[:40]}"
+    Path(result + f".{rank}").write_text(outcome)
+
+
+def test_under_torchrun_rank_0_failing_to_start_stops_every_rank_and_a_typo_is_said_once(task, tmp_path):
+    """--out held by another run: rank 0 alone takes the lock, and now every rank stops there (the others
+    started, read --out's checkpoints and trained into a collective that broke off: gloo's 20-line
+    traceback, a hang under NCCL). A mistyped flag is said once, not once per process."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from roberta_fast.trainer import lock_out
+
+    lock = lock_out(tmp_path / "run", lambda *_: None)  # another run's
+    try:
+        result = str(tmp_path / "outcome")
+        mp.spawn(_locked_out_worker, args=(2, free_port(), config(task, tmp_path / "run"), result), nprocs=2)
+    finally:
+        lock.release()
+    assert Path(result + ".0").read_text().startswith("ValueError: another run (pid")
+    assert Path(result + ".1").read_text() == "PeerFailed: rank 0 stopped (its error says why)"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            "-m", "roberta_fast.finetune", "--model", str(task / "model"), "--batch-sise", "4"]
+    typo = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert typo.stderr.count("unrecognized arguments: --batch-sise") == 1, typo.stderr
+
+
+def _main_does_worker(rank, world, port, result):
+    import os
+
+    from roberta_fast.trainer import Dist, PeerFailed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    d = Dist()
+    d.init(torch.device("cpu"))
+    seen = []
+    assert d.main_does(lambda: "written") == ("written" if rank == 0 else None)
+    for work in (lambda: 1 / 0, lambda: None):
+        try:
+            d.main_does(work)
+            seen.append("went on")
+        except (ZeroDivisionError, PeerFailed) as err:
+            seen.append(type(err).__name__)
+    if rank == 1:  # leaves: rank 0's next collective breaks off
+        Path(result + f".{rank}").write_text(json.dumps(seen))
+        return
+    try:
+        d.all_reduce(torch.ones(1))
+    except PeerFailed as err:
+        seen.append(str(err)[:70])
+    Path(result + f".{rank}").write_text(json.dumps(seen))
+    d.close()
+
+
+def test_main_does_stops_every_rank_when_rank_0_fails_and_a_broken_collective_is_peer_failed(tmp_path):
+    """Dist.main_does: rank 0's error stops every rank (rank 0 raises it, the others PeerFailed), instead
+    of the others waiting in a barrier rank 0 never reaches; a collective a process left breaks off as
+    PeerFailed (one line in main), not gloo's traceback."""
+    import torch.multiprocessing as mp
+
+    result = str(tmp_path / "seen")
+    mp.spawn(_main_does_worker, args=(2, free_port(), result), nprocs=2)
+    assert json.loads(Path(result + ".1").read_text()) == ["PeerFailed", "went on"]
+    rank0 = json.loads(Path(result + ".0").read_text())
+    assert rank0[:2] == ["ZeroDivisionError", "went on"]
+    assert rank0[2].startswith("another process of this torchrun job stopped (its error says why)"), rank0
+
+
+def test_under_torchrun_a_gpu_index_and_a_batch_below_the_process_count_are_refused(task, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """--device cuda:0 would put every process on GPU 0 (NCCL refuses that only at its first collective,
+    naming no flag); --batch-size 1 with 2 processes cannot be split (it said "--grad-accum 1 to 0")."""
+    from roberta_fast.trainer import resolve_device
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"--device cuda:0 under torchrun would put every process on GPU 0; use "
+                                         r"--device cuda"):
+        resolve_device("cuda:0", 1)
+    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--batch-size", "1",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert ("--batch-size 1 with 2 processes: each step's examples are split over the processes, so give a "
+            "--batch-size of at least 2") in capsys.readouterr().err
+
+
 def free_port() -> int:
     import socket
 
