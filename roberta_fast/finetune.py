@@ -55,7 +55,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import warnings
 from dataclasses import dataclass
