@@ -566,6 +566,7 @@ class Finetuner:
                         if reason:
                             self.save_checkpoint()
                             self.log(f"{reason}: checkpoint saved at step {self.step}; rerun to resume")
+                            self.dist.barrier()  # leave together (a rank gloo tears down under a peer aborts)
                             return {"stopped": reason, "step": self.step, "signal": stopped_by}
                     result = self.end_epoch(epoch, metrics)
         finally:
@@ -577,6 +578,7 @@ class Finetuner:
         if warning:
             self.log(f"warning: {warning}. Try a larger --lr (this run: {self.cfg.lr:.3g}), "
                      "more --epochs, more data or a better-pretrained model")
+        self.dist.barrier()  # leave together (a rank gloo tears down under a peer aborts)
         return {"best": self.best, "last": result, "metric": self.task.best_metric}
 
 

@@ -79,6 +79,7 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.enabled = self.world_size > 1
         self.device = None
+        self.failed_together = False  # main_does failed: every rank stops, and knows it
 
     def init(self, device: torch.device) -> None:
         """Join the process group: NCCL for GPUs, gloo for CPUs."""
@@ -114,7 +115,8 @@ class Dist:
                 error = err
         if self.enabled:
             failed = torch.tensor([float(error is not None)], device=self.device)
-            if self.all_reduce(failed, dist.ReduceOp.MAX).item() and error is None:
+            self.failed_together = bool(self.all_reduce(failed, dist.ReduceOp.MAX).item())
+            if self.failed_together and error is None:
                 raise PeerFailed("rank 0 stopped (its error says why)")
         if error is not None:
             raise error
@@ -153,7 +155,16 @@ class Dist:
                 self._collective(dist.barrier)
 
     def close(self) -> None:
+        """Leave the process group; after main_does failed, together (every rank is closing then): a process
+        that tears gloo down while a peer still uses its connections can abort the peer (SIGABRT, "terminate
+        called without an active exception"). Not after a failure of this rank alone (its peers are in
+        another collective, which a barrier here would be taken for)."""
         if self.enabled and dist.is_initialized():
+            if self.failed_together:
+                try:
+                    self.barrier()
+                except PeerFailed:  # a peer is gone already: nothing to wait for
+                    pass
             dist.destroy_process_group()
 
 
