@@ -499,6 +499,36 @@ def test_ddp_two_processes_equal_one_with_the_whole_batch(dataset, tmp_path):
     _assert_same_training(ddp["grads"], ddp["params"], grads, _params(single), single.cfg.lr)
 
 
+def _locked_out_worker(rank, world, port, dataset, out, result):
+    from pathlib import Path
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        Trainer(small_config(dataset, out), log=lambda *a: None).close()
+        outcome = "started"
+    except Exception as err:  # noqa: BLE001 -- recorded for the test
+        outcome = f"{type(err).__name__}: {str(err)[:40]}"
+    Path(f"{result}.{rank}").write_text(outcome)
+
+
+def test_ddp_ranks_stop_when_rank_0_cannot_take_the_out_lock(dataset, tmp_path):
+    """Only rank 0 takes --out's lock: held by another run, every rank stops there (rank 0 with the lock's
+    error, the others PeerFailed), where the others went on to build and train into a collective rank 0
+    never reached (gloo's traceback after the real error; a hang under NCCL)."""
+    from roberta_fast.trainer import lock_out
+
+    lock = lock_out(tmp_path / "run", lambda *a: None)  # another run's
+    try:
+        result = str(tmp_path / "outcome")
+        mp.spawn(_locked_out_worker, args=(2, _free_port(), dataset, str(tmp_path / "run"), result), nprocs=2)
+    finally:
+        lock.release()
+    assert open(result + ".0").read().startswith("ValueError: another run (pid")
+    assert open(result + ".1").read() == "PeerFailed: rank 0 stopped (its error says why)"
+
+
 def test_nccl_barrier_names_this_ranks_gpu(monkeypatch):
     """A barrier before any other NCCL collective (the trainer's first one, in
     _default_dataset) otherwise runs on GPU rank % device_count in torch 2.4-2.x,
