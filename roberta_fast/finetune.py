@@ -456,45 +456,43 @@ class Finetuner:
             self.task.after_export(self.out / "model")
 
         self.dist.main_does(export_model)
-        self.write_predictions(f"the best epoch's predictions). The checkpoint of step {self.step} is kept: the "
+        self.write_predictions("the best epoch's predictions", f". The checkpoint of step {self.step} is kept: the "
                                "rerun exports the best epoch without training again")
         self.export_pending = False
 
-    def write_predictions(self, on_full_disk: str) -> None:
+    def write_predictions(self, what: str, then: str = "") -> None:
         """OUT/predictions/valid.* from the last evaluation and, with --predict, predict.* (evaluated now);
-        collective (rank 0 writes them). A full disk: DiskSpaceError naming `on_full_disk`."""
+        collective (rank 0 writes them). A full disk: DiskSpaceError naming `what`, then saying `then`."""
         if self.predict_task is not None:
             self.evaluate(self.predict_task)
 
         def write():
+            self.task.write_predictions(self.out / "predictions" / "valid")
+            if self.predict_task is not None:
+                self.predict_task.write_predictions(self.out / "predictions" / "predict")
+
+        self.main_writes(write, what, then)
+
+    def main_writes(self, write, what: str, then: str = "") -> None:
+        """write() on rank 0 (Dist.main_does), a full disk there one DiskSpaceError naming `what`."""
+        def guarded():
             try:
-                self.task.write_predictions(self.out / "predictions" / "valid")
-                if self.predict_task is not None:
-                    self.predict_task.write_predictions(self.out / "predictions" / "predict")
+                write()
             except OSError as err:
                 if not is_no_space(err):
                     raise
-                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing {on_full_disk}") from None
+                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing {what}){then}") from None
 
-        self.dist.main_does(write)
+        self.dist.main_does(guarded)
 
     def evaluate_only(self) -> dict:
         """--eval-only: --model's validation metrics, printed and in OUT/eval_results.json (as run_glue's; a
         training run's metrics.jsonl in --out is left as it is), and its predictions."""
         result = self.evaluate()
-        self.write_predictions("the predictions)")
+        self.write_predictions("the predictions")
         record = {"model": absolute_if_local(self.cfg.model), "valid": absolute_if_local(self.cfg.valid), **result}
-
-        def write():
-            try:
-                write_text_atomic(self.out / "eval_results.json", json.dumps(record, indent=1) + "\n")
-            except OSError as err:
-                if not is_no_space(err):
-                    raise
-                raise DiskSpaceError(f"no space left on the disk of {str(self.out)!r} (writing "
-                                     "eval_results.json)") from None
-
-        self.dist.main_does(write)
+        self.main_writes(lambda: write_text_atomic(self.out / "eval_results.json", json.dumps(record, indent=1) + "\n"),
+                         "eval_results.json")
         self.log(f"--model {self.cfg.model} on {self.cfg.valid} ({len(self.task.valid)} examples): " +
                  ", ".join(f"{k} {v:.4f}" for k, v in result.items()) + f"; predictions in {self.out / 'predictions'}")
         return {"best": None, "last": result, "metric": self.task.best_metric}
