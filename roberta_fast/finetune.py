@@ -51,6 +51,7 @@ export) with status 1 and one message, the last checkpoint kept: the rerun expor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -261,8 +262,13 @@ class Finetuner:
                 "their words past it are not trained on or scored; raise --max-len to keep them")
         self.model.config.extra.update(task.config_extra())
         self.model.to(self.device)
-        for tensor in self.model.state_dict().values():  # every rank starts from rank 0's weights, as DDP does
-            self.dist.broadcast(tensor)
+        self.ddp = None
+        if self.dist.enabled:  # starts every rank from rank 0's weights; sums gradients during the backward
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(  # (no buffers to broadcast: ranks run unequal forward counts)
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True, broadcast_buffers=False)
         if self.dist.rank:  # dropout streams differ per rank; rank 0 keeps the single-process stream
             seed_everything(cfg.seed + 1_000_003 * self.dist.rank)
         self.model.check_inputs = False  # ids come from the model's own tokenizer, lengths are truncated
@@ -370,21 +376,30 @@ class Finetuner:
     def train_step(self, batch: dict) -> tuple[float, float, bool]:
         """One optimizer step on `batch`, in --grad-accum micro-batches per process: each one's mean loss
         weighted by its share of the batch's loss terms, so the gradients (summed over the processes) are
-        the whole batch's. Every process reads the same batches and takes its own micro-batches."""
+        the whole batch's. Every process reads the same batches and takes its own micro-batches; under
+        torchrun DDP sums the gradients in buckets during the last one's backward."""
         self.model.train()
-        accum, rank = self.cfg.grad_accum, self.dist.rank
-        terms = max(loss_terms(batch), 1)
+        accum, rank, world = self.cfg.grad_accum, self.dist.rank, self.dist.world_size
+        terms = loss_terms(batch)
+        split = micro_batches(batch, accum * world)
+        # a micro-batch without rows or labelled tokens has nothing to learn (its mean loss would be NaN)
+        mine = [(micro, loss_terms(micro) / terms) for micro in split[rank * accum:(rank + 1) * accum]
+                if loss_terms(micro)]
+        if self.ddp is not None and terms and not mine:
+            # every process joins DDP's gradient sum once a step: this one, without a row of its own, adds
+            # zeros (another process's first micro-batch, its loss times 0)
+            mine = [(next(micro for micro in split if loss_terms(micro)), 0.0)]
         loss = torch.zeros((), device=self.device)
-        for micro in micro_batches(batch, accum * self.dist.world_size)[rank * accum:(rank + 1) * accum]:
-            share = loss_terms(micro) / terms
-            if share == 0:  # no row, or no labelled token in it: nothing to learn (its mean loss would be NaN)
-                continue
-            with autocast(self.precision, self.device):
-                micro_loss = self.model(**{k: v.to(self.device) for k, v in micro.items()}).loss * share
-            (micro_loss * self.scaler.scale).backward()
+        for i, (micro, share) in enumerate(mine):
+            last = i == len(mine) - 1
+            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+            with sync:
+                with autocast(self.precision, self.device):
+                    micro_loss = (self.ddp or self.model)(**{k: v.to(self.device) for k, v in micro.items()}).loss
+                    micro_loss = micro_loss * share
+                (micro_loss * (self.scaler.scale * world)).backward()  # DDP averages: x world_size
             loss += micro_loss.detach().float()
         if self.dist.enabled:
-            self.sum_gradients()
             self.dist.all_reduce(loss)
         norm, skipped = self.optimizer.step(self.schedule.lr(), self.scaler.scale)
         self.optimizer.zero_grad()
@@ -392,31 +407,6 @@ class Finetuner:
         if not skipped:
             self.schedule.step()
         return float(loss), norm, skipped
-
-    def sum_gradients(self, bucket_bytes: int = 64 << 20) -> None:
-        """Every process's gradients summed (each holds its micro-batches' weighted share), in flat buckets.
-        A parameter no micro-batch of this process reached (none at all: fewer rows than processes) gets zeros
-        where another's has a gradient; one no process reached keeps none, as in a single process."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
-        self.dist.all_reduce(reached, torch.distributed.ReduceOp.MAX)
-        grads = []
-        for p, anywhere in zip(params, reached.tolist()):
-            if anywhere and p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if anywhere:
-                grads.append(p.grad)
-        buckets, size = [[]], 0  # consecutive gradients of one dtype, up to bucket_bytes each
-        for g in grads:
-            if buckets[-1] and (size + g.nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype):
-                buckets.append([])
-                size = 0
-            buckets[-1].append(g)
-            size += g.nbytes
-        for bucket in filter(None, buckets):
-            flat = self.dist.all_reduce(torch.cat([g.reshape(-1) for g in bucket]))
-            for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(summed.view_as(g))
 
     @torch.no_grad()
     def evaluate(self, task=None) -> dict:

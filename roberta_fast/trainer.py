@@ -97,12 +97,6 @@ class Dist:
             self._collective(dist.all_reduce, tensor, op=op)
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """rank 0's tensor, in place on every rank."""
-        if self.enabled:
-            self._collective(dist.broadcast, tensor, src=0)
-        return tensor
-
     def main_does(self, work):
         """work() on rank 0 while the others wait; returns its result there (None elsewhere). If it raises,
         rank 0 raises that and every other rank PeerFailed, so that none goes on alone (a lock another run
