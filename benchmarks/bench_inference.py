@@ -229,7 +229,7 @@ def rss():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 model = rf.RobertaModel(rf.RobertaConfig.from_dict(json.loads(sys.argv[1]))).eval()
 fp32 = sum(getattr(layer, name).weight.nbytes + getattr(layer, name).bias.nbytes
-           for layer in model.layers for name in LAYER_LINEARS)
+           for layer in model.encoder.layer for name in LAYER_LINEARS)
 if sys.argv[2] != "fp16":  # rf.quantize's one-off probe of the kernels (their code, not weights) runs first
     rf.quantization.sums_8bit_activations_exactly(sys.argv[2])
 before = rss()

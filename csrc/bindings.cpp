@@ -102,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("inference_layer", &rf::inference_layer,
         "One post-LN encoder layer (RobertaLayer) for CPU inference on packed Linear weights, the "
         "same ops as its Python path in one call: linears are the four layers' kernel specs "
-        "(qkv, attn_out, ffn_in, ffn_out), norms attn_norm's and ffn_norm's weight and bias. x is "
+        "(qkv, attn_out, ffn_in, ffn_out), norms attn_LayerNorm's and ffn_LayerNorm's weight and bias. x is "
         "(batch, seqlen, hidden) with an optional bool attention_mask, or (tokens, hidden) with "
         "cu_seqlens (int, batch + 1 offsets).",
         py::arg("x"), py::arg("linears"), py::arg("norms"), py::arg("attn_eps"), py::arg("ffn_eps"),

@@ -166,7 +166,7 @@ torch::Tensor inference_layer(const torch::Tensor& x, const std::vector<py::tupl
                               const std::optional<torch::Tensor>& cu_seqlens) {
   TORCH_CHECK_VALUE(linears.size() == 4 && norms.size() == 4,
                     "inference_layer: 4 Linear specs (qkv, attn_out, ffn_in, ffn_out) and 4 LayerNorm tensors "
-                    "(attn_norm weight and bias, ffn_norm weight and bias)");
+                    "(attn_LayerNorm weight and bias, ffn_LayerNorm weight and bias)");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat,
                     "inference_layer: fp32 CPU input, got ", x.scalar_type(), " on ", x.device());
   const LinearKernel qkv(linears[0]), attn_out(linears[1]), ffn_in(linears[2]), ffn_out(linears[3]);

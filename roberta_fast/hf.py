@@ -26,14 +26,15 @@ from .files import inside
 # Native name suffix <-> HF name suffix, per encoder layer ({i} is the layer index).
 _LAYER_RENAMES = {
     "attn_out": "attention.output.dense",
-    "attn_norm": "attention.output.LayerNorm",
+    "attn_LayerNorm": "attention.output.LayerNorm",
     "ffn_in": "intermediate.dense",
     "ffn_out": "output.dense",
-    "ffn_norm": "output.LayerNorm",
+    "ffn_LayerNorm": "output.LayerNorm",
 }
 _QKV = ("query", "key", "value")
 _HEADS = ("lm_head.", "classifier.", "qa_outputs.", "sbo.")  # task heads: same names in HF and here
-_LAYER_KEY = re.compile(rf"layers\.\d+\.(qkv|{'|'.join(_LAYER_RENAMES)})\.(weight|bias)")  # a layer's native keys
+# a layer's native keys
+_LAYER_KEY = re.compile(rf"encoder\.layer\.\d+\.(qkv|{'|'.join(_LAYER_RENAMES)})\.(weight|bias)")
 # HF keys that carry no weights of ours: buffers, and the decoder tied to the embeddings.
 WEIGHT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # save_pretrained's shard file names
 _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_head\.decoder\.(weight|bias)$")
@@ -41,8 +42,7 @@ _HF_IGNORED = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$|^lm_
 
 def _native_to_hf_key(key: str) -> str:
     """Rename one native key (the RobertaModel part, no prefix) to HF's name."""
-    key = key.replace("embeddings.layer_norm.", "embeddings.LayerNorm.")
-    match = re.match(r"layers\.(\d+)\.(\w+)\.(weight|bias)$", key)
+    match = re.match(r"encoder\.layer\.(\d+)\.(\w+)\.(weight|bias)$", key)
     if match:
         i, name, kind = match.groups()
         return f"encoder.layer.{i}.{_LAYER_RENAMES[name]}.{kind}"
@@ -56,7 +56,7 @@ def _hf_names(key: str, prefix: str = "") -> list[str]:
     if not key.startswith(prefix):  # the MLM head keeps its name
         return [key]
     rest = key[len(prefix):]
-    match = re.match(r"layers\.(\d+)\.qkv\.(weight|bias)$", rest)
+    match = re.match(r"encoder\.layer\.(\d+)\.qkv\.(weight|bias)$", rest)
     if match:
         i, kind = match.groups()
         return [f"{prefix}encoder.layer.{i}.attention.self.{name}.{kind}" for name in _QKV]
@@ -70,7 +70,7 @@ def native_to_hf(state_dict: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in state_dict.items():
         rest = key[len(prefix):]
-        if key.startswith(prefix) and rest.startswith("layers.") and not _LAYER_KEY.fullmatch(rest):
+        if key.startswith(prefix) and rest.startswith("encoder.layer.") and not _LAYER_KEY.fullmatch(rest):
             raise ValueError(f"state_dict key {key!r} is not an encoder layer's weight or bias, so it has no HF "
                              "name (a quantized or packed model's state?): save the fp32 model's state_dict")
         names = _hf_names(key, prefix)
@@ -111,10 +111,10 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
         match = re.match(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$", rest)
         if match and match.group(2) in hf_to_layer_name:
             i, name, kind = match.groups()
-            out[f"{prefix}layers.{i}.{hf_to_layer_name[name]}.{kind}"] = value
+            out[f"{prefix}encoder.layer.{i}.{hf_to_layer_name[name]}.{kind}"] = value
             continue
         if rest.startswith("embeddings."):
-            out[prefix + rest.replace("embeddings.LayerNorm.", "embeddings.layer_norm.")] = value
+            out[prefix + rest] = value
         elif rest.startswith("pooler.dense."):
             out[prefix + "pooler." + rest[len("pooler.dense."):]] = value
         else:
@@ -123,7 +123,7 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
         if set(parts) != set(_QKV):
             missing = sorted(set(_QKV) - set(parts))
             raise ValueError(f"checkpoint layer {i} has attention {sorted(parts)} {kind}s but lacks {missing}")
-        out[f"{prefix}layers.{i}.qkv.{kind}"] = torch.cat([parts[n] for n in _QKV], dim=0)
+        out[f"{prefix}encoder.layer.{i}.qkv.{kind}"] = torch.cat([parts[n] for n in _QKV], dim=0)
     if "lm_head.decoder.bias" in state_dict:
         out["lm_head.bias"] = state_dict["lm_head.decoder.bias"]  # the decoder's, as transformers computes
     words = f"{prefix}embeddings.word_embeddings.weight"

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -341,7 +342,7 @@ class RobertaEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, h, padding_idx=pad)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, padding_idx=pad)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
-        self.layer_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)  # transformers' name (see RobertaLayer)
         self.dropout_p = config.hidden_dropout_prob
 
     def position_ids(self, input_ids, inputs_embeds=None):
@@ -367,7 +368,7 @@ class RobertaEmbeddings(nn.Module):
             if token_type_ids is None:
                 token_type_ids = words.new_zeros(words.shape[:-1], dtype=torch.long)
             x = x + self.token_type_embeddings(token_type_ids)
-        x = _add_norm(self.layer_norm, x, None, 0.0, backend)
+        x = _add_norm(self.LayerNorm, x, None, 0.0, backend)
         p = self.dropout_p if self.training else 0.0
         return F.dropout(x, p=p, training=p > 0)
 
@@ -421,6 +422,11 @@ _GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),  # tor
 class RobertaLayer(nn.Module):
     """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x)).
 
+    Names: the Linear layers are the fused layout's (qkv, attn_out, ffn_in, ffn_out: PEFT's LoRA
+    targets); the norms carry transformers' `LayerNorm`, so that parameter groups written for
+    transformers' names (weight decay off for `["bias", "LayerNorm.weight"]`, or for
+    `"layer_norm.weight"`: the MLM head's only) pick the same parameters here.
+
     In fp32 CPU inference (plain, rf.prepack or rf.quantize) the layer runs as one C++ op
     (csrc/inference_layer.cpp): the same ops as the Python path below, bit for bit, without the
     Python between them (on a short int8 request, up to a fifth of its time; docs/inference.md).
@@ -434,10 +440,10 @@ class RobertaLayer(nn.Module):
         self.num_heads = config.num_attention_heads
         self.qkv = nn.Linear(h, 3 * h)  # rows: [query; key; value]
         self.attn_out = nn.Linear(h, h)
-        self.attn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.attn_LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.ffn_in = nn.Linear(h, i)
         self.ffn_out = nn.Linear(i, h)
-        self.ffn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.ffn_LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.hidden_dropout_p = config.hidden_dropout_prob
         self.attention_dropout_p = config.attention_probs_dropout_prob
 
@@ -455,8 +461,9 @@ class RobertaLayer(nn.Module):
         specs = self._inference_specs(x, backend, output_attentions, x_cast, cast_dtype)
         if specs is not None:
             mask, cu_seqlens = (attention_mask, None) if packed is None else (None, packed[0])
-            norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
-            x = _ext.optional("inference_layer")(x, specs, norms, self.attn_norm.eps, self.ffn_norm.eps,
+            norms = [self.attn_LayerNorm.weight, self.attn_LayerNorm.bias,
+                     self.ffn_LayerNorm.weight, self.ffn_LayerNorm.bias]
+            x = _ext.optional("inference_layer")(x, specs, norms, self.attn_LayerNorm.eps, self.ffn_LayerNorm.eps,
                                                  self.num_heads, mask, cu_seqlens)
             return x, None, None
 
@@ -477,12 +484,12 @@ class RobertaLayer(nn.Module):
             a = ops.attention(qkv, attention_mask, attention_p, backend)
         a = self.attn_out(a.reshape(*x.shape[:-1], hidden))
         ffn_cast_dtype = ops.autocast_copy_dtype(x, backend)
-        out = _add_norm(self.attn_norm, a, x, hidden_p, backend, ffn_cast_dtype)
+        out = _add_norm(self.attn_LayerNorm, a, x, hidden_p, backend, ffn_cast_dtype)
         x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
         f = _linear_gelu(self.ffn_in, x_ffn, backend)
         f = self.ffn_out(f)
-        out = _add_norm(self.ffn_norm, f, x, hidden_p, backend, cast_dtype)
+        out = _add_norm(self.ffn_LayerNorm, f, x, hidden_p, backend, cast_dtype)
         x, x_cast = out if cast_dtype is not None else (out, None)
         return x, x_cast, probs
 
@@ -498,7 +505,7 @@ class RobertaLayer(nn.Module):
                 or ops.exporting() or _ext.optional("inference_layer") is None):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
-        if any(map(_has_hooks, (*linears, self.attn_norm, self.ffn_norm))):  # the C++ op calls no module
+        if any(map(_has_hooks, (*linears, self.attn_LayerNorm, self.ffn_LayerNorm))):  # the C++ op calls no module
             return None
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
         specs = [_inference_spec(linear, tokens) for linear in linears]
@@ -507,6 +514,33 @@ class RobertaLayer(nn.Module):
 
 # transformers' forward inputs that only a decoder reads (transformers 5 names the cache `cache`)
 _DECODER_INPUTS = ("past_key_values", "cache", "encoder_hidden_states", "encoder_attention_mask")
+
+
+class RobertaEncoder(nn.Module):
+    """The layer stack, at transformers' path (`encoder.layer[i]`, parameters `encoder.layer.{i}.…`),
+    so that code freezing or grouping layers by that path selects the same layers here."""
+
+    def __init__(self, config: RobertaConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
+
+
+# The encoder's native names before they took transformers' paths and norm names: state dicts of older
+# training checkpoints and of transformers.Trainer's save_model load under the current names.
+_LEGACY_KEYS = ((re.compile(r"layers\.(\d+)\.attn_norm\."), r"encoder.layer.\1.attn_LayerNorm."),
+                (re.compile(r"layers\.(\d+)\.ffn_norm\."), r"encoder.layer.\1.ffn_LayerNorm."),
+                (re.compile(r"layers\.(\d+)\."), r"encoder.layer.\1."),
+                (re.compile(r"embeddings\.layer_norm\."), "embeddings.LayerNorm."))
+
+
+def _load_legacy_keys(state_dict, prefix, *_):
+    """load_state_dict pre-hook of RobertaModel: renames its keys written under the older names."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        for old, new in _LEGACY_KEYS:
+            if old.match(rest):
+                state_dict[prefix + old.sub(new, rest, count=1)] = state_dict.pop(key)
+                break
 
 
 class _PreTrained(nn.Module):
@@ -818,7 +852,8 @@ class RobertaModel(_PreTrained):
         super().__init__()
         config = self._setup(config, backend)
         self.embeddings = RobertaEmbeddings(config)
-        self.layers = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
+        self.encoder = RobertaEncoder(config)
+        self._register_load_state_dict_pre_hook(_load_legacy_keys)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self.unpad = True
         self.cpu_group_tokens = CPU_GROUP_TOKENS  # None: CPU inference runs each batch whole
@@ -902,9 +937,10 @@ class RobertaModel(_PreTrained):
         not row groups or unpadded tokens."""
         embeddings = self.embeddings
         modules = [embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings,
-                   embeddings.layer_norm]
-        for layer in self.layers:
-            modules += (layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out, layer.attn_norm, layer.ffn_norm)
+                   embeddings.LayerNorm]
+        for layer in self.encoder.layer:
+            modules += (layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out,
+                        layer.attn_LayerNorm, layer.ffn_LayerNorm)
         return any(map(_has_hooks, modules))
 
     def _row_groups(self, shaped, attention_mask, cu_seqlens, padded: bool = False) -> list[slice] | None:
@@ -964,8 +1000,8 @@ class RobertaModel(_PreTrained):
         packed = packing.attention_args(impl) if packing is not None else None
         cast_dtype = ops.autocast_copy_dtype(x, backend)  # None unless fused under autocast
         states, attentions, x_cast = [x], [], None
-        for i, layer in enumerate(self.layers):
-            last = i == len(self.layers) - 1  # the head casts its own (fewer) rows
+        for i, layer in enumerate(self.encoder.layer):
+            last = i == len(self.encoder.layer) - 1  # the head casts its own (fewer) rows
             args = (x, attention_mask, backend, packed, output_attentions, x_cast, None if last else cast_dtype)
             if (self.checkpointing is not None and self.training and torch.is_grad_enabled()
                     and i % self.checkpoint_every == 0):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import roberta_fast as rf
-from roberta_fast.hf import native_to_hf
+from roberta_fast.hf import _hf_names, native_to_hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
@@ -150,9 +150,9 @@ def test_labels_at_padded_positions_count_as_in_transformers_under_torch_compile
 
 HOOKED = {  # our module: transformers' (a LayerNorm or embedding our layers use by its tensors when unhooked)
     "roberta.embeddings.token_type_embeddings": "roberta.embeddings.token_type_embeddings",
-    "roberta.embeddings.layer_norm": "roberta.embeddings.LayerNorm",
-    "roberta.layers.0.attn_norm": "roberta.encoder.layer.0.attention.output.LayerNorm",
-    "roberta.layers.1.ffn_norm": "roberta.encoder.layer.1.output.LayerNorm",
+    "roberta.embeddings.LayerNorm": "roberta.embeddings.LayerNorm",
+    "roberta.encoder.layer.0.attn_LayerNorm": "roberta.encoder.layer.0.attention.output.LayerNorm",
+    "roberta.encoder.layer.1.ffn_LayerNorm": "roberta.encoder.layer.1.output.LayerNorm",
     "lm_head.layer_norm": "lm_head.layer_norm",
 }
 
@@ -177,7 +177,7 @@ def test_hooks_on_norms_and_token_types_fire_and_change_the_output_as_in_transfo
     assert not torch.allclose(actual[valid], unhooked[valid])
 
 
-@pytest.mark.parametrize("name", ["roberta.layers.1.ffn_norm", "roberta.embeddings.layer_norm"])
+@pytest.mark.parametrize("name", ["roberta.encoder.layer.1.ffn_LayerNorm", "roberta.embeddings.LayerNorm"])
 def test_a_hook_sees_the_tensors_transformers_hook_sees(name):
     """Without gradients on the CPU a batch runs unpadded and in row groups of cpu_group_tokens: a hook
     recording its module's output got (tokens, hidden) rows, or one call per group. A hooked encoder
@@ -689,7 +689,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(backend):
     model = rf.RobertaForMaskedLM(config, backend=backend).train()
     ids, mask = padded_batch("right", seed=10)
     labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
-    calls, layer = [], model.roberta.layers[0]
+    calls, layer = [], model.roberta.encoder.layer[0]
     forward = layer.forward
     layer.forward = lambda *args: calls.append(1) or forward(*args)  # counts recomputes (hooks do not see them)
     results = []
@@ -720,7 +720,7 @@ def test_checkpointing_every_n_layers_and_offloaded_as_transformers_5():
     ids, mask = padded_batch("right", seed=10)
     labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
     calls = [0] * 3
-    for i, layer in enumerate(model.roberta.layers):
+    for i, layer in enumerate(model.roberta.encoder.layer):
         layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     grads = []
     for options in ({}, {"every_n_layers": 2}, {"every_n_layers": 2, "offload": True}):
@@ -830,3 +830,53 @@ def test_positional_arguments_are_transformers(cls):
         with torch.no_grad():
             got, want = ours(ids, mask, types), hf(ids, mask, types)
         assert got.get("loss") is None and rel_err(got.logits, want.logits) < 1e-5
+
+
+# Name-based parameter selections from transformers users' code: the no_decay lists of the BERT recipe and of
+# transformers' no_trainer examples, every norm, layer-wise choices (freezing, layer-wise LR decay), embeddings
+NAME_RECIPES = {
+    "no_decay LayerNorm.weight": lambda n: any(nd in n for nd in ("bias", "LayerNorm.weight")),
+    "no_decay layer_norm.weight": lambda n: any(nd in n for nd in ("bias", "layer_norm.weight")),
+    "norms": lambda n: "LayerNorm" in n or "layer_norm" in n,
+    "layer 1": lambda n: "encoder.layer.1." in n,
+    "layer 0's norms": lambda n: "layer.0." in n and "LayerNorm" in n,
+    "embeddings": lambda n: "embeddings" in n,
+    "all": lambda n: True,
+}
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_name_based_parameter_groups_written_for_transformers_select_the_same_parameters(cls):
+    """Weight decay groups, freezing or layer-wise learning rates chosen by transformers' parameter names
+    select the same parameters here (a fused qkv counting as query, key and value): the layers sit at
+    `encoder.layer.{i}` and the norms are named `LayerNorm` as there. With other names the classic
+    `["bias", "LayerNorm.weight"]` list silently decayed every norm."""
+    hf = getattr(transformers, cls)(transformers.RobertaConfig(**FIELDS))
+    ours = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
+    prefix = "" if cls == "RobertaModel" else "roberta."
+    for recipe, chosen in NAME_RECIPES.items():
+        want = {name for name, _ in hf.named_parameters() if chosen(name)}
+        got = {hf_name for name, _ in ours.named_parameters() if chosen(name) for hf_name in _hf_names(name, prefix)}
+        assert got == want, recipe
+    assert len(ours.roberta.encoder.layer if prefix else ours.encoder.layer) == FIELDS["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM"])
+def test_state_dicts_under_the_older_native_names_still_load(cls):
+    """Training checkpoints and transformers.Trainer's save_model files written before the encoder took
+    transformers' paths (`layers.{i}`, `attn_norm`, `ffn_norm`, `embeddings.layer_norm`) load, strictly,
+    under the current names."""
+    def older(name):
+        for new, old in (("encoder.layer.", "layers."), ("attn_LayerNorm", "attn_norm"),
+                         ("ffn_LayerNorm", "ffn_norm"), ("embeddings.LayerNorm", "embeddings.layer_norm")):
+            name = name.replace(new, old)
+        return name
+
+    model = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
+    state = {older(key): value + 1 for key, value in model.state_dict().items()}
+    prefix = "" if cls == "RobertaModel" else "roberta."
+    assert {f"{prefix}layers.1.attn_norm.weight", f"{prefix}embeddings.layer_norm.bias"} <= state.keys()
+    fresh = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
+    fresh.load_state_dict(state)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[key] + 1, rtol=0, atol=0, msg=key)

@@ -136,13 +136,13 @@ def test_hooks_attention_probabilities_and_gradients_take_the_python_path(calls)
     model = rf.quantize(model_of("RobertaModel"))
     ids, mask = awkward_inputs("RobertaModel")
     seen = []
-    handle = model.layers[0].ffn_in.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    handle = model.encoder.layer[0].ffn_in.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     got, want = both_paths(model, ids, attention_mask=mask)
     assert_equal(got, want)
     assert len(seen) == 2 and len(calls) == TINY["num_hidden_layers"] - 1  # layer 0 in Python, both times
     handle.remove()
 
-    handle = model.layers[1].attn_out.register_forward_pre_hook(lambda module, args: seen.append("attn_out"))
+    handle = model.encoder.layer[1].attn_out.register_forward_pre_hook(lambda module, args: seen.append("attn_out"))
     calls.clear()
     with torch.inference_mode():
         model(ids, attention_mask=mask)
@@ -162,7 +162,7 @@ def test_hooks_attention_probabilities_and_gradients_take_the_python_path(calls)
     assert not calls and len(out.attentions) == TINY["num_hidden_layers"]
 
     plain = model_of("RobertaModel")
-    plain.layers[1].ffn_in.register_forward_hook(lambda module, args, out: seen.append("plain ffn_in"))
+    plain.encoder.layer[1].ffn_in.register_forward_hook(lambda module, args, out: seen.append("plain ffn_in"))
     with torch.inference_mode():
         plain(ids, attention_mask=mask)
     # the FFN's first Linear is called as a module when hooked (it ran its fused GELU without hooks before)
@@ -174,8 +174,8 @@ def test_hooks_attention_probabilities_and_gradients_take_the_python_path(calls)
 
 
 # the modules the layers use by their tensors when unhooked (transformers calls them: their hooks fire)
-NORMS = ("roberta.embeddings.token_type_embeddings", "roberta.embeddings.layer_norm", "roberta.layers.0.attn_norm",
-         "roberta.layers.0.ffn_norm", "lm_head.layer_norm")
+NORMS = ("roberta.embeddings.token_type_embeddings", "roberta.embeddings.LayerNorm",
+         "roberta.encoder.layer.0.attn_LayerNorm", "roberta.encoder.layer.0.ffn_LayerNorm", "lm_head.layer_norm")
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -200,7 +200,7 @@ def test_hooks_on_the_norms_and_the_token_types_fire_and_their_outputs_are_used(
     assert len(calls) == 1  # layer 0 (its norms hooked) in Python, layer 1 in C++
     assert_equal([got.logits, *got.hidden_states], [want.logits, *want.hidden_states])  # the modules' values
 
-    model.roberta.layers[1].ffn_norm.register_forward_hook(lambda module, args, out: out * 0)
+    model.roberta.encoder.layer[1].ffn_LayerNorm.register_forward_hook(lambda module, args, out: out * 0)
     with torch.inference_mode():
         got = model(ids, attention_mask=mask, output_hidden_states=True)
     assert not got.hidden_states[-1].any() and not torch.equal(got.logits, want.logits)  # the hook's output is used
@@ -214,7 +214,8 @@ def test_what_the_python_path_refuses_is_still_refused(calls):
         model(ids, attention_mask=mask)
     model.eval()
     with torch.no_grad():
-        model.layers[0].attn_norm.weight[0] = float("nan")  # the FFN's input holds NaN: no int8 scale covers it
+        # the FFN's input holds NaN: no int8 scale covers it
+        model.encoder.layer[0].attn_LayerNorm.weight[0] = float("nan")
     with torch.inference_mode(), pytest.raises(ValueError, match="non-finite activation"):
         model(ids, attention_mask=mask)
     assert len(calls) == 1  # refused in the C++ layer, with the Python path's message

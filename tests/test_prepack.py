@@ -109,8 +109,9 @@ def test_a_prepacked_model_saves_and_loads_as_the_plain_model(tmp_path):
     for model in (other, copy.deepcopy(packed)):
         for got, want in zip(outputs(model, ids, mask), outputs(packed, ids, mask), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-    bad = dict(want_state, **{"roberta.layers.0.qkv.weight": want_state["roberta.layers.0.qkv.weight"][:5]})
-    with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight: expected torch.float32 of shape"):
+    qkv = "roberta.encoder.layer.0.qkv.weight"
+    bad = dict(want_state, **{qkv: want_state[qkv][:5]})
+    with pytest.raises(RuntimeError, match=r"encoder\.layer\.0\.qkv\.weight: expected torch.float32 of shape"):
         other.load_state_dict(bad)
 
 

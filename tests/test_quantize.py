@@ -449,13 +449,15 @@ def test_a_quantized_state_dict_is_not_saved_under_a_plain_models_names(tmp_path
     were and no Linear weights (transformers then loaded a random encoder): refused, nothing written."""
     fp32 = model_of("RobertaForSequenceClassification")
     state = rf.quantize(copy.deepcopy(fp32), dtype=dtype).state_dict()
-    with pytest.raises(ValueError, match=r"quantized model's state_dict \(it holds 'roberta\.layers\.0\.qkv\.weight_"
+    with pytest.raises(ValueError, match=r"quantized model's state_dict \(it holds "
+                                         r"'roberta\.encoder\.layer\.0\.qkv\.weight_"
                                          r".*pass the fp32 model's state_dict"):
         fp32.save_pretrained(tmp_path / "out", state_dict=state)
     assert not (tmp_path / "out").exists()
     # any other key of an encoder layer has no HF name either: refused by name, not passed through
-    state = {**fp32.state_dict(), "roberta.layers.1.ffn_in.weight_packed": torch.zeros(1)}
-    with pytest.raises(ValueError, match=r"'roberta\.layers\.1\.ffn_in\.weight_packed' is not an encoder layer's "
+    state = {**fp32.state_dict(), "roberta.encoder.layer.1.ffn_in.weight_packed": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"'roberta\.encoder\.layer\.1\.ffn_in\.weight_packed' is not an encoder "
+                                         r"layer's "
                                          r"weight or bias.*save the fp32 model's state_dict"):
         fp32.save_pretrained(tmp_path / "out", state_dict=state)
     assert not (tmp_path / "out").exists()
@@ -477,12 +479,12 @@ def test_a_quantized_state_dict_loads_into_a_quantized_model(engine):
 def test_a_quantized_state_dict_is_checked_and_copies_deeply():
     model = rf.quantize(model_of("RobertaModel"), engine="fbgemm")
     state = model.state_dict()
-    assert state["layers.0.qkv.weight_int8"].dtype == torch.int8
-    bad = dict(state, **{"layers.0.qkv.weight_int8": state["layers.0.qkv.weight_int8"][:, :5]})
-    with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight_int8: expected torch.int8 of shape"):
+    assert state["encoder.layer.0.qkv.weight_int8"].dtype == torch.int8
+    bad = dict(state, **{"encoder.layer.0.qkv.weight_int8": state["encoder.layer.0.qkv.weight_int8"][:, :5]})
+    with pytest.raises(RuntimeError, match=r"encoder\.layer\.0\.qkv\.weight_int8: expected torch.int8 of shape"):
         rf.quantize(model_of("RobertaModel")).load_state_dict(bad)
-    del state["layers.1.ffn_out.bias"]
-    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers\.1\.ffn_out\.bias\""):
+    del state["encoder.layer.1.ffn_out.bias"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"encoder\.layer\.1\.ffn_out\.bias\""):
         rf.quantize(model_of("RobertaModel")).load_state_dict(state)
     twin = copy.deepcopy(model)
     ids, mask = awkward_inputs("RobertaModel")
@@ -495,7 +497,7 @@ def test_a_quantized_layers_state_cannot_be_assigned(dtype):
     """Its state is read back from the packed weights: assigning it is refused with the way that
     works (it was a KeyError, "attribute 'bias' already exists", or a property without a setter)."""
     model = rf.quantize(model_of("RobertaModel"), dtype=dtype)
-    layer = model.layers[0].qkv
+    layer = model.encoder.layer[0].qkv
     for name in layer.STATE:
         for value in (getattr(layer, name), torch.nn.Parameter(getattr(layer, name).float())):
             with pytest.raises(AttributeError, match=rf"\.{name} is read back .* model\.load_state_dict"):
@@ -509,7 +511,7 @@ def assert_a_partial_state_dict_loads_as_into_the_plain_model(pack):
     fp32 = model_of("RobertaForMaskedLM")
     model = pack(copy.deepcopy(fp32))
     biases = {key: value + 0.5 for key, value in fp32.state_dict().items() if key.endswith("bias")}
-    assert "roberta.layers.0.qkv.bias" in biases and "lm_head.bias" in biases
+    assert "roberta.encoder.layer.0.qkv.bias" in biases and "lm_head.bias" in biases
     result = model.load_state_dict(biases, strict=False)
     assert set(result.missing_keys) == set(model.state_dict()) - set(biases) and not result.unexpected_keys
     fp32.load_state_dict(biases, strict=False)
@@ -588,7 +590,7 @@ def test_quantize_refuses_arguments_it_cannot_honour():
         rf.quantize(rf.quantize(model_of("RobertaModel"), dtype=torch.float16))
     with torch.no_grad():
         fp32 = model_of("RobertaModel")
-        fp32.layers[1].ffn_out.weight[0, 0] = 1e6
+        fp32.encoder.layer[1].ffn_out.weight[0, 0] = 1e6
     with pytest.raises(ValueError, match="ffn_out of encoder block 1 has a weight of magnitude 1e.06, beyond fp16"):
         rf.quantize(fp32, dtype=torch.float16)
     assert not rf.quantization.is_quantized(fp32)  # refused before any layer was swapped
@@ -642,7 +644,7 @@ def test_the_qnnpack_engine_runs_8bit_activations_on_every_cpu(monkeypatch):
     finally:
         sums_8bit_activations_exactly.cache_clear()  # the real CPU's answers for the other tests
     torch.manual_seed(0)
-    q = model.layers[0].ffn_in
+    q = model.encoder.layer[0].ffn_in
     x = torch.randn(16, TINY["hidden_size"])
     with torch.inference_mode():
         torch.testing.assert_close(q(x), int8_linear_ref(x, q.weight_int8, q.weight_scale, q.bias, 255),
@@ -691,7 +693,7 @@ def test_8bit_activations_halve_the_error():
 def test_an_fp16_weight_state_dict_loads_into_an_fp16_weight_model_and_no_other():
     source = rf.quantize(model_of("RobertaModel"), dtype=torch.float16)
     state = source.state_dict()
-    assert state["layers.0.qkv.weight_fp16"].dtype == torch.float16 and "layers.0.qkv.weight" not in state
+    assert state["encoder.layer.0.qkv.weight_fp16"].dtype == torch.float16 and "encoder.layer.0.qkv.weight" not in state
     target = rf.quantize(model_of("RobertaModel", seed=1), dtype=torch.float16)
     target.load_state_dict(state)
     ids, mask = awkward_inputs("RobertaModel")
@@ -699,10 +701,11 @@ def test_an_fp16_weight_state_dict_loads_into_an_fp16_weight_model_and_no_other(
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     for g, w in zip(outputs(copy.deepcopy(source), ids, mask), outputs(source, ids, mask)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers\.0\.qkv\.weight_int8\""):
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"encoder\.layer\.0\.qkv\.weight_int8\""):
         rf.quantize(model_of("RobertaModel")).load_state_dict(state)  # int8 layers are not fp16 ones
-    with pytest.raises(RuntimeError, match=r"layers\.0\.qkv\.weight_fp16: expected torch.float16 of shape"):
-        target.load_state_dict(dict(state, **{"layers.0.qkv.weight_fp16": state["layers.0.qkv.weight_fp16"].float()}))
+    with pytest.raises(RuntimeError, match=r"encoder\.layer\.0\.qkv\.weight_fp16: expected torch.float16 of shape"):
+        qkv = "encoder.layer.0.qkv.weight_fp16"
+        target.load_state_dict(dict(state, **{qkv: state[qkv].float()}))
 
 
 def test_fp16_weights_trace_combine_with_prepack_and_count_parameters():
