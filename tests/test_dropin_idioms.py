@@ -1,7 +1,8 @@
 """The drop-in classes under the transformers idioms users write: left-padded batches on the unpadded
 path, config.problem_type / id2label set after loading, from_pretrained and save_pretrained keyword
-arguments, broadcast (1, seqlen) position and token type ids, use_cache. Each against transformers
-itself on a tiny config, or a clear refusal where roberta_fast does not do what transformers would.
+arguments, broadcast (1, seqlen) position and token type ids, use_cache, parameter groups chosen by
+transformers' parameter names. Each against transformers itself on a tiny config, or a clear refusal
+where roberta_fast does not do what transformers would.
 """
 import json
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import roberta_fast as rf
+from roberta_fast.hf import _hf_names
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,3 +198,55 @@ def test_question_answering_loss_unpadded_on_the_cpu_is_as_documented():
         assert (got.start_logits[1, 6:] == ours.qa_outputs.bias[0]).all() and not torch.isclose(got.loss, want.loss)
         ours.roberta.unpad = False
         torch.testing.assert_close(ours(ids, attention_mask=mask, **positions).loss, want.loss)
+
+
+CLASSES = ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
+           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaForMultipleChoice"]
+# Name-based parameter selections from transformers users' code: the no_decay lists of the BERT recipe and of
+# transformers' no_trainer examples, every norm, layer-wise choices (freezing, layer-wise LR decay), embeddings
+NAME_RECIPES = {
+    "no_decay LayerNorm.weight": lambda n: any(nd in n for nd in ("bias", "LayerNorm.weight")),
+    "no_decay layer_norm.weight": lambda n: any(nd in n for nd in ("bias", "layer_norm.weight")),
+    "norms": lambda n: "LayerNorm" in n or "layer_norm" in n,
+    "layer 1": lambda n: "encoder.layer.1." in n,
+    "layer 0's norms": lambda n: "layer.0." in n and "LayerNorm" in n,
+    "embeddings": lambda n: "embeddings" in n,
+    "all": lambda n: True,
+}
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_name_based_parameter_groups_written_for_transformers_select_the_same_parameters(cls):
+    """Weight decay groups, freezing or layer-wise learning rates chosen by transformers' parameter names
+    select the same parameters here (a fused qkv counting as query, key and value): the layers sit at
+    `encoder.layer.{i}` and the norms are named `LayerNorm` as there. With other names the classic
+    `["bias", "LayerNorm.weight"]` list silently decayed every norm."""
+    hf = getattr(transformers, cls)(transformers.RobertaConfig(**FIELDS))
+    ours = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
+    prefix = "" if cls == "RobertaModel" else "roberta."
+    for recipe, chosen in NAME_RECIPES.items():
+        want = {name for name, _ in hf.named_parameters() if chosen(name)}
+        got = {hf_name for name, _ in ours.named_parameters() if chosen(name) for hf_name in _hf_names(name, prefix)}
+        assert got == want, recipe
+    assert len(ours.roberta.encoder.layer if prefix else ours.encoder.layer) == FIELDS["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM"])
+def test_state_dicts_under_the_older_native_names_still_load(cls):
+    """Training checkpoints and transformers.Trainer's save_model files written before the encoder took
+    transformers' paths (`layers.{i}`, `attn_norm`, `ffn_norm`, `embeddings.layer_norm`) load, strictly,
+    under the current names."""
+    def older(name):
+        for new, old in (("encoder.layer.", "layers."), ("attn_LayerNorm", "attn_norm"),
+                         ("ffn_LayerNorm", "ffn_norm"), ("embeddings.LayerNorm", "embeddings.layer_norm")):
+            name = name.replace(new, old)
+        return name
+
+    model = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
+    state = {older(key): value + 1 for key, value in model.state_dict().items()}
+    prefix = "" if cls == "RobertaModel" else "roberta."
+    assert {f"{prefix}layers.1.attn_norm.weight", f"{prefix}embeddings.layer_norm.bias"} <= state.keys()
+    fresh = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
+    fresh.load_state_dict(state)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[key] + 1, rtol=0, atol=0, msg=key)
