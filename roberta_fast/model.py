@@ -448,7 +448,7 @@ class RobertaLayer(nn.Module):
         self.attention_dropout_p = config.attention_probs_dropout_prob
 
     def forward(self, x, attention_mask=None, backend="reference", packed=None, output_attentions=False,
-                x_cast=None, cast_dtype=None):
+                x_cast=None, cast_dtype=None, hooked=False):
         """x: (batch, seqlen, hidden), or (total_tokens, hidden) when `packed` = (cu_seqlens, max_seqlen,
         min_seqlen) (_Packing.attention_args).
 
@@ -456,8 +456,17 @@ class RobertaLayer(nn.Module):
         half copy. x_cast: that copy of x, written by the previous fused LayerNorm, read by
         the QKV projection instead of autocast casting x again; cast_dtype: have the last
         LayerNorm write such a copy of the output too (ops.autocast_copy_dtype).
-        Returns (x, x's copy in cast_dtype or None, attention probabilities or None).
+        Returns (x, x's copy in cast_dtype or None, attention probabilities or None); hooked=True
+        (the layer has forward hooks) returns x alone, as transformers' layer does, so that a hook sees
+        and may replace the tensor it would there (the probabilities then in self.attention_probs).
         """
+        if hooked:
+            x, _, self.attention_probs = self._run(x, attention_mask, backend, packed, output_attentions)
+            return x
+        return self._run(x, attention_mask, backend, packed, output_attentions, x_cast, cast_dtype)
+
+    def _run(self, x, attention_mask, backend, packed, output_attentions, x_cast=None, cast_dtype=None):
+        """forward's computation: (x, x_cast, probs)."""
         specs = self._inference_specs(x, backend, output_attentions, x_cast, cast_dtype)
         if specs is not None:
             mask, cu_seqlens = (attention_mask, None) if packed is None else (None, packed[0])
@@ -935,11 +944,15 @@ class RobertaModel(_PreTrained):
         """Whether a module of the encoder has forward (pre-)hooks (or global ones are set): then the batch
         runs whole and padded, so each hook sees the (batch, seqlen, ...) tensors transformers' would,
         not row groups or unpadded tokens."""
-        embeddings = self.embeddings
-        modules = [embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings,
-                   embeddings.LayerNorm]
-        for layer in self.encoder.layer:
-            modules += (layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out,
+        embeddings, encoder = self.embeddings, self.encoder
+        if encoder._forward_hooks or encoder._forward_pre_hooks:
+            raise ValueError("a forward hook on the encoder (model.encoder) would never be called: roberta_fast runs "
+                             "its layers from RobertaModel itself. Hook model.encoder.layer[-1] instead (its output "
+                             "is the last hidden state), or pass output_hidden_states=True")
+        modules = [embeddings, embeddings.word_embeddings, embeddings.position_embeddings,
+                   embeddings.token_type_embeddings, embeddings.LayerNorm]
+        for layer in encoder.layer:
+            modules += (layer, layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out,
                         layer.attn_LayerNorm, layer.ffn_LayerNorm)
         return any(map(_has_hooks, modules))
 
@@ -1002,14 +1015,17 @@ class RobertaModel(_PreTrained):
         states, attentions, x_cast = [x], [], None
         for i, layer in enumerate(self.encoder.layer):
             last = i == len(self.encoder.layer) - 1  # the head casts its own (fewer) rows
-            args = (x, attention_mask, backend, packed, output_attentions, x_cast, None if last else cast_dtype)
+            hooked = _has_hooks(layer)  # its hooks see transformers' output: x alone (its half copy dropped)
+            args = (x, attention_mask, backend, packed, output_attentions,
+                    *((None, None, True) if hooked else (x_cast, None if last else cast_dtype)))
             if (self.checkpointing is not None and self.training and torch.is_grad_enabled()
                     and i % self.checkpoint_every == 0):
                 with (torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if self.checkpoint_offload
                       else contextlib.nullcontext()):
-                    x, x_cast, probs = torch.utils.checkpoint.checkpoint(layer, *args, **self.checkpointing)
+                    out = torch.utils.checkpoint.checkpoint(layer, *args, **self.checkpointing)
             else:
-                x, x_cast, probs = layer(*args)
+                out = layer(*args)
+            x, x_cast, probs = (out, None, layer.__dict__.pop("attention_probs", None)) if hooked else out
             states.append(x)
             if output_attentions:
                 attentions.append(probs)

@@ -148,18 +148,21 @@ def test_labels_at_padded_positions_count_as_in_transformers_under_torch_compile
         assert rel_err(actual.logits, expected.logits) < 1e-5
 
 
-HOOKED = {  # our module: transformers' (a LayerNorm or embedding our layers use by its tensors when unhooked)
+HOOKED = {  # our module: transformers' (norms and embeddings our layers use by their tensors when unhooked)
     "roberta.embeddings.token_type_embeddings": "roberta.embeddings.token_type_embeddings",
     "roberta.embeddings.LayerNorm": "roberta.embeddings.LayerNorm",
     "roberta.encoder.layer.0.attn_LayerNorm": "roberta.encoder.layer.0.attention.output.LayerNorm",
     "roberta.encoder.layer.1.ffn_LayerNorm": "roberta.encoder.layer.1.output.LayerNorm",
     "lm_head.layer_norm": "lm_head.layer_norm",
+    "roberta.embeddings": "roberta.embeddings",  # modules transformers users hook for features
+    "roberta.encoder.layer.0": "roberta.encoder.layer.0",
+    "roberta.encoder.layer.1": "roberta.encoder.layer.1",
 }
 
 
 @pytest.mark.parametrize("name", HOOKED)
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "grad"])
-def test_hooks_on_norms_and_token_types_fire_and_change_the_output_as_in_transformers(name, grad):
+def test_hooks_on_norms_embeddings_and_layers_fire_and_change_the_output_as_in_transformers(name, grad):
     hf = hf_model("RobertaForMaskedLM")
     ours = rf.RobertaForMaskedLM.from_pretrained(hf)
     ids, mask = padded_batch("right")
@@ -177,7 +180,8 @@ def test_hooks_on_norms_and_token_types_fire_and_change_the_output_as_in_transfo
     assert not torch.allclose(actual[valid], unhooked[valid])
 
 
-@pytest.mark.parametrize("name", ["roberta.encoder.layer.1.ffn_LayerNorm", "roberta.embeddings.LayerNorm"])
+@pytest.mark.parametrize("name", ["roberta.encoder.layer.1.ffn_LayerNorm", "roberta.embeddings.LayerNorm",
+                                  "roberta.encoder.layer.0", "roberta.embeddings"])
 def test_a_hook_sees_the_tensors_transformers_hook_sees(name):
     """Without gradients on the CPU a batch runs unpadded and in row groups of cpu_group_tokens: a hook
     recording its module's output got (tokens, hidden) rows, or one call per group. A hooked encoder
@@ -194,6 +198,26 @@ def test_a_hook_sees_the_tensors_transformers_hook_sees(name):
         ours(ids, attention_mask=mask)
     assert len(seen["ours"]) == len(seen["hf"]) == 1
     assert rel_err(seen["ours"][0], seen["hf"][0]) < 1e-5  # the pad positions included
+
+
+def test_a_hooked_layer_still_gives_the_attentions_and_an_encoder_hook_is_refused():
+    """A layer with a hook returns its hidden states alone (transformers' layer output), yet the model still
+    returns output_attentions' probabilities. A hook on model.encoder, which roberta_fast never calls (it
+    runs the layers itself), is refused, not silently skipped."""
+    hf = hf_model("RobertaModel")
+    ours = rf.RobertaModel.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    ours.encoder.layer[0].register_forward_hook(lambda module, args, out: None)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, output_attentions=True)
+        actual = ours(ids, attention_mask=mask, output_attentions=True)
+    assert len(actual.attentions) == FIELDS["num_hidden_layers"]
+    for got, want in zip(actual.attentions, expected.attentions):
+        assert rel_err(got, want) < 1e-5
+    ours.encoder.register_forward_hook(lambda module, args, out: None)
+    with pytest.raises(ValueError, match=r"a forward hook on the encoder \(model.encoder\) would never be called: "
+                                         r".*Hook model.encoder.layer\[-1\] instead"):
+        ours(ids, attention_mask=mask)
 
 
 def test_from_pretrained_refuses_a_torch_ao_quantized_model_naming_the_fix():
