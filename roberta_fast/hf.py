@@ -446,6 +446,10 @@ def load_pretrained(cls, path_or_model, backend: str = "auto", dtype: torch.dtyp
     if device is not None:
         model.to(device=device)
     model.eval()
+    name = getattr(path_or_model, "name_or_path", "") if isinstance(path_or_model, torch.nn.Module) else path_or_model
+    for module in model.modules():  # the model and its encoder, as transformers' share their config's
+        if hasattr(module, "name_or_path"):
+            module.name_or_path = str(name)
     if output_loading_info:
         return model, {"missing_keys": set(missing), "unexpected_keys": set(unexpected),
                        "mismatched_keys": mismatched, "error_msgs": []}

@@ -571,6 +571,8 @@ class _PreTrained(nn.Module):
     def _setup(self, config: RobertaConfig, backend: str) -> RobertaConfig:
         """Keep the config (a transformers RobertaConfig is read through its to_dict) and the backend;
         returns the RobertaConfig the model is built from."""
+        # transformers' attribute (PEFT writes it as the adapter's base model): from_pretrained's path or Hub name
+        self.name_or_path = str(getattr(config, "name_or_path", "") or "")
         if not isinstance(config, RobertaConfig) and hasattr(config, "to_dict"):
             config = RobertaConfig.from_dict(config.to_dict())
         self.config = config

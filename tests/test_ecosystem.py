@@ -1,6 +1,8 @@
 """The drop-in classes in the tools transformers users train with: transformers.Trainer, and
 PEFT LoRA on the fused layout (target names `qkv`, `attn_out`, `ffn_in`, `ffn_out`), merged
 and saved for transformers; a LoRA adapter trained on transformers' own model comes over merged."""
+import json
+
 import pytest
 import torch
 
@@ -116,6 +118,22 @@ def test_lora_on_the_fused_names_trains_merges_and_loads_in_transformers(tmp_pat
         back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
         merged.roberta.unpad = False
         torch.testing.assert_close(back(**data).logits, merged(**data).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_saved_lora_adapter_names_the_base_model_directory_as_from_transformers(tmp_path):
+    """PEFT writes the model's name_or_path (from_pretrained's path or Hub name, as transformers sets it)
+    into adapter_config.json as the base model, which loading the adapter by itself reads; it was null."""
+    peft = pytest.importorskip("peft", reason="LoRA needs peft: pip install peft")
+    hf, _ = classifier()
+    hf.save_pretrained(tmp_path / "base")
+    written = {}
+    for name, cls, targets in (("hf", transformers.RobertaForSequenceClassification, ["query", "value"]),
+                               ("rf", rf.RobertaForSequenceClassification, ["qkv"])):
+        model = cls.from_pretrained(tmp_path / "base")
+        peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets)).save_pretrained(tmp_path / name)
+        written[name] = json.loads((tmp_path / name / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert written["rf"] == written["hf"] == str(tmp_path / "base")
+    assert rf.RobertaModel(rf.RobertaConfig(**FIELDS)).name_or_path == ""  # built from a config, as there
 
 
 def test_a_lora_adapter_trained_on_transformers_model_comes_over_merged(tmp_path):
