@@ -343,7 +343,7 @@ class RobertaEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, padding_idx=pad)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
         self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)  # transformers' name (see RobertaLayer)
-        self.dropout_p = config.hidden_dropout_prob
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def position_ids(self, input_ids, inputs_embeds=None):
         """RoBERTa positions: pads get padding_idx, tokens padding_idx + 1, + 2, ... (fairseq).
@@ -369,8 +369,37 @@ class RobertaEmbeddings(nn.Module):
                 token_type_ids = words.new_zeros(words.shape[:-1], dtype=torch.long)
             x = x + self.token_type_embeddings(token_type_ids)
         x = _add_norm(self.LayerNorm, x, None, 0.0, backend)
-        p = self.dropout_p if self.training else 0.0
-        return F.dropout(x, p=p, training=p > 0)
+        return _dropout(self.dropout, x)
+
+
+def _dropout_p(dropout: nn.Module) -> float | None:
+    """The probability `dropout` applies now, for the fused ops that take it as a number: an nn.Dropout's p
+    in training mode, else 0 (an nn.Identity: 0). None for any other module, or one with forward hooks:
+    the caller calls it as a module. The modules are transformers' (p set on them, MC dropout's .train()
+    on them alone, a replacement all take effect), the fused kernels still get a float."""
+    if _has_hooks(dropout):
+        return None
+    if type(dropout) is nn.Dropout:
+        return dropout.p if dropout.training else 0.0
+    return 0.0 if type(dropout) is nn.Identity else None
+
+
+def _dropout(dropout: nn.Module, x):
+    """dropout(x) as the module applies it (F.dropout, as nn.Dropout calls it, and no call when it is off)."""
+    p = _dropout_p(dropout)
+    return dropout(x) if p is None else F.dropout(x, p=p, training=p > 0)
+
+
+def _attention_dropout_p(dropout: nn.Module) -> float:
+    """The attention probabilities' dropout, applied inside the attention kernels: an nn.Dropout's p
+    (0 out of training mode or for an nn.Identity); a module of another kind, or hooked, is refused
+    rather than silently not called (global hooks are not this module's: they are left uncalled)."""
+    if dropout._forward_hooks or dropout._forward_pre_hooks or type(dropout) not in (nn.Dropout, nn.Identity):
+        raise ValueError(f"an encoder layer's attention_dropout is {type(dropout).__name__}"
+                         f"{' with forward hooks' if type(dropout) is nn.Dropout else ''}: the attention kernels "
+                         "apply the attention probabilities' dropout themselves, from an nn.Dropout's p; set its p "
+                         "(0 turns it off) or call .eval() on it instead")
+    return dropout.p if type(dropout) is nn.Dropout and dropout.training else 0.0
 
 
 def _linear_gelu(linear: nn.Module, x, backend: str):
@@ -387,11 +416,17 @@ def _linear_gelu(linear: nn.Module, x, backend: str):
     return F.gelu(linear(x))
 
 
-def _add_norm(norm: nn.LayerNorm, x, residual, dropout_p: float, backend: str, cast_dtype=None):
-    """ops.dropout_add_layer_norm with `norm`'s parameters; a norm with forward (pre-)hooks is called
-    as a module on dropout(x) + residual, so its hooks fire and a hook's returned output is used,
-    as in transformers (cast_dtype: the copy the next matmul reads, cast from that output)."""
-    if not _has_hooks(norm):
+def _plain_norm(norm: nn.Module) -> bool:
+    """Whether `norm` is exactly an nn.LayerNorm with weight and bias, unhooked: the fused ops compute it."""
+    return type(norm) is nn.LayerNorm and norm.weight is not None and norm.bias is not None and not _has_hooks(norm)
+
+
+def _add_norm(norm: nn.Module, x, residual, dropout_p: float, backend: str, cast_dtype=None):
+    """ops.dropout_add_layer_norm with `norm`'s parameters. Any other norm is called as a module on
+    dropout(x) + residual, as transformers calls it: one with forward (pre-)hooks (they fire, a hook's
+    returned output is used), a replacement (an RMSNorm, a subclass with its own forward) or a LayerNorm
+    without weight or bias (cast_dtype: the copy the next matmul reads, cast from that output)."""
+    if _plain_norm(norm):
         return ops.dropout_add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, dropout_p, backend,
                                           cast_dtype)
     if dropout_p > 0:
@@ -444,8 +479,8 @@ class RobertaLayer(nn.Module):
         self.ffn_in = nn.Linear(h, i)
         self.ffn_out = nn.Linear(i, h)
         self.ffn_LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
-        self.hidden_dropout_p = config.hidden_dropout_prob
-        self.attention_dropout_p = config.attention_probs_dropout_prob
+        self.attention_dropout = nn.Dropout(config.attention_probs_dropout_prob)  # of the attention probabilities
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout_prob)  # of each sublayer's output, before add + norm
 
     def forward(self, x, attention_mask=None, backend="reference", packed=None, output_attentions=False,
                 x_cast=None, cast_dtype=None, hooked=False):
@@ -477,8 +512,8 @@ class RobertaLayer(nn.Module):
             return x, None, None
 
         hidden = x.shape[-1]
-        hidden_p = self.hidden_dropout_p if self.training else 0.0
-        attention_p = self.attention_dropout_p if self.training else 0.0
+        hidden_p = _dropout_p(self.hidden_dropout)  # None: a module to call on each sublayer's output
+        attention_p = _attention_dropout_p(self.attention_dropout)
 
         qkv = self.qkv(x if x_cast is None else x_cast)
         # (batch, seqlen, 3, heads, head_dim), or (tokens, 3, heads, head_dim) when packed
@@ -492,13 +527,17 @@ class RobertaLayer(nn.Module):
         else:
             a = ops.attention(qkv, attention_mask, attention_p, backend)
         a = self.attn_out(a.reshape(*x.shape[:-1], hidden))
+        if hidden_p is None:
+            a = self.hidden_dropout(a)
         ffn_cast_dtype = ops.autocast_copy_dtype(x, backend)
-        out = _add_norm(self.attn_LayerNorm, a, x, hidden_p, backend, ffn_cast_dtype)
+        out = _add_norm(self.attn_LayerNorm, a, x, hidden_p or 0.0, backend, ffn_cast_dtype)
         x, x_ffn = out if ffn_cast_dtype is not None else (out, out)
 
         f = _linear_gelu(self.ffn_in, x_ffn, backend)
         f = self.ffn_out(f)
-        out = _add_norm(self.ffn_LayerNorm, f, x, hidden_p, backend, cast_dtype)
+        if hidden_p is None:
+            f = self.hidden_dropout(f)
+        out = _add_norm(self.ffn_LayerNorm, f, x, hidden_p or 0.0, backend, cast_dtype)
         x, x_cast = out if cast_dtype is not None else (out, None)
         return x, x_cast, probs
 
@@ -514,8 +553,11 @@ class RobertaLayer(nn.Module):
                 or ops.exporting() or _ext.optional("inference_layer") is None):
             return None
         linears = (self.qkv, self.attn_out, self.ffn_in, self.ffn_out)
-        if any(map(_has_hooks, (*linears, self.attn_LayerNorm, self.ffn_LayerNorm))):  # the C++ op calls no module
-            return None
+        norms = (self.attn_LayerNorm, self.ffn_LayerNorm)
+        if any(map(_has_hooks, linears)) or not all(map(_plain_norm, norms)):
+            return None  # the C++ op calls no module
+        if _dropout_p(self.hidden_dropout) != 0.0 or _attention_dropout_p(self.attention_dropout) != 0.0:
+            return None  # dropout in an eval-mode model (Monte Carlo dropout: .train() on the Dropout modules)
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
         specs = [_inference_spec(linear, tokens) for linear in linears]
         return None if None in specs else specs  # None: an adapter, or a packed layer in training
@@ -567,6 +609,18 @@ class _PreTrained(nn.Module):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)
+
+    _ENCODE_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "output_hidden_states",
+                    "output_attentions", "cu_seqlens", "max_seqlen", "inputs_embeds", "padded")
+
+    def _encoded(self, *args, **kwargs) -> BaseModelOutput:
+        """A head's encoder outputs: self.roberta.encode(*args, **kwargs) on inputs the head has checked, or
+        the call transformers' heads make, self.roberta(...), where code written for them expects it: forward
+        hooks on model.roberta, a wrapper (torch.compile(model.roberta)), a replaced forward."""
+        encoder = self.roberta
+        if type(encoder) is RobertaModel and "forward" not in encoder.__dict__ and not _has_hooks(encoder):
+            return encoder.encode(*args, **kwargs)
+        return encoder(**dict(zip(self._ENCODE_ARGS, args)), **kwargs, return_dict=True)
 
     def _setup(self, config: RobertaConfig, backend: str) -> RobertaConfig:
         """Keep the config (a transformers RobertaConfig is read through its to_dict) and the backend;
@@ -875,12 +929,14 @@ class RobertaModel(_PreTrained):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None, **kwargs):
+                return_dict: bool | None = None, cu_seqlens=None, max_seqlen: int | None = None,
+                padded: bool = False, **kwargs):
+        """transformers' RobertaModel call (padded: encode's, when a head calls it as a module)."""
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids,
                                             cu_seqlens, max_seqlen=max_seqlen)
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                          output_hidden_states, output_attentions, cu_seqlens, max_seqlen, inputs_embeds)
+                          output_hidden_states, output_attentions, cu_seqlens, max_seqlen, inputs_embeds, padded)
         return self._result(out, return_dict)
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -952,10 +1008,10 @@ class RobertaModel(_PreTrained):
                              "its layers from RobertaModel itself. Hook model.encoder.layer[-1] instead (its output "
                              "is the last hidden state), or pass output_hidden_states=True")
         modules = [embeddings, embeddings.word_embeddings, embeddings.position_embeddings,
-                   embeddings.token_type_embeddings, embeddings.LayerNorm]
+                   embeddings.token_type_embeddings, embeddings.LayerNorm, embeddings.dropout]
         for layer in encoder.layer:
             modules += (layer, layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out,
-                        layer.attn_LayerNorm, layer.ffn_LayerNorm)
+                        layer.attn_LayerNorm, layer.ffn_LayerNorm, layer.hidden_dropout)
         return any(map(_has_hooks, modules))
 
     def _row_groups(self, shaped, attention_mask, cu_seqlens, padded: bool = False) -> list[slice] | None:
@@ -1200,10 +1256,10 @@ class RobertaForMaskedLM(_PreTrained):
             # Flat indices of the predicted positions, found before the encoder runs: the host
             # sync (for their count; and _labels_on_padding's) then waits for the masking, not the encoder.
             predicted = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (num_predicted,)
-        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, cu_seqlens, max_seqlen,
-                                      inputs_embeds, padded=_labels_on_padding(self.roberta, shaped, labels,
-                                                                               attention_mask))
+        encoded = self._encoded(input_ids, attention_mask, token_type_ids, position_ids,
+                                output_hidden_states, output_attentions, cu_seqlens, max_seqlen,
+                                inputs_embeds, padded=_labels_on_padding(self.roberta, shaped, labels,
+                                                                         attention_mask))
         x = encoded.last_hidden_state
         backend = self._backend_for(x)
         if masked_only:
@@ -1267,12 +1323,11 @@ class RobertaClassificationHead(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, num_labels)
         dropout = config.classifier_dropout
-        self.dropout_p = config.hidden_dropout_prob if dropout is None else dropout
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
 
     def forward(self, x):
-        p = self.dropout_p if self.training else 0.0
-        x = F.dropout(x[:, 0], p=p, training=p > 0)  # (batch, hidden) at <s>
-        x = F.dropout(torch.tanh(self.dense(x)), p=p, training=p > 0)
+        x = _dropout(self.dropout, x[:, 0])  # (batch, hidden) at <s>
+        x = _dropout(self.dropout, torch.tanh(self.dense(x)))
         return self.out_proj(x)
 
 
@@ -1298,8 +1353,8 @@ class RobertaForSequenceClassification(_PreTrained):
                 output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs):
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
-        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+        encoded = self._encoded(input_ids, attention_mask, token_type_ids, position_ids,
+                                output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
         logits = self.classifier(encoded.last_hidden_state)
         loss = None if labels is None else self._loss(logits, labels)
         out = SequenceClassifierOutput(loss, logits, encoded.hidden_states, encoded.attentions)
@@ -1338,7 +1393,7 @@ class RobertaForTokenClassification(_PreTrained):
         self.num_labels = _num_labels(config, num_labels)
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         dropout = config.classifier_dropout
-        self.dropout_p = config.hidden_dropout_prob if dropout is None else dropout
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
         self.classifier = nn.Linear(config.hidden_size, self.num_labels)
         self.apply(self._init_weights)
 
@@ -1348,13 +1403,12 @@ class RobertaForTokenClassification(_PreTrained):
         """Logits (batch, seqlen, num_labels); labels (batch, seqlen) give the loss."""
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
-        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds,
-                                      padded=_labels_on_padding(
-                                          self.roberta, input_ids if input_ids is not None else inputs_embeds,
-                                          labels, attention_mask))
-        p = self.dropout_p if self.training else 0.0
-        logits = self.classifier(F.dropout(encoded.last_hidden_state, p=p, training=p > 0))
+        encoded = self._encoded(input_ids, attention_mask, token_type_ids, position_ids,
+                                output_hidden_states, output_attentions, inputs_embeds=inputs_embeds,
+                                padded=_labels_on_padding(
+                                    self.roberta, input_ids if input_ids is not None else inputs_embeds,
+                                    labels, attention_mask))
+        logits = self.classifier(_dropout(self.dropout, encoded.last_hidden_state))
         loss = None
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
@@ -1392,8 +1446,8 @@ class RobertaForQuestionAnswering(_PreTrained):
         """start_logits, end_logits (batch, seqlen); start/end_positions (batch,) give the loss."""
         self._decoder_inputs(kwargs)
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
-        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+        encoded = self._encoded(input_ids, attention_mask, token_type_ids, position_ids,
+                                output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
         logits = self.qa_outputs(encoded.last_hidden_state)  # (batch, seqlen, 2)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
@@ -1432,7 +1486,7 @@ class RobertaForMultipleChoice(_PreTrained):
         super().__init__()
         config = self._setup(config, backend)
         self.roberta = RobertaModel(config, add_pooling_layer=True, backend=backend)
-        self.dropout_p = config.hidden_dropout_prob
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.apply(self._init_weights)
 
@@ -1460,10 +1514,9 @@ class RobertaForMultipleChoice(_PreTrained):
         input_ids, token_type_ids, attention_mask, position_ids, inputs_embeds = (
             flat(t) for t in (input_ids, token_type_ids, attention_mask, position_ids, inputs_embeds))
         attention_mask = self._checked_mask(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
-        encoded = self.roberta.encode(input_ids, attention_mask, token_type_ids, position_ids,
-                                      output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
-        p = self.dropout_p if self.training else 0.0
-        logits = self.classifier(F.dropout(encoded.pooler_output, p=p, training=p > 0)).view(batch, num_choices)
+        encoded = self._encoded(input_ids, attention_mask, token_type_ids, position_ids,
+                                output_hidden_states, output_attentions, inputs_embeds=inputs_embeds)
+        logits = self.classifier(_dropout(self.dropout, encoded.pooler_output)).view(batch, num_choices)
         loss = None
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.shape != (batch,):

@@ -854,3 +854,96 @@ def test_positional_arguments_are_transformers(cls):
         with torch.no_grad():
             got, want = ours(ids, mask, types), hf(ids, mask, types)
         assert got.get("loss") is None and rel_err(got.logits, want.logits) < 1e-5
+
+
+@pytest.mark.parametrize("cls", DROPIN)
+def test_dropout_lives_in_dropout_modules_as_in_transformers(cls):
+    """Dropout is applied by nn.Dropout modules, as transformers': p = 0 set on all of them turns it off in
+    training mode, and Monte Carlo dropout (.eval(), then .train() on the Dropout modules alone) samples
+    a new output per call, also without gradients (where the C++ inference layer would have run without
+    dropout). Before, the modules did not exist: their p and mode changed nothing, silently."""
+    hf = hf_model(cls, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
+    ours = getattr(rf, cls).from_pretrained(hf)
+    ids, mask = dropin_inputs(cls)
+    for model in (hf, ours):
+        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+        assert len(dropouts) >= 2 * FIELDS["num_hidden_layers"] + 1
+        with torch.no_grad():
+            evaluated = main_output(model(ids, attention_mask=mask))
+            for m in dropouts:
+                m.train()
+            sampled = [main_output(model(ids, attention_mask=mask)) for _ in range(2)]
+            assert not torch.allclose(sampled[0], sampled[1]) and not torch.allclose(sampled[0], evaluated)
+            for m in dropouts:
+                m.p = 0.0
+            model.train()
+            torch.testing.assert_close(main_output(model(ids, attention_mask=mask)), evaluated, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replace", ["identity", "subclass"])
+def test_a_replaced_dropout_or_layer_norm_module_is_called_as_in_transformers(replace):
+    """A module swapped in for a Dropout or a LayerNorm is called, as transformers calls it: an
+    nn.Identity turns dropout off, and a LayerNorm subclass with its own forward changes the output the
+    same way in both. The attention probabilities' dropout is read for its p in both (the attention
+    kernels apply it); one of another kind, which they cannot call, is refused."""
+    class ScaledNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    hf = hf_model("RobertaForSequenceClassification")
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf)
+    ids, mask = dropin_inputs("RobertaForSequenceClassification")
+    for model in (hf, ours):
+        model.train()
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if name == "attention_dropout" or type(parent).__name__.endswith("SelfAttention"):
+                    child.p = 0.0  # transformers reads the attention dropout's p too (for SDPA), never calls it
+                elif isinstance(child, torch.nn.Dropout):
+                    setattr(parent, name, torch.nn.Identity())
+                elif replace == "subclass" and type(child) is torch.nn.LayerNorm:
+                    norm = ScaledNorm(child.normalized_shape, eps=child.eps)
+                    norm.load_state_dict(child.state_dict())
+                    setattr(parent, name, norm)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        actual = ours(ids, attention_mask=mask).logits
+        assert rel_err(actual, expected) < 1e-5
+        if replace == "subclass":  # the swap changed the function
+            assert not torch.allclose(actual, rf.RobertaForSequenceClassification.from_pretrained(hf)(
+                ids, attention_mask=mask).logits, atol=1e-3)
+    ours.roberta.encoder.layer[0].attention_dropout = torch.nn.Dropout1d(0.1)
+    with pytest.raises(ValueError, match="attention_dropout is Dropout1d: the attention kernels apply"):
+        ours(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("cls", DROPIN[1:])
+def test_a_heads_encoder_is_called_as_a_module_where_transformers_code_expects_it(cls):
+    """A head calls model.roberta as transformers' heads do where that shows: a forward hook on it fires
+    and its returned outputs are used (the same logits as transformers' with the same hook), and
+    torch.compile(model.roberta) is what runs. Before, the heads called its encode method: the hook never
+    fired and the compiled module was bypassed, silently."""
+    hf = hf_model(cls)
+    ours = getattr(rf, cls).from_pretrained(hf)
+    ids, mask = dropin_inputs(cls)
+
+    def doubled(module, args, out):
+        return type(out)(**{name: value * 2 for name, value in out.items() if isinstance(value, torch.Tensor)})
+
+    with torch.no_grad():
+        unhooked = main_output(ours(ids, attention_mask=mask))
+        hooks = [model.roberta.register_forward_hook(doubled) for model in (hf, ours)]
+        expected, actual = (main_output(model(ids, attention_mask=mask)) for model in (hf, ours))
+        valid = mask.bool() if actual.shape[:2] == mask.shape else ...  # per token: pads are computed from zeros here
+        assert rel_err(actual[valid], expected[valid]) < 1e-5 and not torch.allclose(actual, unhooked)
+        for hook in hooks:
+            hook.remove()
+        graphs = []
+
+        def backend(graph, example_inputs):  # torch.compile's backend: called for each graph it compiles
+            graphs.append(graph)
+            return graph.forward
+
+        ours.roberta = torch.compile(ours.roberta, backend=backend)
+        torch.testing.assert_close(main_output(ours(ids, attention_mask=mask)), unhooked, rtol=1e-5, atol=1e-6)
+        assert graphs
