@@ -46,8 +46,6 @@ def _native_to_hf_key(key: str) -> str:
     if match:
         i, name, kind = match.groups()
         return f"encoder.layer.{i}.{_LAYER_RENAMES[name]}.{kind}"
-    if key.startswith("pooler."):
-        return "pooler.dense." + key[len("pooler."):]
     return key
 
 
@@ -113,10 +111,8 @@ def hf_to_native(state_dict: dict, prefix: str = "") -> tuple[dict, list[str]]:
             i, name, kind = match.groups()
             out[f"{prefix}encoder.layer.{i}.{hf_to_layer_name[name]}.{kind}"] = value
             continue
-        if rest.startswith("embeddings."):
+        if rest.startswith(("embeddings.", "pooler.dense.")):
             out[prefix + rest] = value
-        elif rest.startswith("pooler.dense."):
-            out[prefix + "pooler." + rest[len("pooler.dense."):]] = value
         else:
             unknown.append(key)
     for (i, kind), parts in qkv.items():

@@ -576,12 +576,26 @@ class RobertaEncoder(nn.Module):
         self.layer = nn.ModuleList(RobertaLayer(config) for _ in range(config.num_hidden_layers))
 
 
+class RobertaPooler(nn.Module):
+    """tanh(dense(the first token's hidden state)), transformers' module (a hook on it sees the same
+    (batch, seqlen, hidden) input and (batch, hidden) output)."""
+
+    def __init__(self, config: RobertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states):
+        return self.activation(self.dense(hidden_states[:, 0]))
+
+
 # The encoder's native names before they took transformers' paths and norm names: state dicts of older
 # training checkpoints and of transformers.Trainer's save_model load under the current names.
 _LEGACY_KEYS = ((re.compile(r"layers\.(\d+)\.attn_norm\."), r"encoder.layer.\1.attn_LayerNorm."),
                 (re.compile(r"layers\.(\d+)\.ffn_norm\."), r"encoder.layer.\1.ffn_LayerNorm."),
                 (re.compile(r"layers\.(\d+)\."), r"encoder.layer.\1."),
-                (re.compile(r"embeddings\.layer_norm\."), "embeddings.LayerNorm."))
+                (re.compile(r"embeddings\.layer_norm\."), "embeddings.LayerNorm."),
+                (re.compile(r"pooler\.(weight|bias)$"), r"pooler.dense.\1"))
 
 
 def _load_legacy_keys(state_dict, prefix, *_):
@@ -919,7 +933,7 @@ class RobertaModel(_PreTrained):
         self.embeddings = RobertaEmbeddings(config)
         self.encoder = RobertaEncoder(config)
         self._register_load_state_dict_pre_hook(_load_legacy_keys)
-        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
+        self.pooler = RobertaPooler(config) if add_pooling_layer else None
         self.unpad = True
         self.cpu_group_tokens = CPU_GROUP_TOKENS  # None: CPU inference runs each batch whole
         # torch.utils.checkpoint's kwargs while gradient checkpointing is on (transformers' config flag too)
@@ -1012,6 +1026,8 @@ class RobertaModel(_PreTrained):
         for layer in encoder.layer:
             modules += (layer, layer.qkv, layer.attn_out, layer.ffn_in, layer.ffn_out,
                         layer.attn_LayerNorm, layer.ffn_LayerNorm, layer.hidden_dropout)
+        if self.pooler is not None:  # called on the whole batch, as transformers' pooler
+            modules += (self.pooler, self.pooler.dense)
         return any(map(_has_hooks, modules))
 
     def _row_groups(self, shaped, attention_mask, cu_seqlens, padded: bool = False) -> list[slice] | None:
@@ -1090,7 +1106,7 @@ class RobertaModel(_PreTrained):
         if packing is not None:
             x = packing.unpack(x)
             states = [packing.unpack(h) for h in states] if output_hidden_states else states
-        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
+        pooled = self.pooler(x) if self.pooler is not None else None
         return BaseModelOutput(x, pooled, tuple(states) if output_hidden_states else None,
                                tuple(attentions) if output_attentions else None, () if output_attentions else None)
 

@@ -947,3 +947,20 @@ def test_a_heads_encoder_is_called_as_a_module_where_transformers_code_expects_i
         ours.roberta = torch.compile(ours.roberta, backend=backend)
         torch.testing.assert_close(main_output(ours(ids, attention_mask=mask)), unhooked, rtol=1e-5, atol=1e-6)
         assert graphs
+
+
+def test_the_pooler_is_transformers_module():
+    """model.pooler is transformers' RobertaPooler (pooler.dense, tanh): a hook on it sees the same
+    (batch, seqlen, hidden) input and its returned output is the pooler_output, as there. Before, it was a
+    bare Linear called on the first token, its output taken before tanh."""
+    hf = hf_model("RobertaModel")
+    ours = rf.RobertaModel.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    seen = {}
+    for name, model in (("hf", hf), ("ours", ours)):
+        model.pooler.register_forward_hook(lambda module, args, out, name=name: seen.update({name: args[0]}) or out + 1)
+    with torch.no_grad():
+        expected, actual = hf(input_ids=ids, attention_mask=mask), ours(ids, attention_mask=mask)
+    assert seen["ours"].shape == seen["hf"].shape == (4, 22, FIELDS["hidden_size"])
+    assert rel_err(actual.pooler_output, expected.pooler_output) < 1e-5
+    assert bool((actual.pooler_output > 1).any())  # tanh's range, shifted by the hook

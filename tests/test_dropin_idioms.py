@@ -211,6 +211,7 @@ NAME_RECIPES = {
     "layer 1": lambda n: "encoder.layer.1." in n,
     "layer 0's norms": lambda n: "layer.0." in n and "LayerNorm" in n,
     "embeddings": lambda n: "embeddings" in n,
+    "pooler": lambda n: "pooler.dense." in n,
     "all": lambda n: True,
 }
 
@@ -234,11 +235,12 @@ def test_name_based_parameter_groups_written_for_transformers_select_the_same_pa
 @pytest.mark.parametrize("cls", ["RobertaModel", "RobertaForMaskedLM"])
 def test_state_dicts_under_the_older_native_names_still_load(cls):
     """Training checkpoints and transformers.Trainer's save_model files written before the encoder took
-    transformers' paths (`layers.{i}`, `attn_norm`, `ffn_norm`, `embeddings.layer_norm`) load, strictly,
-    under the current names."""
+    transformers' paths (`layers.{i}`, `attn_norm`, `ffn_norm`, `embeddings.layer_norm`, `pooler`) load,
+    strictly, under the current names."""
     def older(name):
         for new, old in (("encoder.layer.", "layers."), ("attn_LayerNorm", "attn_norm"),
-                         ("ffn_LayerNorm", "ffn_norm"), ("embeddings.LayerNorm", "embeddings.layer_norm")):
+                         ("ffn_LayerNorm", "ffn_norm"), ("embeddings.LayerNorm", "embeddings.layer_norm"),
+                         ("pooler.dense.", "pooler.")):
             name = name.replace(new, old)
         return name
 
@@ -246,6 +248,7 @@ def test_state_dicts_under_the_older_native_names_still_load(cls):
     state = {older(key): value + 1 for key, value in model.state_dict().items()}
     prefix = "" if cls == "RobertaModel" else "roberta."
     assert {f"{prefix}layers.1.attn_norm.weight", f"{prefix}embeddings.layer_norm.bias"} <= state.keys()
+    assert cls != "RobertaModel" or "pooler.weight" in state
     fresh = getattr(rf, cls)(rf.RobertaConfig(**FIELDS))
     fresh.load_state_dict(state)
     for key, value in fresh.state_dict().items():

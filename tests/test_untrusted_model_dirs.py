@@ -89,8 +89,8 @@ def test_loaded_weights_are_copies_and_only_missing_ones_are_initialised(tmp_pat
     model = rf.RobertaModel.from_pretrained(hf)  # no pooler there
     words = hf.embeddings.word_embeddings.weight
     assert not any(p.data_ptr() == words.data_ptr() for p in model.parameters())
-    assert model.pooler.weight.std().item() == pytest.approx(model.config.initializer_range, rel=0.5)
-    assert not model.pooler.bias.any() and all(p.requires_grad for p in model.parameters())
+    assert model.pooler.dense.weight.std().item() == pytest.approx(model.config.initializer_range, rel=0.5)
+    assert not model.pooler.dense.bias.any() and all(p.requires_grad for p in model.parameters())
     encoder = tmp_path / "encoder"
     rf.RobertaModel(rf.RobertaConfig(**TINY)).save_pretrained(encoder)
     mlm = rf.RobertaForMaskedLM.from_pretrained(encoder, dtype=torch.float16)
