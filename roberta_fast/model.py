@@ -598,14 +598,43 @@ _LEGACY_KEYS = ((re.compile(r"layers\.(\d+)\.attn_norm\."), r"encoder.layer.\1.a
                 (re.compile(r"pooler\.(weight|bias)$"), r"pooler.dense.\1"))
 
 
-def _load_legacy_keys(state_dict, prefix, *_):
-    """load_state_dict pre-hook of RobertaModel: renames its keys written under the older names."""
+# A key only transformers' RobertaModel has: its separate query/key/value and sublayer modules, or a buffer.
+_TRANSFORMERS_KEY = re.compile(r"encoder\.layer\.\d+\.(attention\.|intermediate\.|output\.)"
+                               r"|embeddings\.(position_ids|token_type_ids)$")
+
+
+def _load_other_names(state_dict, prefix, *_):
+    """load_state_dict pre-hook of RobertaModel: its keys under the older native names, or under
+    transformers' (model.load_state_dict(torch.load("pytorch_model.bin")), as transformers users load
+    one: query, key and value fused into qkv, its buffers dropped, by hf.hf_to_native) are renamed to the
+    current ones. A key of neither kind is left for load_state_dict to report."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rest = key[len(prefix):]
         for old, new in _LEGACY_KEYS:
             if old.match(rest):
                 state_dict[prefix + old.sub(new, rest, count=1)] = state_dict.pop(key)
                 break
+    ours = {key[len(prefix):]: key for key in state_dict if key.startswith(prefix)}
+    if any(_TRANSFORMERS_KEY.match(rest) for rest in ours):
+        from .hf import hf_to_native
+
+        theirs = {rest: state_dict.pop(key) for rest, key in ours.items()}
+        native, unknown = hf_to_native(theirs)
+        state_dict.update({prefix + rest: value for rest, value in (*native.items(),
+                                                                   *((k, theirs[k]) for k in unknown))})
+
+
+def _load_transformers_decoder(state_dict, prefix, *_):
+    """load_state_dict pre-hook of RobertaForMaskedLM: transformers' MLM head also holds the tied decoder
+    (lm_head.decoder.weight, the word embeddings; lm_head.decoder.bias, the head's bias). An untied one is
+    refused: this head always reads the word embeddings."""
+    head = prefix + "lm_head."
+    weight, bias = state_dict.pop(head + "decoder.weight", None), state_dict.pop(head + "decoder.bias", None)
+    words = state_dict.get(prefix + "roberta.embeddings.word_embeddings.weight")
+    if weight is not None and words is not None and not torch.equal(weight, words):
+        raise ValueError(untied_decoder_error("the state dict has"))
+    if bias is not None:
+        state_dict.setdefault(head + "bias", bias)
 
 
 class _PreTrained(nn.Module):
@@ -932,7 +961,7 @@ class RobertaModel(_PreTrained):
         config = self._setup(config, backend)
         self.embeddings = RobertaEmbeddings(config)
         self.encoder = RobertaEncoder(config)
-        self._register_load_state_dict_pre_hook(_load_legacy_keys)
+        self._register_load_state_dict_pre_hook(_load_other_names)
         self.pooler = RobertaPooler(config) if add_pooling_layer else None
         self.unpad = True
         self.cpu_group_tokens = CPU_GROUP_TOKENS  # None: CPU inference runs each batch whole
@@ -1234,6 +1263,7 @@ class RobertaForMaskedLM(_PreTrained):
             raise ValueError(untied_decoder_error("the config asks for"))
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.lm_head = RobertaLMHead(config)
+        self._register_load_state_dict_pre_hook(_load_transformers_decoder)
         self.apply(self._init_weights)
         nn.init.zeros_(self.lm_head.bias)
 

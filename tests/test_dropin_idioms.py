@@ -253,3 +253,26 @@ def test_state_dicts_under_the_older_native_names_still_load(cls):
     fresh.load_state_dict(state)
     for key, value in fresh.state_dict().items():
         torch.testing.assert_close(value, model.state_dict()[key] + 1, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_load_state_dict_takes_a_transformers_state_dict(cls):
+    """model.load_state_dict(transformers_model.state_dict()) (a pytorch_model.bin, as transformers users
+    load one) loads strictly, query/key/value fused into qkv: the same outputs as from_pretrained. Before,
+    strict=True named missing keys and strict=False silently kept the random encoder weights. An MLM
+    whose decoder differs from its word embeddings is refused, as from_pretrained refuses it."""
+    hf = hf_model(cls)
+    state = hf.state_dict()
+    ours = getattr(rf, cls)(hf.config).eval()  # transformers' config: its layer_norm_eps 1e-12 too
+    ours.load_state_dict(state)
+    loaded = getattr(rf, cls).from_pretrained(hf)
+    ids, mask = left_padded()
+    if cls == "RobertaForMultipleChoice":
+        ids, mask = ids[None], mask[None]
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask), loaded(ids, attention_mask=mask)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    if cls == "RobertaForMaskedLM":
+        untied = {**state, "lm_head.decoder.weight": state["lm_head.decoder.weight"] + 1}
+        with pytest.raises(ValueError, match="an MLM decoder that is not its word embeddings"):
+            ours.load_state_dict(untied)
