@@ -1115,6 +1115,11 @@ class RobertaModel(_PreTrained):
         x = self.embeddings(input_ids, token_type_ids, position_ids, backend, inputs_embeds)
         packed = packing.attention_args(impl) if packing is not None else None
         cast_dtype = ops.autocast_copy_dtype(x, backend)  # None unless fused under autocast
+        if (self.checkpointing is not None and self.checkpointing.get("use_reentrant") and self.training
+                and torch.is_grad_enabled() and not x.requires_grad):
+            # frozen embeddings: reentrant checkpointing would give the layers no gradient (transformers
+            # calls enable_input_require_grads for it; a hook would send the batch down the padded path)
+            x = x.requires_grad_(True)
         states, attentions, x_cast = [x], [], None
         for i, layer in enumerate(self.encoder.layer):
             last = i == len(self.encoder.layer) - 1  # the head casts its own (fewer) rows

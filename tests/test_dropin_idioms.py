@@ -5,6 +5,7 @@ transformers' parameter names. Each against transformers itself on a tiny config
 where roberta_fast does not do what transformers would.
 """
 import json
+import warnings
 
 import pytest
 import torch
@@ -276,3 +277,23 @@ def test_load_state_dict_takes_a_transformers_state_dict(cls):
         untied = {**state, "lm_head.decoder.weight": state["lm_head.decoder.weight"] + 1}
         with pytest.raises(ValueError, match="an MLM decoder that is not its word embeddings"):
             ours.load_state_dict(untied)
+
+
+def test_reentrant_gradient_checkpointing_on_frozen_embeddings_still_trains_the_layers():
+    """gradient_checkpointing_enable({"use_reentrant": True}) with the embeddings frozen: the checkpointed
+    layers get their gradients, as transformers gives them (it makes the embeddings' output require grad).
+    Before, no encoder layer got a gradient, with only torch's warning."""
+    hf = hf_model("RobertaForSequenceClassification")
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf).train()
+    ids, mask = left_padded()
+    grads = {}
+    for name, model in (("hf", hf.train()), ("ours", ours)):
+        model.get_input_embeddings().requires_grad_(False)
+        model.roberta.embeddings.requires_grad_(False)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's use_reentrant notices
+            model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0])).loss.backward()
+        grads[name] = {n for n, p in model.named_parameters() if p.grad is not None and "encoder.layer" in n}
+    assert len(grads["ours"]) == 12 * FIELDS["num_hidden_layers"] and grads["hf"]
