@@ -160,14 +160,16 @@ def _tracing() -> bool:
 
 
 def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_type_ids=None,
-                 position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None, max_seqlen=None):
+                 position_ids=None, cu_seqlens=None, labels=None, inputs_embeds=None, max_seqlen=None,
+                 vocab_size: int | None = None):
     """Raise ValueError naming the problem for inputs that would index out of range.
 
     Runs before any kernel, so a user mistake never becomes a device-side assert. On a
     GPU this costs one host synchronisation (the id range); models fed by a validated
     data pipeline can turn it off with `model.check_inputs = False`.
     inputs_embeds (batch, seqlen, hidden) replaces input_ids, as in transformers.
-    max_seqlen, given with cu_seqlens, must be at least the longest segment.
+    max_seqlen, given with cu_seqlens, must be at least the longest segment. vocab_size: the word
+    embeddings' rows, where a table set with set_input_embeddings differs from config.vocab_size.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds (the word embeddings of the tokens)")
@@ -218,7 +220,7 @@ def check_inputs(config: RobertaConfig, input_ids, attention_mask=None, token_ty
 
     ranges = []
     if inputs_embeds is None:
-        ranges.append(("input_ids", input_ids, config.vocab_size, "vocab_size"))
+        ranges.append(("input_ids", input_ids, vocab_size or config.vocab_size, "vocab_size"))
     if token_type_ids is not None:
         ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"))
     if position_ids is not None:
@@ -739,8 +741,9 @@ class _PreTrained(nn.Module):
         if isinstance(shaped, torch.Tensor) and shaped.dim() >= 2:
             attention_mask = key_padding_mask(attention_mask, *shaped.shape[:2])
         if self.check_inputs:
+            words = getattr(self.get_input_embeddings(), "num_embeddings", None)  # the table the ids index
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens, labels,
-                         inputs_embeds, max_seqlen)
+                         inputs_embeds, max_seqlen, vocab_size=words)
         return attention_mask
 
     # ------------------------------------------------- transformers' model methods

@@ -297,3 +297,18 @@ def test_reentrant_gradient_checkpointing_on_frozen_embeddings_still_trains_the_
             model(ids, attention_mask=mask, labels=torch.tensor([0, 1, 0])).loss.backward()
         grads[name] = {n for n, p in model.named_parameters() if p.grad is not None and "encoder.layer" in n}
     assert len(grads["ours"]) == 12 * FIELDS["num_hidden_layers"] and grads["hf"]
+
+
+def test_ids_are_checked_against_the_word_embeddings_the_model_holds():
+    """After set_input_embeddings with a larger table (config.vocab_size unchanged, as in transformers) an
+    id past the config's vocabulary but inside the table runs, as there; one past the table is refused."""
+    hf = hf_model("RobertaModel")
+    ours = rf.RobertaModel.from_pretrained(hf)
+    for model in (hf, ours):
+        torch.manual_seed(1)
+        model.set_input_embeddings(torch.nn.Embedding(FIELDS["vocab_size"] + 30, FIELDS["hidden_size"], padding_idx=1))
+    ids = torch.tensor([[0, 120, 5, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).last_hidden_state, hf(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match=r"input_ids holds values in \[0, 130\] but must lie in \[0, 130\)"):
+            ours(torch.tensor([[0, 130, 2]]))
