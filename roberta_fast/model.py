@@ -447,13 +447,16 @@ def _inference_spec(linear: nn.Module, tokens: int) -> tuple | None:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would call forward (pre-)hooks: its own or the global ones
-    (nn.modules.module.register_module_forward_hook); where it would, the layer calls it as a module."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1])
+    """Whether calling `module` would call hooks: forward (pre-)hooks or (full) backward hooks, its own or
+    the global ones (nn.modules.module.register_module_forward_hook, ...); where it would, the model calls
+    it as a module, with the inputs and outputs transformers' would have."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or any(_GLOBAL_HOOKS))
 
 
-_GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),  # torch's dicts, mutated in place
-                 getattr(nn.modules.module, "_global_forward_pre_hooks", {}))
+_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, name, {})  # torch's dicts, mutated in place
+                      for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                                   "_global_backward_pre_hooks"))
 
 
 class RobertaLayer(nn.Module):
@@ -1049,7 +1052,8 @@ class RobertaModel(_PreTrained):
         runs whole and padded, so each hook sees the (batch, seqlen, ...) tensors transformers' would,
         not row groups or unpadded tokens."""
         embeddings, encoder = self.embeddings, self.encoder
-        if encoder._forward_hooks or encoder._forward_pre_hooks:
+        if any((encoder._forward_hooks, encoder._forward_pre_hooks, encoder._backward_hooks,
+                encoder._backward_pre_hooks)):
             raise ValueError("a forward hook on the encoder (model.encoder) would never be called: roberta_fast runs "
                              "its layers from RobertaModel itself. Hook model.encoder.layer[-1] instead (its output "
                              "is the last hidden state), or pass output_hidden_states=True")

@@ -964,3 +964,23 @@ def test_the_pooler_is_transformers_module():
     assert seen["ours"].shape == seen["hf"].shape == (4, 22, FIELDS["hidden_size"])
     assert rel_err(actual.pooler_output, expected.pooler_output) < 1e-5
     assert bool((actual.pooler_output > 1).any())  # tanh's range, shifted by the hook
+
+
+def test_a_full_backward_hook_on_a_layer_sees_transformers_gradients():
+    """register_full_backward_hook on encoder.layer[i]: grad_output is the one gradient of the layer's
+    hidden states (batch, seqlen, hidden), the same as transformers'. Before, the layer's internal
+    (x, its half copy, probabilities) output gave a 3-tuple."""
+    hf = hf_model("RobertaForSequenceClassification")
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf).train()
+    ours.roberta.unpad = False
+    ids, mask = padded_batch("right")
+    seen = {}
+    for name, model in (("hf", hf.train()), ("ours", ours)):
+        model.roberta.encoder.layer[0].register_full_backward_hook(
+            lambda module, grad_input, grad_output, name=name: seen.update({name: grad_output}))
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    assert len(seen["ours"]) == len(seen["hf"]) == 1
+    assert rel_err(seen["ours"][0][mask.bool()], seen["hf"][0][mask.bool()]) < 1e-4
