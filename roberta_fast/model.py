@@ -1022,6 +1022,7 @@ class RobertaModel(_PreTrained):
         """
         shaped = input_ids if inputs_embeds is None else inputs_embeds
         token_type_ids, position_ids = (_batch_rows(t, shaped.shape[0]) for t in (token_type_ids, position_ids))
+        self._check_layers()
         hooked = self._hooked()  # then the batch runs whole and padded: hooks see transformers' shapes
         padded = padded or (hooked and attention_mask is not None)
         groups = None if hooked else self._row_groups(shaped, attention_mask, cu_seqlens, padded)
@@ -1046,6 +1047,22 @@ class RobertaModel(_PreTrained):
     def runs_unpadded(self, shaped) -> bool:
         """Whether a padded batch like `shaped` (input_ids or inputs_embeds) runs unpadded (ops.unpad_impl)."""
         return self.unpad and ops.unpad_impl(self._backend_for(shaped), shaped.device, self.config.head_dim) is not None
+
+    def _check_layers(self) -> None:
+        """Refuse a layer replaced by another kind of module (a user's block written for transformers'
+        layer): the encoder calls its layers with its own arguments and reads their own outputs, which
+        another module would take and give differently, silently. Wrappers around a RobertaLayer
+        (torch.compile's, FSDP's, a checkpoint wrapper) are its own."""
+        for i, layer in enumerate(self.encoder.layer):
+            inner = layer
+            for attribute in ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
+                inner = getattr(inner, attribute, inner)
+            if not isinstance(inner, RobertaLayer):
+                raise ValueError(f"encoder.layer[{i}] is a {type(layer).__name__}, not a RobertaLayer: roberta_fast's "
+                                 "encoder calls its layers with its own arguments (a fused qkv, a boolean mask, "
+                                 "unpadded tokens) and reads their own outputs. Change the layer's modules instead "
+                                 "(qkv, attn_out, ffn_in, ffn_out, the LayerNorms), or hook the layer: its hooks see "
+                                 "transformers' tensors")
 
     def _hooked(self) -> bool:
         """Whether a module of the encoder has forward (pre-)hooks (or global ones are set): then the batch

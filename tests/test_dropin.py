@@ -984,3 +984,28 @@ def test_a_full_backward_hook_on_a_layer_sees_transformers_gradients():
         model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
     assert len(seen["ours"]) == len(seen["hf"]) == 1
     assert rel_err(seen["ours"][0][mask.bool()], seen["hf"][0][mask.bool()]) < 1e-4
+
+
+def test_a_layer_replaced_by_another_module_is_refused():
+    """A user's block put in place of encoder.layer[i] would be called with the encoder's own arguments
+    and its output read as (hidden, half copy, probabilities): a block returning a (3, seqlen, hidden)
+    tensor was silently taken apart row by row. It is refused, naming what to change instead; a layer
+    compiled by torch.compile still runs."""
+    class Block(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+    ours = rf.RobertaModel.from_pretrained(hf_model("RobertaModel"))
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        expected = ours(ids, attention_mask=mask).last_hidden_state
+        ours.encoder.layer[0] = torch.compile(ours.encoder.layer[0], backend="eager")
+        torch.testing.assert_close(ours(ids, attention_mask=mask).last_hidden_state, expected)
+        ours.encoder.layer[1] = Block(ours.encoder.layer[1])
+        with pytest.raises(ValueError, match=r"encoder.layer\[1\] is a Block, not a RobertaLayer: .* or hook the "
+                                             r"layer: its hooks see transformers' tensors"):
+            ours(ids[:3], attention_mask=mask[:3])
