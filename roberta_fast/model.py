@@ -796,13 +796,17 @@ class _PreTrained(nn.Module):
         """The MLM decoder as transformers exposes it: a Linear whose weight IS the word embeddings'
         parameter and whose bias is the head's (not a copy: changing either changes the model; on a
         prepacked or quantized model, `.data` writes are seen only after rf.prepack / rf.quantize
-        again, docs/inference.md); None for models without an MLM head."""
+        again, docs/inference.md); None for models without an MLM head. The same object every call while
+        those two are the head's tensors, so a hook registered on it fires in forward, as transformers'."""
         head = getattr(self, "lm_head", None)
         if head is None:
             return None
         weight = self.get_input_embeddings().weight
-        decoder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        decoder.weight, decoder.bias = weight, head.bias
+        decoder = head.__dict__.get("decoder_view")
+        if decoder is None or decoder.weight is not weight or decoder.bias is not head.bias:
+            decoder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            decoder.weight, decoder.bias = weight, head.bias
+            head.__dict__["decoder_view"] = decoder  # not a submodule: its tensors are the embeddings' and the head's
         return decoder
 
     def tie_weights(self, *args, **kwargs):
@@ -1277,6 +1281,9 @@ class RobertaLMHead(nn.Module):
     def forward(self, x, decoder_weight, backend="reference"):
         x = _linear_gelu(self.dense, x, backend)
         x = _add_norm(self.layer_norm, x, None, 0.0, backend)
+        decoder = self.__dict__.get("decoder_view")  # get_output_embeddings' Linear: called where hooked
+        if decoder is not None and _has_hooks(decoder) and decoder.weight is decoder_weight:
+            return decoder(x)
         if self.packed_decoder is not None:
             return self.packed_decoder(x, decoder_weight, self.bias)
         return F.linear(x, decoder_weight, self.bias)

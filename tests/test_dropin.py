@@ -1009,3 +1009,19 @@ def test_a_layer_replaced_by_another_module_is_refused():
         with pytest.raises(ValueError, match=r"encoder.layer\[1\] is a Block, not a RobertaLayer: .* or hook the "
                                              r"layer: its hooks see transformers' tensors"):
             ours(ids[:3], attention_mask=mask[:3])
+
+
+def test_a_hook_on_the_output_embeddings_fires_as_in_transformers():
+    """get_output_embeddings() is one object (while the tied tensors are the same), and a forward hook on
+    it fires in forward and its output is the logits, as on transformers' lm_head.decoder. Before, each
+    call built a new Linear that forward never called."""
+    hf = hf_model("RobertaForMaskedLM")
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    assert ours.get_output_embeddings() is ours.get_output_embeddings()
+    for model in (hf, ours):
+        model.get_output_embeddings().register_forward_hook(lambda module, args, out: out * 2)
+    with torch.no_grad():
+        expected, actual = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert rel_err(actual[valid], expected[valid]) < 1e-5
