@@ -764,6 +764,22 @@ class _PreTrained(nn.Module):
         """The dtype of the first floating-point parameter, as transformers reports it."""
         return next(p.dtype for p in self.parameters() if p.dtype.is_floating_point)
 
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """Bytes of the model's weights, as transformers counts them: its parameters (and buffers). The
+        Linear layers rf.prepack or rf.quantize packed (and the MLM decoder's packed copy), whose weights
+        are no parameters, count their state's tensors (fp32, int8 or fp16 weights, scales, bias); the
+        kernel library's own layout may pad them, and engine="auto" holds two layouts."""
+        from .prepacked import TiedDecoder, _InferenceLinear
+
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if return_buffers:
+            total += sum(b.numel() * b.element_size() for b in self.buffers())
+        for module in self.modules():
+            packed = module.layer if isinstance(module, TiedDecoder) else module
+            if isinstance(packed, _InferenceLinear):
+                total += sum(math.prod(shape) * dtype.itemsize for shape, dtype in packed._expected_state().values())
+        return total
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters counted once (the tied decoder is the word embeddings); exclude_embeddings
         leaves out the nn.Embedding tables, as transformers does. The Linear layers that rf.prepack

@@ -312,3 +312,17 @@ def test_ids_are_checked_against_the_word_embeddings_the_model_holds():
         torch.testing.assert_close(ours(ids).last_hidden_state, hf(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
         with pytest.raises(ValueError, match=r"input_ids holds values in \[0, 130\] but must lie in \[0, 130\)"):
             ours(torch.tensor([[0, 130, 2]]))
+
+
+def test_get_memory_footprint_counts_as_transformers_and_the_packed_weights():
+    """get_memory_footprint() is transformers' figure on the same weights (transformers adds its position
+    and token-type id buffers); after rf.quantize it counts the int8 weights (and scales) the packed layers
+    hold, which are no parameters, and the decoder's int8 copy."""
+    hf = hf_model("RobertaForMaskedLM", hidden_size=128, intermediate_size=512, num_attention_heads=4)
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf)
+    assert ours.get_memory_footprint() == hf.get_memory_footprint(return_buffers=False)  # (its position ids)
+    quantized = rf.quantize(rf.RobertaForMaskedLM.from_pretrained(hf))
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in quantized.state_dict().values()}
+    assert quantized.get_memory_footprint() > sum(unique.values())  # + the decoder's int8 copy
+    linears = sum(p.numel() * 4 for n, p in ours.named_parameters() if "encoder.layer" in n and p.dim() == 2)
+    assert ours.get_memory_footprint() - quantized.get_memory_footprint() > 0.5 * linears
