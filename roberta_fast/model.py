@@ -376,7 +376,7 @@ class RobertaEmbeddings(nn.Module):
 
 def _dropout_p(dropout: nn.Module) -> float | None:
     """The probability `dropout` applies now, for the fused ops that take it as a number: an nn.Dropout's p
-    in training mode, else 0 (an nn.Identity: 0). None for any other module, or one with forward hooks:
+    in training mode, else 0 (an nn.Identity: 0). None for any other module, or one with hooks:
     the caller calls it as a module. The modules are transformers' (p set on them, MC dropout's .train()
     on them alone, a replacement all take effect), the fused kernels still get a float."""
     if _has_hooks(dropout):
@@ -497,7 +497,7 @@ class RobertaLayer(nn.Module):
         the QKV projection instead of autocast casting x again; cast_dtype: have the last
         LayerNorm write such a copy of the output too (ops.autocast_copy_dtype).
         Returns (x, x's copy in cast_dtype or None, attention probabilities or None); hooked=True
-        (the layer has forward hooks) returns x alone, as transformers' layer does, so that a hook sees
+        (the layer has hooks) returns x alone, as transformers' layer does, so that a hook sees
         and may replace the tensor it would there (the probabilities then in self.attention_probs).
         """
         if hooked:
