@@ -1091,7 +1091,7 @@ class RobertaModel(_PreTrained):
         embeddings, encoder = self.embeddings, self.encoder
         if any((encoder._forward_hooks, encoder._forward_pre_hooks, encoder._backward_hooks,
                 encoder._backward_pre_hooks)):
-            raise ValueError("a forward hook on the encoder (model.encoder) would never be called: roberta_fast runs "
+            raise ValueError("a hook on the encoder (model.encoder) would never be called: roberta_fast runs "
                              "its layers from RobertaModel itself. Hook model.encoder.layer[-1] instead (its output "
                              "is the last hidden state), or pass output_hidden_states=True")
         modules = [embeddings, embeddings.word_embeddings, embeddings.position_embeddings,

@@ -215,7 +215,7 @@ def test_a_hooked_layer_still_gives_the_attentions_and_an_encoder_hook_is_refuse
     for got, want in zip(actual.attentions, expected.attentions):
         assert rel_err(got, want) < 1e-5
     ours.encoder.register_forward_hook(lambda module, args, out: None)
-    with pytest.raises(ValueError, match=r"a forward hook on the encoder \(model.encoder\) would never be called: "
+    with pytest.raises(ValueError, match=r"a hook on the encoder \(model.encoder\) would never be called: "
                                          r".*Hook model.encoder.layer\[-1\] instead"):
         ours(ids, attention_mask=mask)
 
