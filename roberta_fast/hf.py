@@ -70,7 +70,9 @@ def native_to_hf(state_dict: dict, prefix: str = "") -> dict:
         rest = key[len(prefix):]
         if key.startswith(prefix) and rest.startswith("encoder.layer.") and not _LAYER_KEY.fullmatch(rest):
             raise ValueError(f"state_dict key {key!r} is not an encoder layer's weight or bias, so it has no HF "
-                             "name (a quantized or packed model's state?): save the fp32 model's state_dict")
+                             "name (a quantized or packed model's state, or a pruned or parametrized layer's?): "
+                             "save the fp32 model's state_dict (after a pruning: torch.nn.utils.prune.remove on "
+                             "each pruned layer)")
         names = _hf_names(key, prefix)
         if len(names) == 1:
             out[names[0]] = value

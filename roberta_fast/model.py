@@ -347,8 +347,9 @@ class RobertaEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)  # transformers' name (see RobertaLayer)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def position_ids(self, input_ids, inputs_embeds=None):
+    def create_position_ids(self, input_ids, inputs_embeds=None):
         """RoBERTa positions: pads get padding_idx, tokens padding_idx + 1, + 2, ... (fairseq).
+        (Not `position_ids`: transformers' name for a buffer its RoBERTa never reads for these.)
 
         From inputs_embeds, where pads cannot be told apart, every position counts, as in
         transformers' create_position_ids_from_inputs_embeds."""
@@ -359,14 +360,15 @@ class RobertaEmbeddings(nn.Module):
         not_pad = input_ids.ne(self.padding_idx).int()
         return (torch.cumsum(not_pad, dim=1).int() * not_pad).long() + self.padding_idx
 
-    def forward(self, input_ids, token_type_ids=None, position_ids=None, backend="reference", inputs_embeds=None):
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, backend="reference"):
         if position_ids is None:
-            position_ids = self.position_ids(input_ids, inputs_embeds)
+            position_ids = self.create_position_ids(input_ids, inputs_embeds)
         words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         x = words + self.position_embeddings(position_ids)
-        if token_type_ids is None and not _has_hooks(self.token_type_embeddings):
-            x = x + self.token_type_embeddings.weight[0]
-        else:  # a hooked embedding is called (on type 0 everywhere when not given), as transformers calls it
+        types = self.token_type_embeddings
+        if token_type_ids is None and type(types) is nn.Embedding and not _has_hooks(types):
+            x = x + types.weight[0]
+        else:  # another or a hooked embedding is called (on type 0 everywhere when not given), as transformers does
             if token_type_ids is None:
                 token_type_ids = words.new_zeros(words.shape[:-1], dtype=torch.long)
             x = x + self.token_type_embeddings(token_type_ids)
@@ -392,16 +394,18 @@ def _dropout(dropout: nn.Module, x):
     return dropout(x) if p is None else F.dropout(x, p=p, training=p > 0)
 
 
-def _attention_dropout_p(dropout: nn.Module) -> float:
-    """The attention probabilities' dropout, applied inside the attention kernels: an nn.Dropout's p
-    (0 out of training mode or for an nn.Identity); a module of another kind, or hooked, is refused
-    rather than silently not called (global hooks are not this module's: they are left uncalled)."""
-    if dropout._forward_hooks or dropout._forward_pre_hooks or type(dropout) not in (nn.Dropout, nn.Identity):
+def _attention_dropout_p(dropout: nn.Module, training: bool) -> float:
+    """The attention probabilities' dropout, applied inside the attention kernels: an nn.Dropout's p while
+    the layer is `training` (its flag, not the Dropout's, as transformers' self-attention reads it), 0
+    for an nn.Identity; a module of another kind, or hooked, is refused rather than silently not called
+    (global hooks are not this module's: they are left uncalled)."""
+    if (dropout._forward_hooks or dropout._forward_pre_hooks or "forward" in dropout.__dict__
+            or type(dropout) not in (nn.Dropout, nn.Identity)):
         raise ValueError(f"an encoder layer's attention_dropout is {type(dropout).__name__}"
                          f"{' with forward hooks' if type(dropout) is nn.Dropout else ''}: the attention kernels "
                          "apply the attention probabilities' dropout themselves, from an nn.Dropout's p; set its p "
                          "(0 turns it off) or call .eval() on it instead")
-    return dropout.p if type(dropout) is nn.Dropout and dropout.training else 0.0
+    return dropout.p if type(dropout) is nn.Dropout and training else 0.0
 
 
 def _linear_gelu(linear: nn.Module, x, backend: str):
@@ -448,10 +452,12 @@ def _inference_spec(linear: nn.Module, tokens: int) -> tuple | None:
 
 def _has_hooks(module: nn.Module) -> bool:
     """Whether calling `module` would call hooks: forward (pre-)hooks or (full) backward hooks, its own or
-    the global ones (nn.modules.module.register_module_forward_hook, ...); where it would, the model calls
-    it as a module, with the inputs and outputs transformers' would have."""
+    the global ones (nn.modules.module.register_module_forward_hook, ...), or a forward set on the instance
+    (accelerate's hooks, a patch); where it would, the model calls it as a module, with the inputs and
+    outputs transformers' would have."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or any(_GLOBAL_HOOKS))
+                or module._backward_pre_hooks or any(_GLOBAL_HOOKS)
+                or ("forward" in module.__dict__ and not hasattr(module, "_orig_mod")))  # (torch.compile's own)
 
 
 _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, name, {})  # torch's dicts, mutated in place
@@ -518,7 +524,7 @@ class RobertaLayer(nn.Module):
 
         hidden = x.shape[-1]
         hidden_p = _dropout_p(self.hidden_dropout)  # None: a module to call on each sublayer's output
-        attention_p = _attention_dropout_p(self.attention_dropout)
+        attention_p = _attention_dropout_p(self.attention_dropout, self.training)
 
         qkv = self.qkv(x if x_cast is None else x_cast)
         # (batch, seqlen, 3, heads, head_dim), or (tokens, 3, heads, head_dim) when packed
@@ -561,7 +567,7 @@ class RobertaLayer(nn.Module):
         norms = (self.attn_LayerNorm, self.ffn_LayerNorm)
         if any(map(_has_hooks, linears)) or not all(map(_plain_norm, norms)):
             return None  # the C++ op calls no module
-        if _dropout_p(self.hidden_dropout) != 0.0 or _attention_dropout_p(self.attention_dropout) != 0.0:
+        if _dropout_p(self.hidden_dropout) != 0.0 or _attention_dropout_p(self.attention_dropout, False) != 0.0:
             return None  # dropout in an eval-mode model (Monte Carlo dropout: .train() on the Dropout modules)
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
         specs = [_inference_spec(linear, tokens) for linear in linears]
@@ -666,9 +672,13 @@ class _PreTrained(nn.Module):
         the call transformers' heads make, self.roberta(...), where code written for them expects it: forward
         hooks on model.roberta, a wrapper (torch.compile(model.roberta)), a replaced forward."""
         encoder = self.roberta
-        if type(encoder) is RobertaModel and "forward" not in encoder.__dict__ and not _has_hooks(encoder):
+        if type(encoder) is RobertaModel and not _has_hooks(encoder):
             return encoder.encode(*args, **kwargs)
-        return encoder(**dict(zip(self._ENCODE_ARGS, args)), **kwargs, return_dict=True)
+        call = {**dict(zip(self._ENCODE_ARGS, args)), **kwargs}
+        for internal in ("cu_seqlens", "max_seqlen", "padded"):  # roberta_fast's own: passed only when set
+            if not call.get(internal):
+                call.pop(internal, None)
+        return encoder(call.pop("input_ids"), **call, return_dict=True)  # input_ids positional, as transformers
 
     def _setup(self, config: RobertaConfig, backend: str) -> RobertaConfig:
         """Keep the config (a transformers RobertaConfig is read through its to_dict) and the backend;
@@ -744,7 +754,9 @@ class _PreTrained(nn.Module):
         if isinstance(shaped, torch.Tensor) and shaped.dim() >= 2:
             attention_mask = key_padding_mask(attention_mask, *shaped.shape[:2])
         if self.check_inputs:
-            words = getattr(self.get_input_embeddings(), "num_embeddings", None)  # the table the ids index
+            # the table the ids index (none to read behind a user's wrapper of model.roberta: the config's)
+            words = getattr(getattr(getattr(self.base_model, "embeddings", None), "word_embeddings", None),
+                            "num_embeddings", None)
             check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens, labels,
                          inputs_embeds, max_seqlen, vocab_size=words)
         return attention_mask
@@ -930,13 +942,14 @@ class _PreTrained(nn.Module):
         distributed run); state_dict (this model's names) is saved instead of the model's own;
         past max_shard_size the weights are sharded with transformers' index (hf.save_pretrained).
         Only safetensors in transformers' names are written, and nothing is pushed to the Hub:
-        the arguments asking otherwise are refused. Hub-only ones (token, commit_message) and
-        save_peft_format (a PEFT model's) change nothing here."""
+        the arguments asking otherwise are refused. Hub-only ones (token, commit_message),
+        save_peft_format (a PEFT model's) and save_function (accelerate's save, as transformers 5
+        ignores it: the files are safetensors) change nothing here."""
         refused = {"safe_serialization=False": not safe_serialization, "push_to_hub=True": push_to_hub,
                    f"variant={variant!r}": variant is not None,
                    "save_original_format=False": not save_original_format,
                    "distributed_checkpoint=True": kwargs.pop("distributed_checkpoint", False)}
-        for name in ("token", "commit_message", "save_peft_format"):
+        for name in ("token", "commit_message", "save_peft_format", "save_function"):
             kwargs.pop(name, None)
         if kwargs:
             raise TypeError(f"save_pretrained got unexpected keyword arguments {sorted(kwargs)}")
@@ -1140,7 +1153,7 @@ class RobertaModel(_PreTrained):
             _warn_once("output_attentions=True: no fused kernel stores attention probabilities, "
                        "so this call runs the reference attention")
         if position_ids is None:
-            position_ids = self.embeddings.position_ids(input_ids, inputs_embeds)
+            position_ids = self.embeddings.create_position_ids(input_ids, inputs_embeds)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # once here, not a 0/1 check in every layer's kernel
         impl = None if output_attentions else ops.unpad_impl(backend, shaped.device, self.config.head_dim)
@@ -1156,7 +1169,8 @@ class RobertaModel(_PreTrained):
         if packing is not None:
             input_ids, position_ids, token_type_ids, inputs_embeds = (
                 packing.pack(t) for t in (input_ids, position_ids, token_type_ids, inputs_embeds))
-        x = self.embeddings(input_ids, token_type_ids, position_ids, backend, inputs_embeds)
+        x = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, backend=backend)  # keywords, as transformers calls it
         packed = packing.attention_args(impl) if packing is not None else None
         cast_dtype = ops.autocast_copy_dtype(x, backend)  # None unless fused under autocast
         if (self.checkpointing is not None and self.checkpointing.get("use_reentrant") and self.training
@@ -1206,7 +1220,8 @@ def _labels_on_padding(encoder, shaped, labels, attention_mask) -> bool:
     too, whose graph already breaks where the batch is unpadded (export and tracing run padded); a batch of
     our own trainer never has such a label."""
     if (labels is None or attention_mask is None or not isinstance(labels, torch.Tensor)
-            or labels.shape != attention_mask.shape or not encoder.runs_unpadded(shaped)):
+            or labels.shape != attention_mask.shape or not hasattr(encoder, "runs_unpadded")
+            or not encoder.runs_unpadded(shaped)):
         return False
     return bool(((labels != IGNORE_INDEX) & ~attention_mask.bool()).any())
 

@@ -172,7 +172,8 @@ def test_hooks_on_norms_embeddings_and_layers_fire_and_change_the_output_as_in_t
     for model, module in ((hf, HOOKED[name]), (ours, name)):
         model.get_submodule(module).register_forward_hook(lambda module, args, out: out * 0)
     seen = []
-    ours.get_submodule(name).register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    ours.get_submodule(name).register_forward_pre_hook(  # (the embeddings are called with keywords, as there)
+        lambda module, args, kwargs: seen.append((args or tuple(kwargs.values()))[0].shape), with_kwargs=True)
     with torch.set_grad_enabled(grad):  # without gradients: the C++ inference layer's condition
         expected = hf(input_ids=ids, attention_mask=mask).logits
         actual = ours(ids, attention_mask=mask).logits
@@ -1025,3 +1026,94 @@ def test_a_hook_on_the_output_embeddings_fires_as_in_transformers():
         expected, actual = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     valid = mask.bool()
     assert rel_err(actual[valid], expected[valid]) < 1e-5
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "grad"])
+def test_a_forward_replaced_on_the_instance_is_called_as_in_transformers(grad):
+    """accelerate's hooks (add_hook_to_module: offloading, dispatch_model) and plain patches set `forward`
+    on a module instance and register no torch hook; such a module is called, as transformers calls it.
+    Before, Linear layers and norms were computed from their tensors (and the C++ inference layer ran),
+    so the patch changed nothing."""
+    hf = hf_model("RobertaForSequenceClassification")
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    for model in (hf, ours):
+        layer = model.roberta.encoder.layer[0]
+        for module in ((layer.intermediate.dense, layer.output.LayerNorm) if model is hf
+                       else (layer.ffn_in, layer.ffn_LayerNorm)):
+            module.forward = (lambda original: lambda *args, **kwargs: original(*args, **kwargs) * 1.5)(module.forward)
+    with torch.set_grad_enabled(grad):
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        actual = ours(ids, attention_mask=mask).logits
+    assert rel_err(actual, expected) < 1e-5
+    assert not torch.allclose(actual, rf.RobertaForSequenceClassification.from_pretrained(hf)(
+        ids, attention_mask=mask).logits, atol=1e-4)
+
+
+def test_transformers_call_conventions_hold_for_hooks_wrappers_and_replaced_modules(tmp_path):
+    """What code written for transformers' calls relies on: a pre-hook on model.roberta finds input_ids
+    in args[0]; a with_kwargs pre-hook on the embeddings finds them in kwargs; a wrapper with transformers'
+    RobertaModel signature (no **kwargs) runs under a head; a token-type embedding of another class is
+    called (when no token_type_ids are given, RoBERTa's usual case); save_function (accelerate's
+    save) is accepted as transformers ignores it; `embeddings.position_ids` may be set (transformers'
+    buffer name) without breaking forward."""
+    hf = hf_model("RobertaForTokenClassification")
+    ours = rf.RobertaForTokenClassification.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    seen = {}
+    ours.roberta.register_forward_pre_hook(lambda module, args: seen.update(positional=args[0]))
+    ours.roberta.embeddings.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(keyword=kwargs["input_ids"]), with_kwargs=True)
+    with torch.no_grad():
+        ours(ids, attention_mask=mask)
+    assert seen["positional"] is ids and torch.equal(seen["keyword"], ids)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                    inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None):
+            return self.inner(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                              return_dict=return_dict)
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return 3 * super().forward(ids)
+
+    for model in (hf, ours):
+        model.roberta = Wrapper(model.roberta)
+        types = model.roberta.inner.embeddings.token_type_embeddings
+        scaled = Scaled(types.num_embeddings, types.embedding_dim)
+        scaled.load_state_dict(types.state_dict())
+        model.roberta.inner.embeddings.token_type_embeddings = scaled
+    with torch.no_grad():
+        expected, actual = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert rel_err(actual[mask.bool()], expected[mask.bool()]) < 1e-5
+    plain = rf.RobertaModel.from_pretrained(hf_model("RobertaModel"))
+    plain.embeddings.position_ids = torch.arange(24)[None]
+    with torch.no_grad():
+        plain(ids, attention_mask=mask)
+    plain.save_pretrained(tmp_path, save_function=torch.save)
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_the_attention_dropout_follows_the_layers_mode_as_in_transformers():
+    """transformers' self-attention drops attention probabilities while the attention module trains, with
+    its Dropout's p, whatever that Dropout's own mode: Monte Carlo dropout (.train() on the Dropout modules
+    of an eval model) leaves attention probabilities whole in both."""
+    hf = hf_model("RobertaModel", attention_probs_dropout_prob=0.5)
+    ours = rf.RobertaModel.from_pretrained(hf)
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        for model in (hf, ours):
+            evaluated = model(ids, attention_mask=mask).last_hidden_state
+            for name, m in model.named_modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.train()
+                    if not (name.endswith("attention_dropout") or name.endswith("attention.self.dropout")):
+                        m.p = 0.0
+            sampled = model(ids, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(sampled[mask.bool()], evaluated[mask.bool()], rtol=1e-5, atol=1e-6)
