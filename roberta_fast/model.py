@@ -837,6 +837,18 @@ class _PreTrained(nn.Module):
             head.__dict__["decoder_view"] = decoder  # not a submodule: its tensors are the embeddings' and the head's
         return decoder
 
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        """transformers' setter of the MLM decoder. Here the decoder is always the word embeddings: a
+        Linear whose weight is that table's parameter is taken (its bias becomes the head's), another
+        is refused, as it would be a decoder of its own (set_input_embeddings changes both)."""
+        head = getattr(self, "lm_head", None)
+        if head is None:
+            raise ValueError(f"{type(self).__name__} has no MLM decoder to set")
+        if getattr(new_embeddings, "weight", None) is not self.get_input_embeddings().weight:
+            raise ValueError(untied_decoder_error("set_output_embeddings would give the model"))
+        if getattr(new_embeddings, "bias", None) is not None:
+            head.bias = new_embeddings.bias
+
     def tie_weights(self, *args, **kwargs):
         """Nothing to do: the decoder reads the word embeddings, so it is tied by construction."""
 

@@ -326,3 +326,21 @@ def test_get_memory_footprint_counts_as_transformers_and_the_packed_weights():
     assert quantized.get_memory_footprint() > sum(unique.values())  # + the decoder's int8 copy
     linears = sum(p.numel() * 4 for n, p in ours.named_parameters() if "encoder.layer" in n and p.dim() == 2)
     assert ours.get_memory_footprint() - quantized.get_memory_footprint() > 0.5 * linears
+
+
+def test_set_output_embeddings_takes_the_tied_decoder_and_refuses_another():
+    """set_output_embeddings(decoder) as transformers' code calls it after editing the decoder: tied to the
+    word embeddings it is taken (its bias the head's); a decoder of its own is refused, as this MLM always
+    reads the word embeddings (before: AttributeError)."""
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf_model("RobertaForMaskedLM"))
+    ids, old_bias = torch.tensor([[0, 5, 2]]), ours.lm_head.bias.detach().clone()
+    with torch.no_grad():
+        before = ours(ids).logits
+    decoder = ours.get_output_embeddings()
+    decoder.bias = torch.nn.Parameter(torch.full_like(decoder.bias, 0.5))
+    ours.set_output_embeddings(decoder)
+    assert ours.lm_head.bias is decoder.bias
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits - before, (0.5 - old_bias).expand_as(before))
+    with pytest.raises(ValueError, match="an MLM decoder that is not its word embeddings"):
+        ours.set_output_embeddings(torch.nn.Linear(FIELDS["hidden_size"], FIELDS["vocab_size"]))
