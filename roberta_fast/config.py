@@ -232,6 +232,16 @@ class RobertaConfig:
         self.extra["problem_type"] = value
 
     @property
+    def architectures(self) -> list[str] | None:
+        """transformers' field, kept in `extra`: the model classes config.json names (save_pretrained
+        writes the saving class); None for a config that was never saved."""
+        return self.extra.get("architectures")
+
+    @architectures.setter
+    def architectures(self, value: list[str] | None):
+        self.extra["architectures"] = value
+
+    @property
     def tie_word_embeddings(self) -> bool:
         """transformers' flag, kept in `extra`: True when the MLM decoder is the word embeddings (RoBERTa's
         case, and the only one roberta_fast's RobertaForMaskedLM builds)."""

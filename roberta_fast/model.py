@@ -661,6 +661,8 @@ class _PreTrained(nn.Module):
     # already normalised for gradient accumulation": ours is a mean per call, so the Trainer must divide it
     accepts_loss_kwargs = False
     main_input_name = "input_ids"
+    # accelerate's device maps (infer_auto_device_map, dispatch_model) keep each of these on one device
+    _no_split_modules = ["RobertaEmbeddings", "RobertaLayer"]
     supports_gradient_checkpointing = True
     _vocab_bias_heads = ("lm_head",)  # heads whose bias has one entry per token (resized with the vocabulary)
 

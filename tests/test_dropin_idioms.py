@@ -344,3 +344,15 @@ def test_set_output_embeddings_takes_the_tied_decoder_and_refuses_another():
         torch.testing.assert_close(ours(ids).logits - before, (0.5 - old_bias).expand_as(before))
     with pytest.raises(ValueError, match="an MLM decoder that is not its word embeddings"):
         ours.set_output_embeddings(torch.nn.Linear(FIELDS["hidden_size"], FIELDS["vocab_size"]))
+
+
+def test_config_architectures_and_no_split_modules_as_in_transformers(tmp_path):
+    """config.architectures reads what config.json names (as transformers' config), and _no_split_modules,
+    which accelerate's device maps take, names the same blocks as transformers' RobertaModel."""
+    hf = hf_model("RobertaForSequenceClassification")
+    hf.save_pretrained(tmp_path)
+    ours = rf.RobertaForSequenceClassification.from_pretrained(tmp_path)
+    assert ours.config.architectures == transformers.AutoConfig.from_pretrained(tmp_path).architectures
+    assert rf.RobertaConfig.preset("tiny").architectures is None
+    assert ours._no_split_modules == transformers.RobertaModel._no_split_modules
+    assert {type(m).__name__ for m in ours.modules()} >= set(ours._no_split_modules)
