@@ -1323,6 +1323,22 @@ class RobertaLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.packed_decoder = None  # rf.prepack's or rf.quantize's copy of the decoder (prepacked.TiedDecoder)
 
+    @property
+    def decoder(self) -> nn.Linear:
+        """transformers' lm_head.decoder: the model's get_output_embeddings(), a Linear on the word
+        embeddings and this head's bias (not a submodule: no state of its own)."""
+        model = self.__dict__.get("model")
+        if model is None:
+            raise AttributeError("this RobertaLMHead belongs to no RobertaForMaskedLM: its decoder is that model's "
+                                 "word embeddings (get_output_embeddings())")
+        return model.get_output_embeddings()
+
+    def __setattr__(self, name, value):
+        if name == "decoder":  # lm_head.decoder = ..., as transformers' set_output_embeddings does
+            self.__dict__["model"].set_output_embeddings(value)
+        else:
+            super().__setattr__(name, value)
+
     def forward(self, x, decoder_weight, backend="reference"):
         x = _linear_gelu(self.dense, x, backend)
         x = _add_norm(self.layer_norm, x, None, 0.0, backend)
@@ -1344,6 +1360,7 @@ class RobertaForMaskedLM(_PreTrained):
             raise ValueError(untied_decoder_error("the config asks for"))
         self.roberta = RobertaModel(config, add_pooling_layer=False, backend=backend)
         self.lm_head = RobertaLMHead(config)
+        self.lm_head.__dict__["model"] = self  # for lm_head.decoder (not a submodule: no cycle in modules())
         self._register_load_state_dict_pre_hook(_load_transformers_decoder)
         self.apply(self._init_weights)
         nn.init.zeros_(self.lm_head.bias)

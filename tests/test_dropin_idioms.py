@@ -356,3 +356,19 @@ def test_config_architectures_and_no_split_modules_as_in_transformers(tmp_path):
     assert rf.RobertaConfig.preset("tiny").architectures is None
     assert ours._no_split_modules == transformers.RobertaModel._no_split_modules
     assert {type(m).__name__ for m in ours.modules()} >= set(ours._no_split_modules)
+
+
+def test_lm_head_decoder_is_the_tied_decoder_as_in_transformers():
+    """model.lm_head.decoder, which transformers users read (and assign, as set_output_embeddings does),
+    is the decoder tied to the word embeddings, also in a deep copy; assigning an untied one is refused
+    (before: AttributeError)."""
+    import copy
+
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf_model("RobertaForMaskedLM"))
+    for model in (ours, copy.deepcopy(ours)):
+        decoder = model.lm_head.decoder
+        assert decoder.weight is model.roberta.embeddings.word_embeddings.weight and decoder.bias is model.lm_head.bias
+    ours.lm_head.decoder = ours.get_output_embeddings()  # tied: taken
+    assert "decoder" not in dict(ours.lm_head.named_children())
+    with pytest.raises(ValueError, match="an MLM decoder that is not its word embeddings"):
+        ours.lm_head.decoder = torch.nn.Linear(FIELDS["hidden_size"], FIELDS["vocab_size"])
