@@ -383,8 +383,8 @@ class Finetuner:
         terms = loss_terms(batch)
         split = micro_batches(batch, accum * world)
         # a micro-batch without rows or labelled tokens has nothing to learn (its mean loss would be NaN)
-        mine = [(micro, loss_terms(micro) / terms) for micro in split[rank * accum:(rank + 1) * accum]
-                if loss_terms(micro)]
+        mine = [(micro, count / terms) for micro in split[rank * accum:(rank + 1) * accum]
+                if (count := loss_terms(micro))]
         if self.ddp is not None and terms and not mine:
             # every process joins DDP's gradient sum once a step: this one, without a row of its own, adds
             # zeros (another process's first micro-batch, its loss times 0)

@@ -567,7 +567,8 @@ class RobertaLayer(nn.Module):
         norms = (self.attn_LayerNorm, self.ffn_LayerNorm)
         if any(map(_has_hooks, linears)) or not all(map(_plain_norm, norms)):
             return None  # the C++ op calls no module
-        if _dropout_p(self.hidden_dropout) != 0.0 or _attention_dropout_p(self.attention_dropout, False) != 0.0:
+        _attention_dropout_p(self.attention_dropout, False)  # refuses what the Python path refuses (0 here)
+        if _dropout_p(self.hidden_dropout) != 0.0:
             return None  # dropout in an eval-mode model (Monte Carlo dropout: .train() on the Dropout modules)
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0  # (..., hidden) -> rows
         specs = [_inference_spec(linear, tokens) for linear in linears]
