@@ -460,6 +460,23 @@ def _has_hooks(module: nn.Module) -> bool:
                 or ("forward" in module.__dict__ and not hasattr(module, "_orig_mod")))  # (torch.compile's own)
 
 
+@contextlib.contextmanager
+def _weight_outside_forward(module: nn.Module):
+    """module.weight, read outside module's forward (the MLM decoder reads the word embeddings').
+    Where accelerate's offloading (cpu_offload, disk_offload) keeps it on the meta device between
+    calls, the module's own hook brings it in for the block and takes it out after, as around the
+    module's forward (transformers' tied decoder is a module with its own hook)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None or not module.weight.is_meta:
+        yield module.weight
+        return
+    hook.pre_forward(module)
+    try:
+        yield module.weight
+    finally:
+        hook.post_forward(module, None)
+
+
 _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, name, {})  # torch's dicts, mutated in place
                       for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                                    "_global_backward_pre_hooks"))
@@ -1412,7 +1429,8 @@ class RobertaForMaskedLM(_PreTrained):
             target = labels.reshape(-1).index_select(0, predicted)
         else:
             target = labels
-        logits = self.lm_head(x, self.roberta.embeddings.word_embeddings.weight, backend)
+        with _weight_outside_forward(self.roberta.embeddings.word_embeddings) as decoder_weight:
+            logits = self.lm_head(x, decoder_weight, backend)
         loss = None
         if labels is not None:
             loss = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), loss_reduction,

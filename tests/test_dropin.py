@@ -1050,6 +1050,29 @@ def test_a_forward_replaced_on_the_instance_is_called_as_in_transformers(grad):
         ids, attention_mask=mask).logits, atol=1e-4)
 
 
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_masked_lm_runs_under_accelerate_offloading_as_transformers(offload, tmp_path):
+    """accelerate's cpu_offload / disk_offload keep each module's weights on the meta device outside its
+    own forward. transformers' tied decoder is a module with its own hook; here the head reads the word
+    embeddings' weight, which is brought in by their hook. Before: "Cannot copy out of meta tensor"."""
+    from accelerate import cpu_offload, disk_offload  # (peft's dependency: in the test extras)
+    hf = hf_model("RobertaForMaskedLM")
+    ids, mask = padded_batch("right")
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    ours = rf.RobertaForMaskedLM.from_pretrained(hf).eval()
+    if offload == "cpu":
+        cpu_offload(ours, execution_device="cpu")
+    else:
+        disk_offload(ours, str(tmp_path), execution_device="cpu")
+    with torch.no_grad():
+        actual = ours(ids, attention_mask=mask, labels=labels)
+    assert ours.roberta.embeddings.word_embeddings.weight.is_meta  # offloaded again after the call
+    assert rel_err(actual.logits, expected.logits) < 1e-5  # every position: hooks run the batch padded
+    assert abs(actual.loss.item() - expected.loss.item()) < 1e-5
+
+
 def test_transformers_call_conventions_hold_for_hooks_wrappers_and_replaced_modules(tmp_path):
     """What code written for transformers' calls relies on: a pre-hook on model.roberta finds input_ids
     in args[0]; a with_kwargs pre-hook on the embeddings finds them in kwargs; a wrapper with transformers'
