@@ -120,6 +120,7 @@ class FinetuneConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # data order, the held-out split, the new head's weights, dropout
     log_every: int = 10  # steps between metrics.jsonl lines
+    wandb_project: str | None = None  # also log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline logs without an account); a resumed run goes on with its W&B run (default: none)
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps (default: never); rerun to go on
     keep_checkpoints: int = 1  # checkpoints kept in OUT/checkpoints, the newest (each holds the model and Adam's state)
     resume: bool = True  # continue from the latest checkpoint in --out when there is one
@@ -531,7 +532,8 @@ class Finetuner:
                  f"({len(self.task.valid)} held-out examples), {self.task.describe()}, {total} steps, "
                  f"{self.precision} on {self.device} ({explain(self.cfg.precision, self.device)})")
         # after the line: it opens the bar
-        metrics = MetricsLogger(self.out, total, start_step=self.step, enabled=self.dist.is_main)
+        metrics = MetricsLogger(self.out, total, start_step=self.step, enabled=self.dist.is_main,
+                                wandb_project=self.cfg.wandb_project, run_config=dataclasses.asdict(self.cfg))
         result = None
         try:
             with StopSignal() as stop:
@@ -557,6 +559,9 @@ class Finetuner:
                             self.dist.barrier()  # leave together (a rank gloo tears down under a peer aborts)
                             return {"stopped": reason, "step": self.step, "signal": stopped_by}
                     result = self.end_epoch(epoch, metrics)
+        except BaseException:
+            metrics.close(failed=True)
+            raise
         finally:
             metrics.close()
         self.log(f"best epoch {self.best['epoch']} (by {self.task.best_metric}): " + ", ".join(

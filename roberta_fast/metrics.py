@@ -1,4 +1,4 @@
-"""Training reports: a tqdm bar, `<out>/metrics.jsonl`, TensorBoard and a final loss plot.
+"""Training reports: a tqdm bar, `<out>/metrics.jsonl`, TensorBoard, Weights & Biases and a final loss plot.
 
     log = MetricsLogger(out_dir, total_steps=600, start_step=0)
     log.log({"kind": "train", "step": 10, "loss": 7.1, ...})    # one JSON line per call
@@ -15,7 +15,11 @@ had never stopped, while the raw file (`read_metrics(path, raw=True)`) keeps eve
 ever written, the abandoned steps included. A run that starts over (`from_scratch=True`: no
 checkpoint, so it redoes step 0's evaluation too) marks step -1, dropping every earlier record.
 TensorBoard scalars are written when the `tensorboard` package is installed, the PNG plot when
-matplotlib is.
+matplotlib is. With `wandb_project`, the same scalars go to a Weights & Biases run (`pip install wandb`;
+its own settings from the environment: WANDB_MODE=offline, WANDB_ENTITY, WANDB_NAME, ...), named after
+the output directory. Its id is kept in `<out>/wandb_run_id`: a resumed run goes on with the same W&B
+run, leaving the steps W&B already holds as they are (exact resume computes them again, the same), and
+a run that starts at step 0 starts a new one.
 Only rank 0 reports; other ranks construct the logger with enabled=False.
 """
 from __future__ import annotations
@@ -30,10 +34,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import DiskSpaceError
-from .files import atomic_path
+from .files import atomic_path, write_text_atomic
 from .integrity import is_no_space
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
 def _clean(value):
@@ -81,10 +86,11 @@ class MetricsLogger:
     """Progress bar, JSONL log and TensorBoard writer of one (rank-0) training process."""
 
     def __init__(self, out_dir: str | os.PathLike, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, progress: bool = True, tensorboard: bool = True, from_scratch: bool = False):
+                 enabled: bool = True, progress: bool = True, tensorboard: bool = True, from_scratch: bool = False,
+                 wandb_project: str | None = None, run_config: dict | None = None):
         self.enabled = enabled
         self.path = Path(out_dir) / METRICS_FILE
-        self.bar = self.writer = self._file = None
+        self.bar = self.writer = self._file = self.wandb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +112,9 @@ class MetricsLogger:
                 self.writer = None
                 self.write("note: TensorBoard scalars skipped: pip install tensorboard for them "
                            "(--no-tensorboard silences this)")
+        if wandb_project:
+            self.wandb = _wandb_run(Path(out_dir), wandb_project, run_config, new=from_scratch or start_step == 0)
+            self.wandb_from = self.wandb.step  # resumed: the steps before it are W&B's already (asked once: IPC)
 
     def _mark_resume(self, step: int) -> None:
         """Append a "resume" marker at `step` to a file that already holds records (after ending
@@ -146,6 +155,10 @@ class MetricsLogger:
                 for k, v in record.items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                         self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
+        if self.wandb is not None and record["step"] >= self.wandb_from:
+            self.wandb.log({f"{record['kind']}/{k}": v for k, v in record.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"},
+                           step=record["step"])
         if record["kind"] == "train":
             shown = {"loss": record.get("loss"), "sbo": record.get("sbo_loss"), "tok/s": record.get("tokens_per_s"),
                      "lr": record.get("lr")}  # sbo: with the span boundary objective only
@@ -169,9 +182,12 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """End the reports (failed: the W&B run is marked failed, not finished); a second call does nothing."""
         if self.bar is not None:
             self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if failed else 0)
         if self.writer is not None:
             try:
                 self.writer.close()
@@ -186,7 +202,31 @@ class MetricsLogger:
             except OSError as err:  # the line a full disk refused is still buffered: already reported
                 if not is_no_space(err):
                     raise
-        self.bar = self.writer = self._file = None
+        self.bar = self.writer = self._file = self.wandb = None
+
+
+def _wandb_run(out_dir: Path, project: str, run_config: dict | None, new: bool):
+    """The W&B run of `out_dir`: a new one (its id written to <out>/wandb_run_id), or the one whose id
+    that file holds, resumed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(f"--wandb-project {project} needs the wandb package: pip install wandb (then "
+                          "`wandb login`, or WANDB_MODE=offline to log without an account)") from None
+    id_file = out_dir / WANDB_RUN_ID_FILE
+    run_id = None if new or not id_file.is_file() else id_file.read_text(encoding="utf-8").strip()
+    name = None if os.environ.get("WANDB_NAME") else out_dir.resolve().name
+    run = wandb.init(project=project, id=run_id or None, resume="allow" if run_id else None, name=name,
+                     dir=str(out_dir), config=_jsonable(run_config or {}))
+    if run.id != run_id:
+        write_text_atomic(id_file, run.id + "\n")
+    return run
+
+
+def _jsonable(config: dict) -> dict:
+    """A run's options as W&B's config takes them (paths as strings)."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str, list, dict)) else str(v)
+            for k, v in config.items()}
 
 
 def plot_losses(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:

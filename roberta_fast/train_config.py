@@ -103,6 +103,7 @@ class TrainConfig:
     prefetch: int = 4  # batches prepared ahead of the GPU
     progress: bool = True  # tqdm progress bar when stderr is a terminal (else one line per logged step)
     tensorboard: bool = True  # TensorBoard scalars (if installed)
+    wandb_project: str | None = None  # also log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline logs without an account); a resumed run goes on with its W&B run (default: none)
     plot: bool = True  # loss.png (training and validation loss) at the end
     export: bool = True  # save <out>/final in Hugging Face format at the end
 

@@ -804,7 +804,8 @@ class Trainer:
                                      "free some space, then rerun the same command") from None
         self.print(self.describe())
         log = MetricsLogger(self.out, cfg.max_steps, self.step, enabled=self.dist.is_main,
-                            progress=cfg.progress, tensorboard=cfg.tensorboard, from_scratch=not resumed)
+                            progress=cfg.progress, tensorboard=cfg.tensorboard, from_scratch=not resumed,
+                            wandb_project=cfg.wandb_project, run_config=dataclasses.asdict(cfg))
         first_eval = last_eval = None
         status, stopped_by = "finished", None
         try:
@@ -851,6 +852,9 @@ class Trainer:
                 log.write(f"stopped at step {self.step} (--stop-at {cfg.stop_at})"
                           + (f"; checkpoint {checkpoint}" if checkpoint else "")
                           + "; rerun with a later --stop-at, or without it, to go on")
+        except BaseException:
+            log.close(failed=True)
+            raise
         finally:
             log.close()
         if self.dist.is_main and cfg.plot and status == "finished":

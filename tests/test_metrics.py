@@ -80,6 +80,74 @@ def test_tensorboard_purges_only_the_steps_a_resume_redoes(tmp_path, monkeypatch
     assert made == [None, 5, 0]
 
 
+class FakeWandb:
+    """The part of the wandb module MetricsLogger uses, recording calls; `server_step` is the step a
+    resumed W&B run reports (the last one its server holds, plus one)."""
+
+    def __init__(self, server_step=0):
+        self.server_step, self.inits, self.logged, self.finished = server_step, [], [], []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+        run_id = kwargs["id"] or f"new{len(self.inits)}"
+
+        class Run:
+            id, step = run_id, fake.server_step if kwargs["id"] else 0
+
+            def log(self, data, step):
+                assert step >= self.step  # W&B drops (with a warning) a step before its current one
+                fake.logged.append((step, data))
+                self.step = step
+
+            def finish(self, exit_code=0):
+                fake.finished.append(exit_code)
+        return Run()
+
+
+def test_wandb_run_follows_the_output_directory_across_resumes(tmp_path, monkeypatch):
+    """--wandb-project: the same scalars as TensorBoard, under kind/name; the run's id kept in
+    <out>/wandb_run_id, so a resumed logger goes on with that W&B run and leaves the steps W&B already
+    holds alone (exact resume redoes them, the same); a run from step 0 starts a new W&B run; a
+    failed run is marked failed."""
+    import sys
+
+    fake = FakeWandb(server_step=6)  # the first run logged up to step 5 before it was killed
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_NAME", raising=False)
+    config = {"lr": 1e-3, "out": tmp_path, "wandb_project": "bio"}
+    log = MetricsLogger(tmp_path, 10, progress=False, tensorboard=False, wandb_project="bio", run_config=config)
+    log.log({"kind": "eval", "step": 0, "loss": 7.0, "tokens": 12})
+    log.log({"kind": "train", "step": 2, "loss": 6.0, "lr": 1e-4, "note": "text", "finite": True})
+    log.close()
+    first = fake.inits[0]
+    assert first["project"] == "bio" and first["id"] is None and first["name"] == tmp_path.name
+    assert first["config"] == {"lr": 1e-3, "out": str(tmp_path), "wandb_project": "bio"}  # a path as text
+    assert fake.logged == [(0, {"eval/loss": 7.0, "eval/tokens": 12}), (2, {"train/loss": 6.0, "train/lr": 1e-4})]
+    assert (tmp_path / "wandb_run_id").read_text() == "new1\n" and fake.finished == [0]
+
+    fake.logged.clear()
+    log = MetricsLogger(tmp_path, 10, start_step=4, progress=False, tensorboard=False, wandb_project="bio")
+    for step in (5, 6):  # redone from the step-4 checkpoint: W&B holds step 5 already
+        log.log({"kind": "train", "step": step, "loss": float(step)})
+    log.close(failed=True)
+    assert fake.inits[1]["id"] == "new1" and fake.inits[1]["resume"] == "allow"
+    assert fake.logged == [(6, {"train/loss": 6.0})] and fake.finished == [0, 1]
+    log.close()  # a second close does nothing
+    assert fake.finished == [0, 1]
+
+    MetricsLogger(tmp_path, 10, start_step=0, progress=False, tensorboard=False, wandb_project="bio").close()
+    assert fake.inits[2]["id"] is None and (tmp_path / "wandb_run_id").read_text() == "new3\n"
+
+
+def test_wandb_project_without_wandb_names_the_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ImportError, match="pip install wandb"):
+        MetricsLogger(tmp_path, 10, progress=False, tensorboard=False, wandb_project="bio")
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_full_disk_is_one_disk_space_error(tmp_path):
     """metrics.jsonl on a full disk (/dev/full: every write is ENOSPC): DiskSpaceError in one line

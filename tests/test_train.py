@@ -114,6 +114,34 @@ def test_a_run_killed_before_its_first_checkpoint_logs_step_0_once(dataset, tmp_
     assert history(tmp_path / "run").count(("eval", 0)) == 1
 
 
+def test_wandb_gets_the_runs_scalars_and_a_crash_marks_its_run_failed(dataset, tmp_path, monkeypatch):
+    """--wandb-project: a run killed before its first checkpoint leaves its W&B run failed; the rerun
+    (from scratch) starts a new W&B run with the run's options as its config, and logs what
+    metrics.jsonl holds."""
+    import sys
+
+    from test_metrics import FakeWandb
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def kill(trainer):
+        if trainer.step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(small_config(dataset, tmp_path, wandb_project="rf"), on_step=kill)
+    assert fake.finished == [1]
+    fake.logged.clear()
+    run(small_config(dataset, tmp_path, wandb_project="rf"))
+    assert fake.finished == [1, 0] and fake.inits[1]["id"] is None
+    assert fake.inits[1]["config"]["max_steps"] == 6 and fake.inits[1]["config"]["wandb_project"] == "rf"
+    logged = {(step, key): value for step, data in fake.logged for key, value in data.items()}
+    for record in read_metrics(tmp_path / "metrics.jsonl"):
+        assert logged[(record["step"], f"{record['kind']}/loss")] == record["loss"]
+    assert (6, "eval/loss") in logged and (6, "train/lr") in logged
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tmp_path, monkeypatch, capsys, sig):
     """Scripts and schedulers tell an interrupted run (checkpoint saved) from a finished one
