@@ -208,8 +208,8 @@ class TrainConfig:
     def preset(cls, name: str, **overrides) -> "TrainConfig":
         """The recipe preset `name` (see TRAIN_PRESETS) with `overrides` applied.
 
-        A run shortened below the preset's warmup (`max_steps` given, `warmup_steps` not)
-        keeps the preset's warmup fraction: see `fit_preset_warmup`."""
+        A run shorter than the preset's (`max_steps` given, `warmup_steps` not) keeps the
+        preset's warmup share: see `fit_preset_warmup`."""
         if name not in TRAIN_PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(TRAIN_PRESETS)}")
         cfg = cls.from_dict({**TRAIN_PRESETS[name], **overrides})
@@ -267,13 +267,15 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def fit_preset_warmup(preset: str, max_steps) -> int:
-    """The preset's warmup, or, when a shortened run has fewer steps than that warmup, the
-    same fraction of the run (at least 1 step): `--max-steps 12` of "tiny" (30 of 300
-    steps) warms up for 1 step instead of failing validation."""
+    """The preset's warmup, or, for a run shorter than the preset's, the same share of the run
+    (at least 1 step), so that the shorter run keeps the schedule's shape: warmup, then decay.
+    `--max-steps 12` of "tiny" (30 of 300 steps) warms up for 1 step, `--max-steps 30` for 3
+    (the preset's 30 would be warmup alone, never decaying); `--preset base --max-steps 100000`
+    for 4,800 (24k of 500k). A run as long as the preset's or longer keeps the preset's warmup."""
     values = TRAIN_PRESETS[preset]
     warmup = values["warmup_steps"]
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or not 0 < max_steps < warmup:
-        return warmup  # fits, or an invalid max_steps that validate() reports
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or not 0 < max_steps < values["max_steps"]:
+        return warmup  # the preset's length or longer, or an invalid max_steps that validate() reports
     return min(max_steps, max(1, round(warmup * max_steps / values["max_steps"])))
 
 
@@ -420,8 +422,8 @@ def load_config(argv=None) -> TrainConfig:
     preset_warmup = TRAIN_PRESETS[preset]["warmup_steps"]
     if cfg.warmup_steps != preset_warmup and "warmup_steps" not in {**file_values, **flags} \
             and os.environ.get("RANK", "0") == "0":  # one line per job under torchrun
-        share = preset_warmup / TRAIN_PRESETS[preset]["max_steps"]
-        print(f"note: the {preset} preset's {preset_warmup} warmup steps exceed --max-steps {cfg.max_steps}: "
-              f"warming up for {cfg.warmup_steps} step(s) instead, the preset's {share:.0%} of the run "
-              "(--warmup-steps sets it)")
+        preset_steps = TRAIN_PRESETS[preset]["max_steps"]
+        print(f"note: the {preset} preset warms up for {preset_warmup} of its {preset_steps} steps: "
+              f"--max-steps {cfg.max_steps} warms up for {cfg.warmup_steps} step(s), the same "
+              f"{preset_warmup / preset_steps:.1%} of the run (--warmup-steps sets it)")
     return cfg

@@ -129,13 +129,19 @@ def test_permissions_are_command_line_only(tmp_path):
 
 
 def test_a_short_run_scales_the_presets_warmup(tmp_path, capsys):
-    """--max-steps below the preset's warmup keeps the preset's warmup share (tiny: 30 of
-    300 steps) and says so; an explicit --warmup-steps beyond --max-steps stays an error."""
+    """--max-steps below the preset's keeps the preset's warmup share (tiny: 30 of 300 steps) and
+    says so; an explicit --warmup-steps beyond --max-steps stays an error. Before, only a run shorter
+    than the warmup was scaled: --max-steps 30 warmed up for all 30 steps and never decayed."""
     assert load_config(["--max-steps", "12"]).warmup_steps == 1
-    assert "30 warmup steps exceed --max-steps 12: warming up for 1 step(s) instead" in capsys.readouterr().out
+    assert ("tiny preset warms up for 30 of its 300 steps: --max-steps 12 warms up for 1 step(s), the same 10.0%"
+            in capsys.readouterr().out)
     assert load_config(["--preset", "base", "--max-steps", "10000"]).warmup_steps == 480  # 24k of 500k
-    assert TrainConfig.preset("tiny", max_steps=100).warmup_steps == 30  # fits: the preset's own
+    for max_steps, warmup in ((30, 3), (31, 3), (100, 10), (299, 30), (300, 30), (1000, 30)):
+        assert TrainConfig.preset("tiny", max_steps=max_steps).warmup_steps == warmup
+    assert TrainConfig.preset("base", max_steps=100_000).warmup_steps == 4_800
     capsys.readouterr()
+    load_config(["--max-steps", "300"])
+    assert "note" not in capsys.readouterr().out  # the preset's own length: nothing scaled
     f = tmp_path / "short.json"
     f.write_text(json.dumps({"max_steps": 20}))
     assert load_config(["--config", str(f)]).warmup_steps == 2
