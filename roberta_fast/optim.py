@@ -32,8 +32,9 @@ _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def param_groups_for_weight_decay(model, weight_decay=0.01):
     """Two parameter groups for `model`: matrices and embeddings with `weight_decay`,
-    biases and LayerNorm weights (every parameter of fewer than 2 dims) without,
-    as RoBERTa/BERT trainers do. Frozen parameters and empty groups are left out."""
+    biases and LayerNorm weights (every parameter of fewer than 2 dims) without, as BERT's
+    and transformers' trainers do (fairseq's RoBERTa decays every parameter). Frozen parameters
+    and empty groups are left out."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
