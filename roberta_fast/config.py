@@ -7,6 +7,7 @@ config fails with a readable error before any weight is allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ _OUTPUT_FLAGS = {"output_hidden_states": False, "output_attentions": False, "ret
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 # HF settings that make RoBERTa a causal decoder (with cross-attention): another model.
 DECODER_SETTINGS = ("is_decoder", "add_cross_attention")
+# transformers' PretrainedConfig keywords RobertaConfig(...) takes beside its fields (kept in `extra`).
+TRANSFORMERS_KEYWORDS = ("num_labels", "id2label", "label2id", "problem_type", "tie_word_embeddings",
+                         "architectures", *DECODER_SETTINGS)
 
 
 def decoder_error(settings: dict, what: str) -> str | None:
@@ -159,12 +163,33 @@ class RobertaConfig:
         return self.max_position_embeddings - self.pad_token_id - 1
 
     is_encoder_decoder = False  # transformers' flags: RoBERTa is an encoder, with no sub-configs
-    is_decoder = add_cross_attention = False  # (a config setting either is refused: decoder_error)
     sub_configs = {}  # (no annotation: a class attribute, not a dataclass field)
 
     def get_text_config(self, *args, **kwargs) -> "RobertaConfig":
         """transformers' accessor of a composite model's text part: this config itself."""
         return self
+
+    # transformers' decoder flags: always False here; setting either to True is refused (decoder_error)
+    @property
+    def is_decoder(self) -> bool:
+        return False
+
+    @is_decoder.setter
+    def is_decoder(self, value: bool):
+        self._refuse_decoder("is_decoder", value)
+
+    @property
+    def add_cross_attention(self) -> bool:
+        return False
+
+    @add_cross_attention.setter
+    def add_cross_attention(self, value: bool):
+        self._refuse_decoder("add_cross_attention", value)
+
+    def _refuse_decoder(self, name: str, value) -> None:
+        error = decoder_error({name: value}, "setting the config")
+        if error:
+            raise ValueError(error)
 
     @property
     def model_type(self) -> str:
@@ -347,3 +372,18 @@ class RobertaConfig:
         from .files import write_text_atomic
 
         write_text_atomic(os.path.join(directory, "config.json"), json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _taking_transformers_keywords(init):
+    """RobertaConfig's dataclass __init__, also taking transformers' config keywords, kept in `extra`
+    as from a config.json (TRANSFORMERS_KEYWORDS: RobertaConfig(num_labels=3); is_decoder=True is
+    refused); any other unknown keyword stays a TypeError, so a typo is not kept silently."""
+    def __init__(self, *args, **kwargs):
+        taken = {k: kwargs.pop(k) for k in TRANSFORMERS_KEYWORDS if k in kwargs}
+        if taken:
+            kwargs["extra"] = {**kwargs.get("extra", {}), **taken}
+        init(self, *args, **kwargs)
+    return functools.wraps(init)(__init__)
+
+
+RobertaConfig.__init__ = _taking_transformers_keywords(RobertaConfig.__init__)

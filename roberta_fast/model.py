@@ -27,7 +27,7 @@ from torch import nn
 
 from . import _ext, ops
 from .ops import _warn_once
-from .config import RobertaConfig, untied_decoder_error
+from .config import RobertaConfig, decoder_error, untied_decoder_error
 
 IGNORE_INDEX = -100  # label of a position that is not predicted
 CPU_GROUP_TOKENS = 1024  # RobertaModel.encode: CPU inference runs larger batches in groups of rows of this many tokens
@@ -707,6 +707,9 @@ class _PreTrained(nn.Module):
         self.name_or_path = str(getattr(config, "name_or_path", "") or "")
         if not isinstance(config, RobertaConfig) and hasattr(config, "to_dict"):
             config = RobertaConfig.from_dict(config.to_dict())
+        decoder = decoder_error(config.extra, "the config")  # (also set in `extra` after the config was made)
+        if decoder:
+            raise ValueError(decoder)
         self.config = config
         self.backend = backend
         self.check_inputs = True

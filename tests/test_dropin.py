@@ -345,6 +345,37 @@ def test_dropin_refuses_a_decoder_from_a_model_or_a_directory(cls, flags, tmp_pa
         rf.patch(decoder)
 
 
+@pytest.mark.parametrize("flag", ["is_decoder", "add_cross_attention"])
+def test_a_decoder_flag_on_roberta_fasts_own_config_is_refused(flag):
+    """README: a decoder configuration is refused with a ValueError wherever it comes from. Before,
+    RobertaConfig(is_decoder=True) was a TypeError, and `config.is_decoder = True` was kept and the
+    model built on it ran the bidirectional encoder without a word."""
+    with pytest.raises(ValueError, match=f"{flag}=True.*bidirectional encoder"):
+        rf.RobertaConfig(**{flag: True})
+    config = rf.RobertaConfig.preset("tiny")
+    with pytest.raises(ValueError, match=f"{flag}=True"):
+        setattr(config, flag, True)
+    setattr(config, flag, False)  # what transformers code sets on an encoder's config
+    assert getattr(config, flag) is False
+    config.extra[flag] = True
+    with pytest.raises(ValueError, match=f"{flag}=True"):
+        rf.RobertaModel(config)
+
+
+def test_roberta_config_takes_transformers_config_keywords():
+    """RobertaConfig(num_labels=3, ...) as transformers.RobertaConfig takes them (they were a TypeError);
+    a misspelt field is still one."""
+    ours = rf.RobertaConfig(num_labels=3, problem_type="regression", architectures=["X"])
+    hf = transformers.RobertaConfig(num_labels=3, problem_type="regression", architectures=["X"])
+    assert (ours.num_labels, ours.id2label, ours.label2id, ours.problem_type, ours.architectures) == (
+        hf.num_labels, hf.id2label, hf.label2id, hf.problem_type, hf.architectures)
+    named = rf.RobertaConfig(id2label={0: "neg", 1: "pos"}, tie_word_embeddings=True)
+    assert named.label2id == {"neg": 0, "pos": 1} and named.tie_word_embeddings
+    with pytest.raises(ValueError, match="decoder that is not its word embeddings"):
+        rf.RobertaForMaskedLM(rf.RobertaConfig(tie_word_embeddings=False))
+    with pytest.raises(TypeError, match="hiden_size"):
+        rf.RobertaConfig(hiden_size=64)
+
 
 def test_an_untied_decoder_is_refused_not_dropped(tmp_path):
     """RobertaForMaskedLM here reads its decoder from the word embeddings; an HF masked LM
