@@ -69,7 +69,7 @@ from .checkpoint import CheckpointManager, DiskSpaceError, StopSignal, load_chec
 from .files import absolute_if_local, write_text_atomic
 from .hf import MismatchedSizes
 from .integrity import is_no_space
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, wandb_missing
 from .precision import DynamicLossScaler, autocast, explain, resolve_precision
 from .schedule import WarmupLinearDecay
 from .tasks import IGNORE, PROBLEM_TYPES, TASKS, accuracy_and_macro_f1, encode, label_names, read_examples  # noqa: F401 (re-exported)
@@ -172,6 +172,8 @@ class Finetuner:
                 raise ValueError("--eval-only evaluates the --model's own head: --reinit-head would make it random")
             self.cfg = cfg = dataclasses.replace(cfg, train=cfg.valid)
         self.dist = Dist()  # under torchrun: each step's batch is split over the processes
+        if wandb_missing(cfg.wandb_project):
+            raise ValueError(wandb_missing(cfg.wandb_project))
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
         if cfg.problem_type not in PROBLEM_TYPES or (cfg.problem_type != "auto" and cfg.task != "classify"):

@@ -25,6 +25,7 @@ Only rank 0 reports; other ranks construct the logger with enabled=False.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -205,14 +206,23 @@ class MetricsLogger:
         self.bar = self.writer = self._file = self.wandb = None
 
 
+def wandb_missing(project: str | None) -> str | None:
+    """The error for --wandb-project without the wandb package (checked with the other options, before
+    a run starts), else None."""
+    if not project or sys.modules.get("wandb") is not None or (
+            "wandb" not in sys.modules and importlib.util.find_spec("wandb") is not None):  # (None there: blocked)
+        return None
+    return (f"--wandb-project {project} needs the wandb package: pip install wandb (then `wandb login`, or "
+            "WANDB_MODE=offline to log without an account), or leave --wandb-project out")
+
+
 def _wandb_run(out_dir: Path, project: str, run_config: dict | None, new: bool):
     """The W&B run of `out_dir`: a new one (its id written to <out>/wandb_run_id), or the one whose id
     that file holds, resumed."""
     try:
         import wandb
     except ImportError:
-        raise ImportError(f"--wandb-project {project} needs the wandb package: pip install wandb (then "
-                          "`wandb login`, or WANDB_MODE=offline to log without an account)") from None
+        raise ImportError(wandb_missing(project) or "import wandb failed") from None
     id_file = out_dir / WANDB_RUN_ID_FILE
     run_id = None if new or not id_file.is_file() else id_file.read_text(encoding="utf-8").strip()
     name = None if os.environ.get("WANDB_NAME") else out_dir.resolve().name

@@ -266,6 +266,16 @@ def test_a_fine_tuned_head_keeps_its_label_order_or_is_refused(task, tmp_path):
     assert tuner.names == ["neg", "pos"] and tuner.evaluate()["accuracy"] == 1.0
 
 
+def test_wandb_project_without_wandb_is_refused_before_the_run(task, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, whether or not it is installed
+    argv = ["--model", str(task / "model"), "--train", str(task / "train.csv"), "--out", str(tmp_path / "run")]
+    assert main([*argv, "--wandb-project", "rf"]) == 2
+    assert "--wandb-project rf needs the wandb package: pip install wandb" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_input_names_the_problem(task, tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\nhello,pos\n")

@@ -142,6 +142,17 @@ def test_wandb_gets_the_runs_scalars_and_a_crash_marks_its_run_failed(dataset, t
     assert (6, "eval/loss") in logged and (6, "train/lr") in logged
 
 
+def test_wandb_project_without_wandb_is_a_config_error_before_the_run(dataset, tmp_path, monkeypatch, capsys):
+    """Exit 2 with one line naming the install, and nothing written to --out (was: a traceback, exit 1,
+    after the run had set up)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, whether or not it is installed
+    assert main([*small_argv(dataset), "--out", str(tmp_path / "run"), "--wandb-project", "rf"]) == 2
+    assert "--wandb-project rf needs the wandb package: pip install wandb" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_saves_and_exits_with_128_plus_the_signal(dataset, tmp_path, monkeypatch, capsys, sig):
     """Scripts and schedulers tell an interrupted run (checkpoint saved) from a finished one
