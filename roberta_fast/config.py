@@ -47,6 +47,15 @@ def decoder_error(settings: dict, what: str) -> str | None:
             "transformers itself, or load an encoder checkpoint (is_decoder and add_cross_attention false)")
 
 
+def attn_implementation_error(value, call: str) -> str | None:
+    """The error for a transformers attention implementation other than "eager" and "sdpa" (whose
+    function roberta_fast computes with its own kernels), given in `call` (the user's call, as text); else None."""
+    if value in (None, "eager", "sdpa"):
+        return None
+    return (f"{call} is not supported: roberta_fast computes the function of transformers' 'eager' and "
+            "'sdpa' attention with its own kernels (backend='fused' on a GPU); leave it out or pass 'eager' or 'sdpa'")
+
+
 def untied_decoder_error(what: str) -> str:
     """The error for an MLM whose decoder is not its word embeddings (`what` says where it came from).
 

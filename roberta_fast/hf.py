@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from . import hub
-from .config import DECODER_SETTINGS, RobertaConfig, untied_decoder_error
+from .config import DECODER_SETTINGS, RobertaConfig, attn_implementation_error, untied_decoder_error
 from .files import inside
 
 # Native name suffix <-> HF name suffix, per encoder layer ({i} is the layer index).
@@ -292,11 +292,9 @@ def _loading_options(kwargs: dict) -> dict:
         if value not in (None, False, "", {}):
             raise ValueError(f"from_pretrained({name}={value!r}) is not supported by roberta_fast: {advice}")
     attn = kwargs.pop("attn_implementation", None)
-    if attn not in (None, "eager", "sdpa"):
-        raise ValueError(
-            f"from_pretrained(attn_implementation={attn!r}) is not supported: roberta_fast computes the function "
-            "of transformers' 'eager' and 'sdpa' attention with its own kernels (backend='fused' on a GPU); "
-            "leave it out or pass 'eager' or 'sdpa'")
+    error = attn_implementation_error(attn, f"from_pretrained(attn_implementation={attn!r})")
+    if error:
+        raise ValueError(error)
     return {name: kwargs.pop(name) for name in _DOWNLOAD_KWARGS if name in kwargs}
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import _ext, ops
 from .ops import _warn_once
-from .config import RobertaConfig, decoder_error, untied_decoder_error
+from .config import RobertaConfig, attn_implementation_error, decoder_error, untied_decoder_error
 
 IGNORE_INDEX = -100  # label of a position that is not predicted
 CPU_GROUP_TOKENS = 1024  # RobertaModel.encode: CPU inference runs larger batches in groups of rows of this many tokens
@@ -958,7 +958,45 @@ class _PreTrained(nn.Module):
         """transformers' constructor from a config. There is one attention implementation here (fused or
         reference by `backend`, each the same function as transformers' eager / SDPA), so
         attn_implementation picks nothing; output_attentions works with any."""
+        error = attn_implementation_error(attn_implementation, f"_from_config(attn_implementation={attn_implementation!r})")
+        if error:
+            raise ValueError(error)
         return cls(config, **kwargs)
+
+    # transformers' PreTrainedModel members that code around a model reads or calls
+    config_class = RobertaConfig
+    model_tags: list[str] | None = None  # added to the model card by push_to_hub
+
+    def set_attn_implementation(self, attn_implementation: str | dict):
+        """transformers' switch: "eager" and "sdpa" (or {"": either}) are accepted and change nothing (this
+        model computes their function with its own kernels); other implementations are refused."""
+        name = attn_implementation.get("") if isinstance(attn_implementation, dict) else attn_implementation
+        error = attn_implementation_error(name, f"set_attn_implementation({attn_implementation!r})")
+        if error:
+            raise ValueError(error)
+
+    def get_encoder(self, modality: str | None = None) -> nn.Module:
+        """transformers' lookup of the encoder module: model.roberta.encoder (its layers)."""
+        if modality is not None:
+            raise ValueError(f"get_encoder(modality={modality!r}): RoBERTa has a text encoder only")
+        return self.base_model.encoder
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for the model card push_to_hub writes (transformers.Trainer adds its own); kept once each."""
+        self.model_tags = list(self.model_tags or [])
+        self.model_tags += [tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in self.model_tags]
+
+    @property
+    def dummy_inputs(self) -> dict[str, torch.Tensor]:
+        """transformers' example batch for tracing tools."""
+        return {"input_ids": torch.tensor([[7, 6, 0, 0, 1], [1, 2, 3, 0, 0], [0, 0, 0, 4, 5]])}
+
+    def get_parameter_or_buffer(self, target: str) -> torch.Tensor:
+        """The parameter or buffer at dotted path `target`."""
+        try:
+            return self.get_parameter(target)
+        except AttributeError:
+            return self.get_buffer(target)
 
     @classmethod
     def from_pretrained(cls, path_or_model, backend: str = "auto", **kwargs):
@@ -1010,7 +1048,7 @@ class _PreTrained(nn.Module):
 
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        card = model_card(repo_id, tags, token)
+        card = model_card(repo_id, [*(self.model_tags or []), *(tags or [])], token)
         if revision and not revision.startswith("refs/pr"):  # upload_folder needs the branch (transformers makes it too)
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as directory:

@@ -372,3 +372,29 @@ def test_lm_head_decoder_is_the_tied_decoder_as_in_transformers():
     assert "decoder" not in dict(ours.lm_head.named_children())
     with pytest.raises(ValueError, match="an MLM decoder that is not its word embeddings"):
         ours.lm_head.decoder = torch.nn.Linear(FIELDS["hidden_size"], FIELDS["vocab_size"])
+
+
+def test_transformers_model_members_that_code_around_a_model_uses():
+    """set_attn_implementation (eager / sdpa: the function computed here; others refused, as from_pretrained
+    refuses them), get_encoder, dummy_inputs, get_parameter_or_buffer, config_class, as on transformers'
+    model (they were AttributeErrors)."""
+    hf = hf_model("RobertaForSequenceClassification")
+    ours = rf.RobertaForSequenceClassification.from_pretrained(hf)
+    ids = torch.tensor([[0, 5, 6, 2]])
+    with torch.no_grad():
+        before = ours(ids).logits
+        for name in ("eager", "sdpa", {"": "sdpa"}):
+            hf.set_attn_implementation(name)
+            ours.set_attn_implementation(name)
+        torch.testing.assert_close(ours(ids).logits, before, rtol=0, atol=0)
+    for call in (lambda: ours.set_attn_implementation("flash_attention_2"),
+                 lambda: rf.RobertaModel._from_config(ours.config, attn_implementation="flex_attention")):
+        with pytest.raises(ValueError, match="not supported: roberta_fast computes the function"):
+            call()
+    assert type(ours.get_encoder()).__name__ == type(hf.get_encoder()).__name__ == "RobertaEncoder"
+    assert ours.get_encoder() is ours.roberta.encoder
+    assert ours.dummy_inputs.keys() == hf.dummy_inputs.keys()
+    assert torch.equal(ours.dummy_inputs["input_ids"], hf.dummy_inputs["input_ids"])
+    name = "roberta.embeddings.LayerNorm.weight"
+    assert torch.equal(ours.get_parameter_or_buffer(name), hf.get_parameter_or_buffer(name))
+    assert ours.config_class is rf.RobertaConfig and isinstance(ours.config, ours.config_class)
