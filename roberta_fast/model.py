@@ -984,7 +984,9 @@ class _PreTrained(nn.Module):
     def add_model_tags(self, tags: list[str] | str) -> None:
         """Tags for the model card push_to_hub writes (transformers.Trainer adds its own); kept once each."""
         self.model_tags = list(self.model_tags or [])
-        self.model_tags += [tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in self.model_tags]
+        for tag in [tags] if isinstance(tags, str) else tags:
+            if tag not in self.model_tags:
+                self.model_tags.append(tag)
 
     @property
     def dummy_inputs(self) -> dict[str, torch.Tensor]:

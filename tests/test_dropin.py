@@ -863,7 +863,7 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
     ours.push_to_hub("my-model", tags=["legal", "roberta"])
     card = (tmp_path / "hub" / "README.md").read_text()
     assert "# Our encoder" in card and huggingface_hub.ModelCard(card).data.tags == ["legal", "roberta"]
-    ours.add_model_tags(["from-trainer", "legal"])  # (transformers.Trainer adds its tags so)
+    ours.add_model_tags(["from-trainer", "legal", "legal"])  # (transformers.Trainer adds its tags so)
     ours.add_model_tags("from-trainer")
     monkeypatch.setattr(huggingface_hub.ModelCard, "load",
                         lambda repo_id, token=None: huggingface_hub.ModelCard("---\ntags:\n- legal\n---\n"))
