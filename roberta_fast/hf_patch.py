@@ -24,11 +24,10 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from . import ops
 from .config import DECODER_SETTINGS, decoder_error
-from .model import key_padding_mask
+from .model import _has_hooks, key_padding_mask
 
 IMPLEMENTATION = "roberta_fast"
 
@@ -38,8 +37,10 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _fused(tensor) -> bool:
     """Whether the kernels take tensor: on CUDA, or the CPU under Triton's interpreter, and in
-    a dtype they compute in (a float64 model runs the reference ops, as transformers would)."""
-    return ops._kernel_device(tensor.device) and tensor.dtype in _KERNEL_DTYPES
+    a dtype they compute in (a float64 model runs the reference ops, as transformers would);
+    not under torch.jit.trace, which records plain aten ops (as the drop-in models trace), since
+    TorchScript cannot hold the kernels' arguments (a bool mask viewed as uint8)."""
+    return ops._kernel_device(tensor.device) and tensor.dtype in _KERNEL_DTYPES and not torch.jit.is_tracing()
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -107,11 +108,10 @@ def _backend(tensor) -> str:
 
 
 def _unobserved(*modules) -> bool:
-    """Whether nothing observes or wraps these modules' calls: no forward hooks (global ones
-    included) and no instance `forward` (accelerate's offloading), so a fused forward may skip calling them."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
-    return all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m) for m in modules)
+    """Whether nothing observes or wraps these modules' calls: no forward or backward hooks (global
+    ones included) and no instance `forward` (accelerate's offloading), so a fused forward may skip
+    calling them."""
+    return not any(_has_hooks(m) for m in modules)
 
 
 def _plain(*modules) -> bool:
@@ -132,10 +132,18 @@ def _dense_dropout_add_norm(self, hidden_states, input_tensor):
 
 
 def _dense_gelu(self, hidden_states):
-    """RobertaIntermediate: erf GELU(dense(h)) with the bias add fused into the GELU."""
-    if not (_plain(self.dense) and _unobserved(self.intermediate_act_fn)):  # a hooked GELU module runs too
+    """RobertaIntermediate: erf GELU(dense(h)) with the bias add fused into the GELU; a hooked GELU
+    module, or another activation put in its place (ReLU, tanh GELU), runs as transformers runs it."""
+    if not (_plain(self.dense) and _is_erf_gelu(self.intermediate_act_fn) and _unobserved(self.intermediate_act_fn)):
         return self._rf_original.forward(self, hidden_states)
     return ops.linear_gelu(hidden_states, self.dense.weight, self.dense.bias, _backend(hidden_states))
+
+
+def _is_erf_gelu(activation) -> bool:
+    """Whether `activation` is transformers' GELUActivation (the erf GELU the fused op computes)."""
+    from transformers.activations import GELUActivation
+
+    return type(activation) is GELUActivation
 
 
 def _lm_head(self, features, **kwargs):

@@ -122,6 +122,67 @@ def test_wrapped_and_hooked_layers_run_as_in_transformers():
     assert fired == list(hooked)
 
 
+@pytest.mark.parametrize("scope", ["module", "global"])
+def test_backward_hooks_on_fused_modules_run_as_in_transformers(scope):
+    """A full backward hook on a module the fused forwards skip (the LayerNorms, the FFN's dense and
+    GELU, the MLM head's) must fire and may change the gradients, as in transformers. Before, only
+    forward hooks were looked for: the hooks never fired and the gradients were unhooked ones."""
+    original = hf_model()
+    patched = rf.patch(copy.deepcopy(original))
+    names = ("roberta.encoder.layer.0.attention.output.LayerNorm", "roberta.encoder.layer.0.intermediate.dense",
+             "roberta.encoder.layer.0.intermediate.intermediate_act_fn", "lm_head.layer_norm")
+    ids = torch.randint(3, 52, (2, 7))
+    grads, fired = [], []
+    for model in (original, patched):
+        def halve(module, grad_input, grad_output, model=model):
+            fired.append(model is patched)
+            return tuple(None if g is None else g * 0.5 for g in grad_input)
+        if scope == "module":
+            handles = [model.get_submodule(name).register_full_backward_hook(halve) for name in names]
+        else:
+            handles = [torch.nn.modules.module.register_module_full_backward_hook(halve)]
+        model.zero_grad()
+        model(input_ids=ids).logits.square().mean().backward()
+        for handle in handles:
+            handle.remove()
+        grads.append(model.roberta.embeddings.word_embeddings.weight.grad)
+    assert fired.count(True) == fired.count(False) > 0
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("activation", [torch.nn.ReLU(), torch.nn.SiLU()], ids=["relu", "silu"])
+def test_an_activation_put_in_place_of_gelu_is_computed(activation):
+    """The fused FFN computes erf GELU: another activation module set as intermediate_act_fn (before or
+    after patching) runs instead, as in transformers (it was ignored: erf GELU went on being computed;
+    a tanh GELU too, 2e-6 off here)."""
+    original = hf_model()
+    original.roberta.encoder.layer[0].intermediate.intermediate_act_fn = activation
+    ids = torch.randint(3, 52, (2, 7))
+    with torch.no_grad():
+        want = original(input_ids=ids).logits
+        torch.testing.assert_close(rf.patch(copy.deepcopy(original))(input_ids=ids).logits, want)
+        patched = rf.patch(hf_model())
+        patched.roberta.encoder.layer[0].intermediate.intermediate_act_fn = activation
+        torch.testing.assert_close(patched(input_ids=ids).logits, want)
+
+
+def test_a_traced_patched_model_with_kernel_sized_heads_runs():
+    """Heads of 64 (every released RoBERTa's) take the fused attention kernel: torch.jit.trace failed
+    there (TorchScript holds no uint8 view of the bool mask); it now traces the reference ops."""
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(**{**FIELDS, "hidden_size": 64, "num_attention_heads": 1})
+    original = transformers.RobertaModel(config).eval()
+    patched = rf.patch(copy.deepcopy(original))
+    ids = torch.randint(3, 52, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    traced = torch.jit.trace(patched, (ids, mask), strict=False)
+    with torch.no_grad():
+        want = original(input_ids=ids, attention_mask=mask)[0]
+        got = traced(ids, mask)["last_hidden_state"]
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+
+
 def test_the_mask_function_takes_every_transformers_5_call():
     """transformers 5.0-5.4 call the mask function with cache_position and no q_length, later ones with
     q_length: only the padding mask and kv_length are read."""
