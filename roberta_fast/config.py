@@ -153,9 +153,9 @@ class RobertaConfig:
         decoder = decoder_error(self.extra, "the config")
         if decoder:
             errors.append(decoder)
-        if "num_labels" in self.extra:  # a dict's num_labels, as transformers' config takes it
-            num_labels = self.extra.pop("num_labels")
-            if "id2label" not in self.extra:
+        if "num_labels" in self.extra:  # a dict's or keyword's num_labels, as transformers' config takes it:
+            num_labels = self.extra.pop("num_labels")  # against an id2label of another size it wins (LABEL_i)
+            if "id2label" not in self.extra or len(self.extra["id2label"]) != num_labels:
                 self.num_labels = num_labels
         if self.problem_type not in (None, *PROBLEM_TYPES):
             errors.append(f"problem_type must be None or one of {PROBLEM_TYPES}, got {self.problem_type!r}")
@@ -390,7 +390,10 @@ def _taking_transformers_keywords(init):
     def __init__(self, *args, **kwargs):
         taken = {k: kwargs.pop(k) for k in TRANSFORMERS_KEYWORDS if k in kwargs}
         if taken:
-            kwargs["extra"] = {**kwargs.get("extra", {}), **taken}
+            extra = dict(kwargs.get("extra", {}))
+            if "id2label" in taken:  # new class names: label2id is their inverse again, not the one
+                extra.pop("label2id", None)  # dataclasses.replace passes in `extra`
+            kwargs["extra"] = {**extra, **taken}
         init(self, *args, **kwargs)
     return functools.wraps(init)(__init__)
 

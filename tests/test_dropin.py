@@ -7,6 +7,7 @@ masks in every class and in rf.patch; decoder configurations refused; rf.patch's
 (padded positions, output_attentions, set_attn_implementation, a CPU without the interpreter).
 """
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -375,6 +376,15 @@ def test_roberta_config_takes_transformers_config_keywords():
         rf.RobertaForMaskedLM(rf.RobertaConfig(tie_word_embeddings=False))
     with pytest.raises(TypeError, match="hiden_size"):
         rf.RobertaConfig(hiden_size=64)
+    # a label count against names of another size wins (LABEL_i), as transformers'; new names get their inverse
+    for config in (rf.RobertaConfig(num_labels=5, id2label={0: "a", 1: "b"}),
+                   dataclasses.replace(named, num_labels=5)):
+        assert config.num_labels == 5 and config.id2label == transformers.RobertaConfig(num_labels=5).id2label
+        assert rf.RobertaForSequenceClassification(config).classifier.out_proj.out_features == 5
+    assert dataclasses.replace(named, num_labels=2).id2label == {0: "neg", 1: "pos"}  # the same count: names kept
+    renamed = dataclasses.replace(rf.RobertaConfig(id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1}),
+                                  id2label={0: "neg", 1: "neu", 2: "pos"})
+    assert renamed.label2id == {"neg": 0, "neu": 1, "pos": 2}
 
 
 def test_an_untied_decoder_is_refused_not_dropped(tmp_path):
