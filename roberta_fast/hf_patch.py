@@ -38,9 +38,11 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _fused(tensor) -> bool:
     """Whether the kernels take tensor: on CUDA, or the CPU under Triton's interpreter, and in
     a dtype they compute in (a float64 model runs the reference ops, as transformers would);
-    not under torch.jit.trace, which records plain aten ops (as the drop-in models trace), since
-    TorchScript cannot hold the kernels' arguments (a bool mask viewed as uint8)."""
-    return ops._kernel_device(tensor.device) and tensor.dtype in _KERNEL_DTYPES and not torch.jit.is_tracing()
+    not under torch.jit.trace or torch.export, which record plain aten ops, as the drop-in models'
+    do: TorchScript cannot hold the kernels' arguments (a bool mask viewed as uint8), and ONNX has
+    no translation of the kernels."""
+    return (ops._kernel_device(tensor.device) and tensor.dtype in _KERNEL_DTYPES
+            and not (torch.jit.is_tracing() or ops.exporting()))
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -166,9 +166,10 @@ def test_an_activation_put_in_place_of_gelu_is_computed(activation):
         torch.testing.assert_close(patched(input_ids=ids).logits, want)
 
 
-def test_a_traced_patched_model_with_kernel_sized_heads_runs():
+def test_a_traced_or_onnx_exported_patched_model_with_kernel_sized_heads_runs(tmp_path):
     """Heads of 64 (every released RoBERTa's) take the fused attention kernel: torch.jit.trace failed
-    there (TorchScript holds no uint8 view of the bool mask); it now traces the reference ops."""
+    there (TorchScript holds no uint8 view of the bool mask) and the ONNX export found no translation
+    of the kernel; both now record the reference ops, as the drop-in models' do."""
     torch.manual_seed(0)
     config = transformers.RobertaConfig(**{**FIELDS, "hidden_size": 64, "num_attention_heads": 1})
     original = transformers.RobertaModel(config).eval()
@@ -181,6 +182,12 @@ def test_a_traced_patched_model_with_kernel_sized_heads_runs():
         want = original(input_ids=ids, attention_mask=mask)[0]
         got = traced(ids, mask)["last_hidden_state"]
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+    import onnxruntime as ort  # (in the test extras)
+    torch.onnx.export(patched, (ids, {"attention_mask": mask}), tmp_path / "patched.onnx",
+                      input_names=["input_ids", "attention_mask"], dynamo=True)
+    session = ort.InferenceSession(str(tmp_path / "patched.onnx"))
+    got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(got)[mask.bool()], want[mask.bool()])
 
 
 def test_the_mask_function_takes_every_transformers_5_call():
