@@ -80,5 +80,7 @@ def model_card(repo_id: str, tags: list[str] | None = None, token: bool | str | 
             model_description="This is the model card of a 🤗 transformers model that has been pushed on "
                               "the Hub by roberta_fast. This model card has been automatically generated.")
     card.data.tags = card.data.tags or []
-    card.data.tags += [tag for tag in tags or [] if tag not in card.data.tags]
+    for tag in [tags] if isinstance(tags, str) else tags or []:
+        if tag not in card.data.tags:
+            card.data.tags.append(tag)
     return card

@@ -16,10 +16,12 @@ ever written, the abandoned steps included. A run that starts over (`from_scratc
 checkpoint, so it redoes step 0's evaluation too) marks step -1, dropping every earlier record.
 TensorBoard scalars are written when the `tensorboard` package is installed, the PNG plot when
 matplotlib is. With `wandb_project`, the same scalars go to a Weights & Biases run (`pip install wandb`;
-its own settings from the environment: WANDB_MODE=offline, WANDB_ENTITY, WANDB_NAME, ...), named after
-the output directory. Its id is kept in `<out>/wandb_run_id`: a resumed run goes on with the same W&B
-run, leaving the steps W&B already holds as they are (exact resume computes them again, the same), and
-a run that starts at step 0 starts a new one.
+its own settings from the environment: WANDB_MODE=offline, WANDB_ENTITY, WANDB_NAME, WANDB_DIR, ...),
+named after the output directory, against the training step (W&B's "step" metric). Its id is kept in
+`<out>/wandb_run_id`: a resumed run goes on with the same W&B run and a run that starts at step 0
+starts a new one. W&B keeps every record sent, as the raw metrics.jsonl does: the steps a resumed run
+redoes after its checkpoint are logged again (the same values, unless the run was resumed with another
+schedule), so W&B drops nothing, not an evaluation of a step nor a changed learning rate.
 Only rank 0 reports; other ranks construct the logger with enabled=False.
 """
 from __future__ import annotations
@@ -115,7 +117,6 @@ class MetricsLogger:
                            "(--no-tensorboard silences this)")
         if wandb_project:
             self.wandb = _wandb_run(Path(out_dir), wandb_project, run_config, new=from_scratch or start_step == 0)
-            self.wandb_from = self.wandb.step  # resumed: the steps before it are W&B's already (asked once: IPC)
 
     def _mark_resume(self, step: int) -> None:
         """Append a "resume" marker at `step` to a file that already holds records (after ending
@@ -156,10 +157,9 @@ class MetricsLogger:
                 for k, v in record.items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                         self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
-        if self.wandb is not None and record["step"] >= self.wandb_from:
-            self.wandb.log({f"{record['kind']}/{k}": v for k, v in record.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"},
-                           step=record["step"])
+        if self.wandb is not None:  # against our step, not W&B's own counter (which a resume cannot go back on)
+            self.wandb.log({"step": record["step"], **{f"{record['kind']}/{k}": v for k, v in record.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}})
         if record["kind"] == "train":
             shown = {"loss": record.get("loss"), "sbo": record.get("sbo_loss"), "tok/s": record.get("tokens_per_s"),
                      "lr": record.get("lr")}  # sbo: with the span boundary objective only
@@ -221,13 +221,20 @@ def _wandb_run(out_dir: Path, project: str, run_config: dict | None, new: bool):
     that file holds, resumed."""
     try:
         import wandb
-    except ImportError:
-        raise ImportError(wandb_missing(project) or "import wandb failed") from None
+    except ImportError as err:
+        raise ImportError(wandb_missing(project) or f"--wandb-project {project}: import wandb failed: {err}") from err
     id_file = out_dir / WANDB_RUN_ID_FILE
     run_id = None if new or not id_file.is_file() else id_file.read_text(encoding="utf-8").strip()
     name = None if os.environ.get("WANDB_NAME") else out_dir.resolve().name
-    run = wandb.init(project=project, id=run_id or None, resume="allow" if run_id else None, name=name,
-                     dir=str(out_dir), config=_jsonable(run_config or {}))
+    try:
+        run = wandb.init(project=project, id=run_id or None, resume="allow" if run_id else None, name=name,
+                         dir=None if os.environ.get("WANDB_DIR") else str(out_dir), config=_jsonable(run_config or {}))
+    except wandb.errors.Error as err:  # not logged in, no network, a project it may not write to
+        raise ValueError(f"W&B could not start a run in project {project!r}: {str(err).rstrip('.')}. Log in with `wandb login` "
+                         "(or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or leave --wandb-project "
+                         "out") from None
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step", step_sync=True)
     if run.id != run_id:
         write_text_atomic(id_file, run.id + "\n")
     return run

@@ -1038,7 +1038,7 @@ class _PreTrained(nn.Module):
 
     def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
                     private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
-                    create_pr: bool = False, max_shard_size: int | str | None = "50GB", tags: list[str] | None = None):
+                    create_pr: bool = False, max_shard_size: int | str | None = "50GB", tags: list[str] | str | None = None):
         """Upload save_pretrained's files (what transformers loads) and the model card, with `tags`
         added, to the Hub repository `repo_id`, created if missing, as transformers' push_to_hub;
         returns the commit."""
@@ -1050,7 +1050,7 @@ class _PreTrained(nn.Module):
 
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        card = model_card(repo_id, [*(self.model_tags or []), *(tags or [])], token)
+        card = model_card(repo_id, [*(self.model_tags or []), *([tags] if isinstance(tags, str) else tags or [])], token)
         if revision and not revision.startswith("refs/pr"):  # upload_folder needs the branch (transformers makes it too)
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as directory:

@@ -878,7 +878,7 @@ def test_push_to_hub_uploads_what_transformers_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.ModelCard, "load",
                         lambda repo_id, token=None: huggingface_hub.ModelCard("---\ntags:\n- legal\n---\n"))
     shutil.rmtree(tmp_path / "hub")
-    ours.push_to_hub("my-model", tags=["roberta"])
+    ours.push_to_hub("my-model", tags="roberta")  # one tag as a string, as transformers takes it
     card = huggingface_hub.ModelCard((tmp_path / "hub" / "README.md").read_text())
     assert ours.model_tags == ["from-trainer", "legal"] and card.data.tags == ["legal", "from-trainer", "roberta"]
 

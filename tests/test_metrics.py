@@ -81,24 +81,31 @@ def test_tensorboard_purges_only_the_steps_a_resume_redoes(tmp_path, monkeypatch
 
 
 class FakeWandb:
-    """The part of the wandb module MetricsLogger uses, recording calls; `server_step` is the step a
-    resumed W&B run reports (the last one its server holds, plus one)."""
+    """The part of the wandb module MetricsLogger uses, recording calls. `refuse` makes init fail as W&B
+    does when it cannot start a run (e.g. not logged in)."""
 
-    def __init__(self, server_step=0):
-        self.server_step, self.inits, self.logged, self.finished = server_step, [], [], []
+    class errors:
+        class Error(Exception):
+            pass
+
+    def __init__(self, refuse=None):
+        self.refuse, self.inits, self.logged, self.finished, self.metrics = refuse, [], [], [], []
 
     def init(self, **kwargs):
+        if self.refuse:
+            raise self.errors.Error(self.refuse)
         self.inits.append(kwargs)
         fake = self
         run_id = kwargs["id"] or f"new{len(self.inits)}"
 
         class Run:
-            id, step = run_id, fake.server_step if kwargs["id"] else 0
+            id = run_id
 
-            def log(self, data, step):
-                assert step >= self.step  # W&B drops (with a warning) a step before its current one
-                fake.logged.append((step, data))
-                self.step = step
+            def define_metric(self, name, step_metric=None, step_sync=None):
+                fake.metrics.append((name, step_metric))
+
+            def log(self, data):
+                fake.logged.append((data.pop("step"), data))
 
             def finish(self, exit_code=0):
                 fake.finished.append(exit_code)
@@ -106,38 +113,57 @@ class FakeWandb:
 
 
 def test_wandb_run_follows_the_output_directory_across_resumes(tmp_path, monkeypatch):
-    """--wandb-project: the same scalars as TensorBoard, under kind/name; the run's id kept in
-    <out>/wandb_run_id, so a resumed logger goes on with that W&B run and leaves the steps W&B already
-    holds alone (exact resume redoes them, the same); a run from step 0 starts a new W&B run; a
-    failed run is marked failed."""
+    """--wandb-project: the same scalars as TensorBoard, under kind/name, against the training step; the
+    run's id kept in <out>/wandb_run_id, so a resumed logger goes on with that W&B run and sends the steps
+    it redoes again (W&B drops nothing: not an evaluation, not a changed LR); a run from step 0 starts a
+    new W&B run; a failed run is marked failed."""
     import sys
 
-    fake = FakeWandb(server_step=6)  # the first run logged up to step 5 before it was killed
+    fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_NAME", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     config = {"lr": 1e-3, "out": tmp_path, "wandb_project": "bio"}
     log = MetricsLogger(tmp_path, 10, progress=False, tensorboard=False, wandb_project="bio", run_config=config)
     log.log({"kind": "eval", "step": 0, "loss": 7.0, "tokens": 12})
     log.log({"kind": "train", "step": 2, "loss": 6.0, "lr": 1e-4, "note": "text", "finite": True})
-    log.close()
+    log.log({"kind": "train", "step": 6, "loss": 5.0})  # (the run dies here, after its step-4 checkpoint)
+    log.close(failed=True)
     first = fake.inits[0]
     assert first["project"] == "bio" and first["id"] is None and first["name"] == tmp_path.name
+    assert first["dir"] == str(tmp_path)
     assert first["config"] == {"lr": 1e-3, "out": str(tmp_path), "wandb_project": "bio"}  # a path as text
-    assert fake.logged == [(0, {"eval/loss": 7.0, "eval/tokens": 12}), (2, {"train/loss": 6.0, "train/lr": 1e-4})]
-    assert (tmp_path / "wandb_run_id").read_text() == "new1\n" and fake.finished == [0]
+    assert fake.metrics == [("step", None), ("*", "step")]
+    assert fake.logged == [(0, {"eval/loss": 7.0, "eval/tokens": 12}), (2, {"train/loss": 6.0, "train/lr": 1e-4}),
+                           (6, {"train/loss": 5.0})]
+    assert (tmp_path / "wandb_run_id").read_text() == "new1\n" and fake.finished == [1]
 
     fake.logged.clear()
     log = MetricsLogger(tmp_path, 10, start_step=4, progress=False, tensorboard=False, wandb_project="bio")
-    for step in (5, 6):  # redone from the step-4 checkpoint: W&B holds step 5 already
+    for step in (5, 6):  # redone from the step-4 checkpoint
         log.log({"kind": "train", "step": step, "loss": float(step)})
-    log.close(failed=True)
+    log.log({"kind": "eval", "step": 6, "loss": 4.5})
+    log.close()
     assert fake.inits[1]["id"] == "new1" and fake.inits[1]["resume"] == "allow"
-    assert fake.logged == [(6, {"train/loss": 6.0})] and fake.finished == [0, 1]
+    assert fake.logged == [(5, {"train/loss": 5.0}), (6, {"train/loss": 6.0}), (6, {"eval/loss": 4.5})]
+    assert fake.finished == [1, 0]
     log.close()  # a second close does nothing
-    assert fake.finished == [0, 1]
+    assert fake.finished == [1, 0]
 
     MetricsLogger(tmp_path, 10, start_step=0, progress=False, tensorboard=False, wandb_project="bio").close()
     assert fake.inits[2]["id"] is None and (tmp_path / "wandb_run_id").read_text() == "new3\n"
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # W&B's own variable: its files go there
+    MetricsLogger(tmp_path, 10, progress=False, tensorboard=False, wandb_project="bio").close()
+    assert fake.inits[3]["dir"] is None
+
+
+def test_wandb_that_cannot_start_a_run_says_what_to_do(tmp_path, monkeypatch):
+    """Not logged in (W&B's usual first error): a ValueError in one line (the CLIs' exit 2), naming the fixes."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(refuse="No API key configured"))
+    with pytest.raises(ValueError, match="No API key configured. Log in with `wandb login`.*WANDB_MODE=offline"):
+        MetricsLogger(tmp_path, 10, progress=False, tensorboard=False, wandb_project="bio")
 
 
 def test_wandb_project_without_wandb_names_the_install(tmp_path, monkeypatch):
