@@ -422,6 +422,9 @@ def load_config(argv=None) -> TrainConfig:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
     flags = {k: v for k, v in args.items() if v is not None}
     cfg = TrainConfig.preset(preset, **{**file_values, **flags}).validate()
+    # (not a field: a resumed run keeps its checkpoint's warmup when the command leaves it to the preset,
+    # e.g. one started when the preset's share of a shorter run was computed otherwise)
+    cfg.warmup_from_preset = "warmup_steps" not in {**file_values, **flags}
     preset_warmup = TRAIN_PRESETS[preset]["warmup_steps"]
     if cfg.warmup_steps != preset_warmup and "warmup_steps" not in {**file_values, **flags} \
             and os.environ.get("RANK", "0") == "0":  # one line per job under torchrun

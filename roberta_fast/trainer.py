@@ -686,6 +686,12 @@ class Trainer:
         if int(state["step"]) > self.cfg.max_steps:
             raise ValueError(f"the checkpoint is at step {state['step']}, past --max-steps {self.cfg.max_steps}; "
                              "resume with a larger --max-steps or use a new --out")
+        saved_warmup = state["schedule"].get("warmup_steps")
+        if getattr(self.cfg, "warmup_from_preset", False) and saved_warmup not in (None, self.schedule.warmup_steps) \
+                and saved_warmup <= self.schedule.total_steps:  # the command left the warmup to the preset
+            self.print(f"note: resuming on the checkpoint's {saved_warmup} warmup steps (--warmup-steps not given; "
+                       f"a new run of this command warms up for {self.schedule.warmup_steps})")
+            self.schedule.warmup_steps = self.cfg.warmup_steps = saved_warmup
         check_schedule(state["schedule"], self.schedule, SCHEDULE_SETTINGS, self.cfg.allow_schedule_change,
                        self.print)
         self.model.load_state_dict(state["model"])

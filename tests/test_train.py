@@ -242,6 +242,22 @@ def test_resume_refuses_a_changed_lr_schedule(dataset, tmp_path, capsys):
     assert train_losses(tmp_path / "run")[-1][0] == 8 and (tmp_path / "run" / "final").is_dir()
 
 
+def test_a_resume_that_leaves_the_warmup_to_the_preset_keeps_the_checkpoints(dataset, tmp_path, capsys):
+    """A command without --warmup-steps resumes on its checkpoint's warmup, saying so, rather than being
+    refused: a run of `--max-steps 40` started when the tiny preset's 30 warmup steps were kept (now it
+    warms up for 4) goes on with the same command after the upgrade."""
+    argv = small_argv(dataset)
+    at = argv.index("--warmup-steps")
+    argv = argv[:at] + argv[at + 2:] + ["--out", str(tmp_path / "run"), "--max-steps", "40", "--log-every", "1"]
+    assert main(argv + ["--warmup-steps", "30", "--stop-at", "2"]) == 0  # as the older code chose
+    assert main(argv + ["--stop-at", "4"]) == 0
+    assert "note: resuming on the checkpoint's 30 warmup steps (--warmup-steps not given; a new run of this " \
+           "command warms up for 4)" in capsys.readouterr().out
+    lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"}
+    assert lr[4] == pytest.approx(3e-3 * 4 / 30)  # step 4 of a 30-step warmup (of a 4-step one: the peak)
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["warmup_steps"] == 30
+
+
 def test_resume_trains_with_changed_optimizer_flags_and_says_so(dataset, tmp_path, capsys):
     """A resume with another --weight-decay (or betas, eps) trains with it, as the run's config then
     records (the checkpoint's optimizer groups once won silently); biases and LayerNorm keep no decay,
