@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .documents import is_table, table_label_names, table_rows
+from .documents import _SURROGATE, is_table, table_label_names, table_rows
 from .files import write_text_atomic
 from .model import (RobertaForMultipleChoice, RobertaForQuestionAnswering, RobertaForSequenceClassification,
                     RobertaForTokenClassification)
@@ -441,7 +441,7 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
     else:
         raise ValueError(f"{path}: expected a .csv or .tsv (GLUE's, with a header row), a .jsonl, a Parquet or "
                          "Arrow file or a datasets save_to_disk directory")
-    examples, first, numeric, empty_text = [], None, {}, []
+    examples, first, numeric, empty_text, surrogates = [], None, {}, [], []
     for where, row in rows:
         if numbered:  # for header_row_error: which columns hold a number on every row after the first
             if first is None:
@@ -478,8 +478,11 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
             label = str(row[cfg.label_field])
         if any(not str(row[name]).strip() for name in fields):  # kept, as GLUE's loaders keep QQP's empty questions
             empty_text.append(place_in(where, path))
-        pair = str(row[cfg.pair_field]) if cfg.pair_field else None
-        examples.append((str(row[cfg.text_field]), pair, label))
+        text, pair = str(row[cfg.text_field]), str(row[cfg.pair_field]) if cfg.pair_field else None
+        if _SURROGATE.search(text + (pair or "")):  # JSON's "\ud83d" escapes: not encodable, as preprocess
+            surrogates.append(place_in(where, path))  # replaces them (the tokenizer raised a bare TypeError)
+            text, pair = _SURROGATE.sub("\ufffd", text), pair and _SURROGATE.sub("\ufffd", pair)
+        examples.append((text, pair, label))
         if places is not None:
             places.append(place_in(where, path))
     if skipped and not labelled:  # a test set's row skipped would leave it without a prediction, and shift
@@ -503,6 +506,10 @@ def read_examples(path, cfg, notes: list | None = None, places: list | None = No
         lines = ", ".join(empty_text[:5]) + (", ..." if len(empty_text) > 5 else "")
         said.append(f"{path}: kept {len(empty_text)} row{'s' if len(empty_text) > 1 else ''} whose text or pair "
                     f"text is empty ({lines}), as GLUE's loaders do")
+    if surrogates:
+        lines = ", ".join(surrogates[:5]) + (", ..." if len(surrogates) > 5 else "")
+        said.append(f"{path}: lone surrogates (\\ud800-\\udfff escapes, half of an emoji's pair) in {len(surrogates)} "
+                    f"row(s) ({lines}) are not text: replaced by U+FFFD, as preprocess does")
     for note in said:
         if notes is None:
             print(f"note: {note}")

@@ -15,8 +15,9 @@ ByteLevel decoder. A saved directory loads in `transformers.AutoTokenizer` as a
 
 Word starts (for whole-word masking) follow fairseq's GPT-2 BPE rule, extended so
 that no word runs across a line break or a special token: a token begins a word when
-its text begins with whitespace, when it is a special token, or when the token
-before it ends with whitespace or is special. As in BERT's BasicTokenizer, each CJK
+its text begins with ASCII whitespace (space, tab, line break; other Unicode spaces,
+such as NBSP, do not count), when it is a special token, or when the token
+before it ends with such whitespace or is special. As in BERT's BasicTokenizer, each CJK
 ideograph is a word (text without spaces is otherwise one word): a token also begins a
 word when a CJK character starts at its first byte, or when the token before it ends
 with a complete one (a byte-level token that starts or ends mid-character does not).
@@ -163,6 +164,10 @@ class RobertaTokenizer:
                 f"the tokenizer lacks RoBERTa's special tokens {missing}; train one with "
                 "RobertaTokenizer.train(...) or load roberta-base's vocab.json + merges.txt"
             )
+        # a tokenizer.json may carry truncation or padding (transformers saves its tokenizer's last
+        # settings): ids here are whole texts, as transformers' tokenizer gives them unless asked per call
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.backend = tokenizer
 
     # ------------------------------------------------------------------ construction
@@ -294,9 +299,11 @@ class RobertaTokenizer:
         Returns a list of id lists, or (ids, word_starts) with one bool array per text
         when word_starts=True (see the module docstring for the rule).
         """
-        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        if isinstance(texts, str):
             raise TypeError("encode_batch expects a list of str (use encode for a single text)")
-        texts = list(texts)
+        texts = list(texts)  # (before the check: a generator would be used up by it)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("encode_batch expects a list of str (use encode for a single text)")
         fast = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
         ids = [e.ids for e in fast(texts, add_special_tokens=add_special_tokens)]
         if not word_starts:

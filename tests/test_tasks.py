@@ -209,6 +209,20 @@ def test_json_lists_and_objects_are_not_stringified_into_texts_or_classes(tmp_pa
         read_examples(path, classify_config())
 
 
+def test_lone_surrogates_in_texts_are_replaced_and_said(tmp_path):
+    """JSON may escape half of an emoji's surrogate pair ("\\ud83d"), which is no text: the tokenizer raised
+    a bare TypeError naming no row. Replaced by U+FFFD, as preprocess does, with a note naming the line."""
+    from roberta_fast.tasks import read_examples
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "bad \\ud83d film", "label": "neg"}\n{"text": "fine", "label": "pos"}\n')
+    notes = []
+    examples = read_examples(path, classify_config(), notes=notes)
+    assert examples == [("bad \ufffd film", None, "neg"), ("fine", None, "pos")]
+    assert len(notes) == 1 and "lone surrogates" in notes[0] and "(line 1)" in notes[0]
+    rf.RobertaTokenizer.train_from_iterator(["bad fine film"], vocab_size=300).encode(examples[0][0])
+
+
 def test_a_null_tag_is_refused(tmp_path):
     """It became the tag 'None'."""
     path = tmp_path / "rows.jsonl"

@@ -79,6 +79,31 @@ def test_batch_equals_single(tok):
     assert [len(s) for s in starts] == [len(i) for i in ids]
 
 
+def test_encode_batch_takes_any_iterable_of_texts(tok):
+    """A generator or map object was used up by the type check: encode_batch returned [] for it."""
+    assert tok.encode_batch(t for t in TRICKY) == tok.encode_batch(list(TRICKY))
+    assert tok.encode_batch(map(str.lower, TRICKY)) == [tok.encode(t.lower()) for t in TRICKY]
+
+
+def test_truncation_or_padding_saved_in_tokenizer_json_is_not_applied(tok, saved, tmp_path):
+    """transformers saves its tokenizer's truncation / padding settings into tokenizer.json and applies
+    them only when a call asks; rf applied them to every encode (texts cut and padded: the
+    pretraining shards too). Loaded, they are cleared, so the ids are transformers' whole-text ids."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    shutil.copytree(saved, tmp_path / "tok")
+    backend = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    backend.enable_truncation(4)
+    backend.enable_padding(length=12, pad_id=tok.pad_id)
+    backend.save(str(tmp_path / "tok" / "tokenizer.json"))
+    loaded = RobertaTokenizer.from_pretrained(tmp_path / "tok")
+    text = "the quick brown fox jumps over the lazy dog"
+    assert loaded.encode(text) == tok.encode(text) and len(tok.encode(text)) > 4
+    assert loaded.encode_batch(["a", text]) == tok.encode_batch(["a", text])
+
+
 @pytest.mark.parametrize("files", ["tokenizer.json", "vocab+merges"])
 def test_transformers_parity(tok, saved, tmp_path, files):
     transformers = pytest.importorskip("transformers")
