@@ -29,7 +29,9 @@ Parquet, Arrow, `datasets`) and warns when the text runs out of merges before `v
 empty tokenizer file is a ValueError naming it, wherever a tokenizer is loaded.
 
 `tokenizer_hash` identifies the vocabulary, merges and special tokens independently
-of the `tokenizers` version that serialised them; datasets record it in their manifest.
+of the `tokenizers` version that serialised them, and the pipeline settings that change
+ids where they are not RoBERTa's (add_prefix_space=True, a normalizer); datasets record it
+in their manifest.
 """
 from __future__ import annotations
 
@@ -366,9 +368,20 @@ class RobertaTokenizer:
         model = json.loads(self.backend.to_str())["model"]
         return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
+    def _pipeline_settings(self) -> dict:
+        """The settings outside the vocabulary that change ids: the normalizer, and the pre-tokenizer's
+        and post-processor's kinds, prefix spaces and regex (not offsets, not decoding)."""
+        pipeline = json.loads(self.backend.to_str())
+        pre, post = pipeline.get("pre_tokenizer") or {}, pipeline.get("post_processor") or {}
+        return {"normalizer": pipeline.get("normalizer"),
+                "pre_tokenizer": [pre.get("type"), pre.get("add_prefix_space"), pre.get("use_regex")],
+                "post_processor": [post.get("type"), post.get("add_prefix_space"), post.get("sep"), post.get("cls")]}
+
     @property
     def tokenizer_hash(self) -> str:
-        """sha256 of the vocabulary, merges and added tokens (stable across `tokenizers` versions)."""
+        """sha256 of the vocabulary, merges and added tokens (stable across `tokenizers` versions), and of
+        the pipeline settings that change ids where they are not RoBERTa's (add_prefix_space=True, a
+        normalizer): two tokenizers that encode differently never share a hash, and RoBERTa's keep theirs."""
         if getattr(self, "_hash", None) is None:
             added = sorted(
                 (i, t.content, t.lstrip, t.rstrip, t.special)
@@ -379,6 +392,10 @@ class RobertaTokenizer:
                 "merges": [list(m) for m in self.merges()],
                 "added": added,
             }
+            pipeline = self._pipeline_settings()
+            if pipeline != {"normalizer": None, "pre_tokenizer": ["ByteLevel", False, True],
+                            "post_processor": ["RobertaProcessing", False, ["</s>", self.eos_id], ["<s>", self.bos_id]]}:
+                payload["pipeline"] = pipeline
             blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
             self._hash = hashlib.sha256(blob).hexdigest()
         return self._hash

@@ -104,6 +104,21 @@ def test_truncation_or_padding_saved_in_tokenizer_json_is_not_applied(tok, saved
     assert loaded.encode_batch(["a", text]) == tok.encode_batch(["a", text])
 
 
+def test_a_tokenizer_that_encodes_otherwise_has_another_hash(tok, saved, tmp_path):
+    """The hash covered the vocabulary, merges and added tokens only: the same files with
+    add_prefix_space=True (transformers' option) encode otherwise under the same hash, so a preprocess
+    rerun kept shards of the other ids and a dataset check passed. RoBERTa's own pipeline keeps the
+    hash it always had (datasets made before stay valid)."""
+    transformers = pytest.importorskip("transformers")  # (in the test extras)
+    roundtrip = transformers.AutoTokenizer.from_pretrained(saved)
+    roundtrip.save_pretrained(tmp_path / "same")
+    assert RobertaTokenizer.from_pretrained(tmp_path / "same").tokenizer_hash == tok.tokenizer_hash
+    transformers.AutoTokenizer.from_pretrained(saved, add_prefix_space=True).save_pretrained(tmp_path / "prefix")
+    prefixed = RobertaTokenizer.from_pretrained(tmp_path / "prefix")
+    assert prefixed.encode("hello world") != tok.encode("hello world")
+    assert prefixed.tokenizer_hash != tok.tokenizer_hash
+
+
 @pytest.mark.parametrize("files", ["tokenizer.json", "vocab+merges"])
 def test_transformers_parity(tok, saved, tmp_path, files):
     transformers = pytest.importorskip("transformers")
