@@ -426,7 +426,7 @@ def load_config(argv=None) -> TrainConfig:
     # e.g. one started when the preset's share of a shorter run was computed otherwise)
     cfg.warmup_from_preset = "warmup_steps" not in {**file_values, **flags}
     preset_warmup = TRAIN_PRESETS[preset]["warmup_steps"]
-    if cfg.warmup_steps != preset_warmup and "warmup_steps" not in {**file_values, **flags} \
+    if cfg.warmup_from_preset and cfg.warmup_steps != preset_warmup \
             and os.environ.get("RANK", "0") == "0":  # one line per job under torchrun
         preset_steps = TRAIN_PRESETS[preset]["max_steps"]
         print(f"note: the {preset} preset warms up for {preset_warmup} of its {preset_steps} steps: "
