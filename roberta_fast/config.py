@@ -56,6 +56,15 @@ def attn_implementation_error(value, call: str) -> str | None:
             "'sdpa' attention with its own kernels (backend='fused' on a GPU); leave it out or pass 'eager' or 'sdpa'")
 
 
+def _decoder_flag(name: str) -> property:
+    """A config property that reads False and refuses to be set to True (decoder_error)."""
+    def refuse(config, value):
+        error = decoder_error({name: value}, "setting the config")
+        if error:
+            raise ValueError(error)
+    return property(lambda config: False, refuse)
+
+
 def untied_decoder_error(what: str) -> str:
     """The error for an MLM whose decoder is not its word embeddings (`what` says where it came from).
 
@@ -178,27 +187,8 @@ class RobertaConfig:
         """transformers' accessor of a composite model's text part: this config itself."""
         return self
 
-    # transformers' decoder flags: always False here; setting either to True is refused (decoder_error)
-    @property
-    def is_decoder(self) -> bool:
-        return False
-
-    @is_decoder.setter
-    def is_decoder(self, value: bool):
-        self._refuse_decoder("is_decoder", value)
-
-    @property
-    def add_cross_attention(self) -> bool:
-        return False
-
-    @add_cross_attention.setter
-    def add_cross_attention(self, value: bool):
-        self._refuse_decoder("add_cross_attention", value)
-
-    def _refuse_decoder(self, name: str, value) -> None:
-        error = decoder_error({name: value}, "setting the config")
-        if error:
-            raise ValueError(error)
+    is_decoder = _decoder_flag("is_decoder")  # transformers' decoder flags: False; True is refused
+    add_cross_attention = _decoder_flag("add_cross_attention")
 
     @property
     def model_type(self) -> str:

@@ -172,8 +172,8 @@ class Finetuner:
                 raise ValueError("--eval-only evaluates the --model's own head: --reinit-head would make it random")
             self.cfg = cfg = dataclasses.replace(cfg, train=cfg.valid)
         self.dist = Dist()  # under torchrun: each step's batch is split over the processes
-        if wandb_missing(cfg.wandb_project):
-            raise ValueError(wandb_missing(cfg.wandb_project))
+        if error := wandb_missing(cfg.wandb_project):
+            raise ValueError(error)
         if cfg.task not in TASKS:
             raise ValueError(f"--task {cfg.task!r} is not one of {', '.join(TASKS)}")
         if cfg.problem_type not in PROBLEM_TYPES or (cfg.problem_type != "auto" and cfg.task != "classify"):

@@ -193,7 +193,8 @@ class TrainConfig:
             check(self.stop_at <= self.max_steps, f"stop_at ({self.stop_at}) must not exceed max_steps ({self.max_steps})")
         from .metrics import wandb_missing
 
-        check(not wandb_missing(self.wandb_project), wandb_missing(self.wandb_project))
+        missing = wandb_missing(self.wandb_project)
+        check(not missing, missing)
         check(self.resume in ("auto", "never") or bool(self.resume),
               f"resume must be auto, never or a checkpoint path, got {self.resume!r}")
         if self.grad_accum is not None and self.global_batch_size is not None and not errors:
